@@ -1,0 +1,9 @@
+"""The prevalent recipes of the paper's Figure 2, e.g. `--config=configs/prevalent.py:minimax`.
+
+Variants: deepseek_grpo, qwen25_dapo, magistral, minimax.
+"""
+from scalerl_jax import recipe
+
+
+def get_config(variant: str):
+    return recipe.prevalent(variant)

@@ -1,0 +1,9 @@
+"""Scale-up runs, e.g. `--config=configs/scale.py:bs2048`.
+
+Variants: budget_32k, bs512, bs2048, gens8, gens24, gens32.
+"""
+from scalerl_jax import recipe
+
+
+def get_config(variant: str):
+    return recipe.scale(variant)

@@ -1,0 +1,286 @@
+"""The ScaleRL recipe and its variants as ml_collections configs.
+
+Every knob of a run lives here; `configs/*.py` are thin files that pick a variant
+(`--config=configs/loo.py:dapo`). The baseline is Table/Section 4 of "The Art of Scaling
+Reinforcement Learning Compute for LLMs" (arXiv 2510.13786):
+PipelineRL-8, CISPO, prompt-level aggregation, batch-level advantage normalization,
+zero-variance filtering, No-Positive-Resampling, forced interruptions, FP32 LM head,
+48 prompts x 16 completions, AdamW lr 5e-7.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+INTERRUPTION_PHRASE = (
+    "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+)
+DEFAULT_PROMPT_TEMPLATE = (
+    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+)
+
+
+def scalerl_8b() -> ml_collections.ConfigDict:
+    """The full ScaleRL recipe for an 8B dense policy on Polaris-53K."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.num_steps = 10_000
+    c.log_every = 1
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "llama3.1-8b"
+    c.model.checkpoint = ""  # local Hugging Face directory (config.json + safetensors + tokenizer.json)
+    c.model.dtype = "bfloat16"
+    c.model.fp32_head = True
+    c.model.scan_layers = True
+    c.model.remat_policy = "full"
+    c.model.logprob_chunk = 1024
+
+    c.data = ml_collections.ConfigDict()
+    c.data.dataset = "polaris_53k"  # 'polaris_53k' | 'synthetic' | 'jsonl'
+    c.data.path = ""  # local polaris-data-53K.jsonl (or any jsonl for 'jsonl')
+    c.data.data_dir = ""  # TFDS data_dir; empty means WORKDIR/tfds
+    c.data.problem_field = "problem"
+    c.data.answer_field = "answer"
+    c.data.heldout_size = 1_000
+    c.data.heldout_seed = 0
+    c.data.prompt_template = DEFAULT_PROMPT_TEMPLATE
+    c.data.use_chat_template = True
+    c.data.max_prompt_tokens = 2_048
+    c.data.reward_correct = 1.0
+    c.data.reward_incorrect = -1.0
+    c.data.verify_timeout_s = 5.0
+    c.data.verify_workers = 4
+
+    c.batch = ml_collections.ConfigDict()
+    c.batch.prompts_per_step = 48
+    c.batch.generations_per_prompt = 16
+    c.batch.microbatches = 48
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.objective = "cispo"  # 'cispo' | 'dapo' | 'grpo' | 'gspo'
+    c.rl.eps_max = 4.0
+    c.rl.eps_low = 0.2
+    c.rl.eps_high = 0.28
+    c.rl.aggregation = "prompt"  # 'prompt' | 'sample' | 'token'
+    c.rl.advantage_normalization = "batch"  # 'batch' | 'prompt' | 'none'
+    c.rl.zero_variance_filter = True
+    c.rl.refill_zero_variance = False  # DAPO's dynamic sampling: keep sampling until the batch is full
+    c.rl.no_positive_resampling = True
+    c.rl.positive_pass_rate = 0.9
+    c.rl.length_control = "interruption"  # 'interruption' | 'length_penalty' | 'none'
+    c.rl.length_penalty_max = 14_336
+    c.rl.length_penalty_cache = 2_048
+
+    c.sampler = ml_collections.ConfigDict()
+    c.sampler.temperature = 1.0
+    c.sampler.top_p = 1.0
+    c.sampler.top_k = 0
+    c.sampler.num_slots = 256
+    c.sampler.chunk_steps = 64
+    c.sampler.max_new_tokens = 14_336  # think + answer = total 16,384 - prompt 2,048
+    c.sampler.think_budget_min = 10_240
+    c.sampler.think_budget_max = 12_288
+    c.sampler.answer_budget = 2_048
+    c.sampler.interruption_phrase = INTERRUPTION_PHRASE
+    c.sampler.think_end = "</think>"
+
+    c.schedule = ml_collections.ConfigDict()
+    c.schedule.kind = "pipeline"  # 'pipeline' (PipelineRL-k) | 'ppo_off_policy'
+    c.schedule.k = 8
+    c.schedule.queue_groups = 96
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.lr = 5e-7
+    c.optimizer.warmup_steps = 100
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.999
+    c.optimizer.eps = 1e-15
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.max_grad_norm = 0.0  # 0 disables global-norm clipping
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.generator_fraction = 0.8  # paper: 64 generator GPUs, 16 trainer GPUs
+    c.mesh.trainer_shape = (1, -1, 1)  # (data, fsdp, tensor); -1 means the rest
+    c.mesh.generator_shape = (-1, 1, 1)
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 100
+    c.eval.num_prompts = 1_000
+    c.eval.samples_per_prompt = 16
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 100
+    c.checkpoint.keep = 3
+
+    c.nan_policy = "skip"  # 'skip' (count the step and go on) | 'stop' (raise with the step number)
+    return c
+
+
+# ---------------------------------------------------------------- leave-one-out variants
+def _loo_dapo(c):
+    c.rl.objective = "dapo"
+
+
+def _loo_no_fp32_head(c):
+    c.model.fp32_head = False
+
+
+def _loo_sample_avg(c):
+    c.rl.aggregation = "sample"
+
+
+def _loo_token_avg(c):
+    c.rl.aggregation = "token"
+
+
+def _loo_prompt_norm(c):
+    c.rl.advantage_normalization = "prompt"
+
+
+def _loo_no_zero_variance_filter(c):
+    c.rl.zero_variance_filter = False
+
+
+def _loo_no_positive_resampling(c):
+    c.rl.no_positive_resampling = False
+
+
+def _loo_length_penalty(c):
+    c.rl.length_control = "length_penalty"
+    c.sampler.think_budget_min = c.sampler.max_new_tokens
+    c.sampler.think_budget_max = c.sampler.max_new_tokens
+
+
+def _loo_ppo_off_policy(c):
+    c.schedule.kind = "ppo_off_policy"
+
+
+LEAVE_ONE_OUT = {
+    "dapo": _loo_dapo,
+    "no_fp32_head": _loo_no_fp32_head,
+    "sample_avg": _loo_sample_avg,
+    "token_avg": _loo_token_avg,
+    "prompt_norm": _loo_prompt_norm,
+    "no_zero_variance_filter": _loo_no_zero_variance_filter,
+    "no_positive_resampling": _loo_no_positive_resampling,
+    "length_penalty": _loo_length_penalty,
+    "ppo_off_policy": _loo_ppo_off_policy,
+}
+
+
+def leave_one_out(name: str) -> ml_collections.ConfigDict:
+    """ScaleRL with exactly one choice reverted (Section 4.2 of the paper)."""
+    if name not in LEAVE_ONE_OUT:
+        raise ValueError(f"unknown leave-one-out variant {name!r}; choose one of {sorted(LEAVE_ONE_OUT)}")
+    c = scalerl_8b()
+    LEAVE_ONE_OUT[name](c)
+    return c
+
+
+# ---------------------------------------------------------------- prevalent recipes (Figure 2)
+def _deepseek_grpo(c):
+    c.rl.objective = "grpo"
+    c.rl.eps_low = c.rl.eps_high = 0.2
+    c.rl.aggregation = "sample"
+    c.rl.advantage_normalization = "prompt"
+    c.model.fp32_head = False
+    c.schedule.kind = "ppo_off_policy"
+    c.rl.zero_variance_filter = False
+    c.rl.no_positive_resampling = False
+
+
+def _qwen25_dapo(c):
+    c.rl.objective = "dapo"
+    c.rl.eps_low, c.rl.eps_high = 0.2, 0.26
+    c.rl.aggregation = "prompt"
+    c.rl.advantage_normalization = "prompt"
+    c.model.fp32_head = False
+    c.schedule.kind = "ppo_off_policy"
+    c.batch.prompts_per_step = 80
+    c.rl.zero_variance_filter = True
+    c.rl.no_positive_resampling = False
+
+
+def _magistral(c):
+    c.rl.objective = "dapo"
+    c.rl.eps_low, c.rl.eps_high = 0.2, 0.28
+    c.rl.aggregation = "token"
+    c.rl.advantage_normalization = "batch"
+    c.model.fp32_head = False
+    c.schedule.kind = "pipeline"
+    c.rl.zero_variance_filter = True
+    c.rl.no_positive_resampling = False
+    c.rl.length_control = "length_penalty"
+
+
+def _minimax(c):
+    c.rl.objective = "cispo"
+    c.model.fp32_head = True
+    c.schedule.kind = "ppo_off_policy"
+    c.rl.aggregation = "prompt"
+    c.batch.prompts_per_step = 80
+    c.rl.no_positive_resampling = False
+
+
+PREVALENT = {
+    "deepseek_grpo": _deepseek_grpo,
+    "qwen25_dapo": _qwen25_dapo,
+    "magistral": _magistral,
+    "minimax": _minimax,
+}
+
+
+def prevalent(name: str) -> ml_collections.ConfigDict:
+    """One of the prevalent recipes the paper compares against in Figure 2."""
+    if name not in PREVALENT:
+        raise ValueError(f"unknown prevalent recipe {name!r}; choose one of {sorted(PREVALENT)}")
+    c = scalerl_8b()
+    PREVALENT[name](c)
+    return c
+
+
+# ---------------------------------------------------------------- scale-up axes
+def _budget_32k(c):
+    c.sampler.max_new_tokens = 30_720  # total 32,768 with a 2,048-token prompt
+    c.sampler.think_budget_min = 26_624
+    c.sampler.think_budget_max = 28_672
+    c.rl.length_penalty_max = 30_720
+
+
+def _batch(prompts: int):
+    def apply(c):
+        c.batch.prompts_per_step = prompts // c.batch.generations_per_prompt
+        c.batch.microbatches = c.batch.prompts_per_step
+    return apply
+
+
+def _generations(n: int):
+    def apply(c):
+        total = c.batch.prompts_per_step * c.batch.generations_per_prompt
+        c.batch.generations_per_prompt = n
+        c.batch.prompts_per_step = total // n
+        c.batch.microbatches = c.batch.prompts_per_step
+    return apply
+
+
+SCALE = {
+    "budget_32k": _budget_32k,
+    "bs512": _batch(512),
+    "bs2048": _batch(2048),
+    "gens8": _generations(8),
+    "gens24": _generations(24),
+    "gens32": _generations(32),
+}
+
+
+def scale(name: str) -> ml_collections.ConfigDict:
+    """A scale-up run: longer generation budget, bigger batch, or more generations per prompt.
+
+    Batch variants keep 16 generations per prompt (bs512 = 32x16, bs2048 = 128x16); generation
+    variants keep the 768-completion batch (gens8 = 96x8, gens24 = 32x24, gens32 = 24x32).
+    """
+    if name not in SCALE:
+        raise ValueError(f"unknown scale-up variant {name!r}; choose one of {sorted(SCALE)}")
+    c = scalerl_8b()
+    SCALE[name](c)
+    return c
