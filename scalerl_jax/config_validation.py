@@ -85,9 +85,10 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config key `sampler.top_p` = {s.top_p}; expected 0 < top_p <= 1")
     if b.generations_per_prompt < 2:
         raise ConfigError("config key `batch.generations_per_prompt` must be >= 2 (advantages are per-prompt differences)")
-    if b.prompts_per_step % b.microbatches:
+    if (b.prompts_per_step * b.generations_per_prompt) % b.microbatches:
         raise ConfigError(
-            f"config key `batch.microbatches` = {b.microbatches} must divide `batch.prompts_per_step` = {b.prompts_per_step}"
+            f"config key `batch.microbatches` = {b.microbatches} must divide the batch's "
+            f"{b.prompts_per_step * b.generations_per_prompt} sequences (`batch.prompts_per_step` x `batch.generations_per_prompt`)"
         )
     if not 0 < config.mesh.generator_fraction < 1:
         raise ConfigError(f"config key `mesh.generator_fraction` = {config.mesh.generator_fraction}; expected in (0, 1)")

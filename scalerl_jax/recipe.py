@@ -14,6 +14,8 @@ import ml_collections
 INTERRUPTION_PHRASE = (
     "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 )
+# Sequences per microbatch in the 8B configs: one per trainer GPU of the paper's 16.
+ROWS_PER_MICROBATCH = 16
 DEFAULT_PROMPT_TEMPLATE = (
     "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 )
@@ -54,7 +56,7 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.batch = ml_collections.ConfigDict()
     c.batch.prompts_per_step = 48
     c.batch.generations_per_prompt = 16
-    c.batch.microbatches = 48
+    c.batch.microbatches = 48  # 768 sequences / 48 = 16 per microbatch, one per trainer GPU
 
     c.rl = ml_collections.ConfigDict()
     c.rl.objective = "cispo"  # 'cispo' | 'dapo' | 'grpo' | 'gspo'
@@ -197,6 +199,7 @@ def _qwen25_dapo(c):
     c.model.fp32_head = False
     c.schedule.kind = "ppo_off_policy"
     c.batch.prompts_per_step = 80
+    c.batch.microbatches = 80
     c.rl.zero_variance_filter = True
     c.rl.no_positive_resampling = False
 
@@ -219,6 +222,7 @@ def _minimax(c):
     c.schedule.kind = "ppo_off_policy"
     c.rl.aggregation = "prompt"
     c.batch.prompts_per_step = 80
+    c.batch.microbatches = 80
     c.rl.no_positive_resampling = False
 
 
@@ -250,7 +254,7 @@ def _budget_32k(c):
 def _batch(prompts: int):
     def apply(c):
         c.batch.prompts_per_step = prompts // c.batch.generations_per_prompt
-        c.batch.microbatches = c.batch.prompts_per_step
+        c.batch.microbatches = prompts // ROWS_PER_MICROBATCH
     return apply
 
 
@@ -259,7 +263,7 @@ def _generations(n: int):
         total = c.batch.prompts_per_step * c.batch.generations_per_prompt
         c.batch.generations_per_prompt = n
         c.batch.prompts_per_step = total // n
-        c.batch.microbatches = c.batch.prompts_per_step
+        c.batch.microbatches = total // ROWS_PER_MICROBATCH
     return apply
 
 

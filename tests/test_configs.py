@@ -1,0 +1,97 @@
+"""Every recipe variant loads and validates; bad configs fail naming the key."""
+import importlib.util
+import os
+
+import pytest
+
+from scalerl_jax import recipe
+from scalerl_jax.config_validation import ConfigError, check_devices, validate
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def load_config_file(name: str, arg: str | None = None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg is not None else module.get_config()
+
+
+ALL_8B = (
+    [("scalerl_8b.py", None)]
+    + [("loo.py", v) for v in recipe.LEAVE_ONE_OUT]
+    + [("prevalent.py", v) for v in recipe.PREVALENT]
+    + [("scale.py", v) for v in recipe.SCALE]
+)
+
+
+@pytest.mark.parametrize("name,arg", ALL_8B)
+def test_every_8b_config_validates(name, arg):
+    config = load_config_file(name, arg)
+    validate(config, num_devices=80, check_files=False)
+
+
+def test_leave_one_out_changes_exactly_one_choice():
+    base = recipe.scalerl_8b()
+    assert recipe.leave_one_out("dapo").rl.objective == "dapo" and base.rl.objective == "cispo"
+    assert recipe.leave_one_out("no_fp32_head").model.fp32_head is False
+    assert recipe.leave_one_out("ppo_off_policy").schedule.kind == "ppo_off_policy"
+    changed = recipe.leave_one_out("prompt_norm")
+    assert changed.rl.advantage_normalization == "prompt"
+    changed.rl.advantage_normalization = "batch"
+    assert changed.to_dict() == base.to_dict()
+
+
+def test_scale_variants_keep_the_paper_batch_sizes():
+    # Hand arithmetic: 768 = 48 x 16; bs2048 = 128 x 16; gens8 keeps 768 completions = 96 x 8.
+    c = recipe.scale("bs2048")
+    assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (128, 16)
+    c = recipe.scale("bs512")
+    assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (32, 16)
+    for name, (prompts, gens) in {"gens8": (96, 8), "gens24": (32, 24), "gens32": (24, 32)}.items():
+        c = recipe.scale(name)
+        assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (prompts, gens)
+
+
+def test_paper_split_is_64_generators_16_trainers():
+    assert check_devices(recipe.scalerl_8b(), 80) == (64, 16)
+
+
+def test_unknown_key_is_named():
+    config = recipe.scalerl_8b()
+    config.rl.objectve = "cispo"
+    with pytest.raises(ConfigError, match="rl.objectve"):
+        validate(config, check_files=False)
+
+
+def test_bad_choice_is_named():
+    config = recipe.scalerl_8b()
+    config.rl.aggregation = "mean"
+    with pytest.raises(ConfigError, match="rl.aggregation"):
+        validate(config, check_files=False)
+
+
+def test_batch_that_does_not_divide_trainers_is_named():
+    config = recipe.scalerl_8b()
+    config.batch.microbatches = 16  # 768 rows / 16 = 48 rows per microbatch
+    # 25 devices x 0.8 -> 20 generators, 5 trainers; 48 % 5 != 0 (hand arithmetic).
+    with pytest.raises(ConfigError, match="5 trainer devices"):
+        validate(config, num_devices=25, check_files=False)
+    validate(config, num_devices=20, check_files=False)  # 16 generators, 4 trainers: 48 % 4 == 0
+
+
+def test_missing_dataset_path_is_named(tmp_path):
+    config = recipe.scalerl_8b()
+    config.data.path = str(tmp_path / "nope.jsonl")
+    with pytest.raises(ConfigError, match="data.path"):
+        validate(config)
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    config = recipe.scalerl_8b()
+    data = tmp_path / "polaris.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2", "difficulty": 1}\n')
+    config.data.path = str(data)
+    config.model.checkpoint = str(tmp_path / "missing_model")
+    with pytest.raises(ConfigError, match="model.checkpoint"):
+        validate(config)
