@@ -1,0 +1,263 @@
+"""Fit ScaleRL sigmoids to training runs: ``python -m scalerl_jax.fit RUN [RUN ...]``.
+
+Each RUN is a run directory (holding metrics.jsonl) or a .jsonl path. Prints one table row per
+run (R0, A with its bootstrap interval, B, C_mid, fit window, points used, extrapolation error
+on held-out points, the power-law comparison, reliability), the computes at which fitted
+curves cross, and optionally writes a plot (``--plot out.png``).
+
+Exit status: 0 when every run was fitted, 1 when some run could not be fitted (its row says
+why), 2 on unreadable input (the message names the file and line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from scalerl_jax.scaling import (
+    PAPER_A_RUN_TO_RUN,
+    BootstrapIntervals,
+    ExtrapolationError,
+    PlotSeries,
+    PowerLawFit,
+    RunCurve,
+    SigmoidFit,
+    bootstrap_sigmoid,
+    crossing_computes,
+    extrapolation_error,
+    fit_power_law,
+    fit_sigmoid,
+    plot_scaling,
+    read_runs,
+)
+from scalerl_jax.scaling.fitting import METHODS, PAPER_A_RANGE
+from scalerl_jax.scaling.plot import DEFAULT_EXTEND, format_compute, unit_label
+
+LEADER_PROBE_FACTOR = 1.01  # which curve leads is read 1% past a crossing
+
+
+def _pair(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}")
+    return float(parts[0]), float(parts[1])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or .jsonl files")
+    parser.add_argument("--names", help="comma-separated run names (default: directory names)")
+    parser.add_argument(
+        "--fit-start",
+        type=float,
+        help="first fitted compute (default: 1,500 GPU-hours; other units: 0.09375 x largest fitted compute)",
+    )
+    parser.add_argument(
+        "--fit-end", type=float, help="last fitted compute; later points are held out and scored"
+    )
+    parser.add_argument("--method", choices=METHODS, default="grid")
+    parser.add_argument(
+        "--unit",
+        help="compute unit (default: as logged, else device_hours); 'gpu_hours' selects the paper's grids",
+    )
+    parser.add_argument("--r0", type=float, help="start pass rate (default: the one at the smallest compute)")
+    parser.add_argument(
+        "--a-range", type=_pair, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)"
+    )
+    parser.add_argument(
+        "--bootstrap", type=int, default=200, help="bootstrap resamples for the A interval (0: none)"
+    )
+    parser.add_argument("--level", type=float, default=0.95, help="bootstrap interval level")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    parser.add_argument("--plot", help="write the figure here (e.g. out.png)")
+    parser.add_argument("--title", help="figure title")
+    parser.add_argument(
+        "--extend", type=float, default=DEFAULT_EXTEND, help="plot up to this factor x the largest compute"
+    )
+    parser.add_argument(
+        "--allow-partial-last-line", action="store_true", help="skip a half-written last line (live runs)"
+    )
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class RunReport:
+    """Everything the table and plot show for one run."""
+
+    run: RunCurve
+    fit: SigmoidFit | None = None
+    interval: BootstrapIntervals | None = None
+    extrapolation: ExtrapolationError | None = None
+    power_law: PowerLawFit | None = None
+    power_law_extrapolation: ExtrapolationError | None = None
+    error: str = ""
+    notes: tuple[str, ...] = ()
+
+
+def fit_run(run: RunCurve, args: argparse.Namespace) -> RunReport:
+    """Sigmoid fit, bootstrap interval, power-law comparison and extrapolation errors of a run."""
+    window = dict(fit_start=args.fit_start, fit_end=args.fit_end, unit=run.unit, name=f"run {run.name!r}")
+    try:
+        fit = fit_sigmoid(
+            run.compute, run.pass_rate, r0=args.r0, method=args.method, a_range=args.a_range, **window
+        )
+    except ValueError as error:
+        return RunReport(run=run, error=str(error))
+    interval, notes = None, ()
+    if args.bootstrap > 0:
+        try:
+            interval = bootstrap_sigmoid(
+                run.compute, run.pass_rate, fit, num_samples=args.bootstrap, level=args.level, seed=args.seed
+            )
+        except ValueError as error:
+            notes = (f"no bootstrap: {error}",)
+    power = fit_power_law(run.compute, run.pass_rate, **window)
+    return RunReport(
+        run=run,
+        fit=fit,
+        interval=interval,
+        extrapolation=extrapolation_error(fit, run.compute, run.pass_rate),
+        power_law=power,
+        power_law_extrapolation=extrapolation_error(power, run.compute, run.pass_rate),
+        notes=notes,
+    )
+
+
+def _mae_text(error: ExtrapolationError | None) -> str:
+    if error is None or error.num_points == 0:
+        return "-"
+    return f"{error.mae:.4f} (n={error.num_points})"
+
+
+def table_rows(reports: Sequence[RunReport]) -> list[list[str]]:
+    """Header plus one row of strings per run."""
+    rows = [
+        [
+            "run",
+            "unit",
+            "R0",
+            "A",
+            "±A",
+            "B",
+            "C_mid",
+            "fit window",
+            "points",
+            "extrap MAE",
+            "power-law A",
+            "power-law MAE",
+            "status",
+        ]
+    ]
+    for r in reports:
+        if r.fit is None:
+            rows.append([r.run.name, r.run.unit] + ["-"] * 10 + [f"NO FIT: {r.error}"])
+            continue
+        f = r.fit
+        end = format_compute(f.fit_end) if f.fit_end is not None else "end"
+        status = "; ".join(("ok" if f.reliable else "UNRELIABLE: " + "; ".join(f.warnings),) + r.notes)
+        rows.append(
+            [
+                r.run.name,
+                f.unit,
+                f"{f.r0:.3f}",
+                f"{f.a:.3f}",
+                f"{r.interval.a_half_width:.3f}" if r.interval else "-",
+                f"{f.b:.2f}",
+                format_compute(f.c_mid),
+                f"[{format_compute(f.fit_start)}, {end}]",
+                f"{f.num_points} (-{f.num_before_start} before, -{f.num_after_end} after)",
+                _mae_text(r.extrapolation),
+                f"{r.power_law.a:.3f}",
+                _mae_text(r.power_law_extrapolation),
+                status,
+            ]
+        )
+    return rows
+
+
+def format_table(rows: list[list[str]]) -> str:
+    """Left-aligned columns separated by two spaces; the last column is not padded."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        for row in rows
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def crossing_lines(reports: Sequence[RunReport], extend: float) -> list[str]:
+    """One line per crossing of two fitted curves (same unit) over the plotted compute range."""
+    lines = []
+    fitted = [r for r in reports if r.fit is not None]
+    for first, second in itertools.combinations(fitted, 2):
+        if first.fit.unit != second.fit.unit:
+            lines.append(f"{first.run.name} and {second.run.name}: different units, not compared")
+            continue
+        c = np.concatenate([first.run.compute, second.run.compute])
+        c_lo, c_hi = float(c[c > 0].min()), float(c.max()) * extend
+        points = crossing_computes(first.fit.predict, second.fit.predict, c_lo=c_lo, c_hi=c_hi)
+        if not points:
+            span = f"[{format_compute(c_lo)}, {format_compute(c_hi)}]"
+            lines.append(f"{first.run.name} and {second.run.name}: no crossing in {span}")
+        for point in points:
+            after = point * LEADER_PROBE_FACTOR
+            leader, other = (
+                (first, second) if first.fit.predict(after) > second.fit.predict(after) else (second, first)
+            )
+            where = f"C = {format_compute(point)} {unit_label(first.fit.unit)}"
+            rate = float(first.fit.predict(point))
+            lines.append(f"{leader.run.name} overtakes {other.run.name} at {where} (pass rate {rate:.3f})")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (module docstring)."""
+    args = build_parser().parse_args(argv)
+    names = args.names.split(",") if args.names else None
+    try:
+        runs = read_runs(
+            args.runs, names=names, unit=args.unit, allow_partial_last_line=args.allow_partial_last_line
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    reports = [fit_run(run, args) for run in runs]
+    print(format_table(table_rows(reports)))
+    if args.bootstrap > 0:
+        skipped = sum(r.interval.num_skipped for r in reports if r.interval is not None)
+        print(
+            f"±A: half-width of the {args.level:.0%} bootstrap percentile interval over the fitted points "
+            f"({args.bootstrap} resamples per run, {skipped} unfittable skipped); "
+            f"the paper's run-to-run spread of A is about ±{PAPER_A_RUN_TO_RUN}."
+        )
+    for run in runs:
+        if run.num_skipped_lines:
+            print(f"{run.name}: skipped {run.num_skipped_lines} half-written last line")
+    for line in crossing_lines(reports, args.extend):
+        print(line)
+    if args.plot:
+        units = {r.run.unit for r in reports}
+        if len(units) != 1:
+            print(
+                f"error: cannot plot runs with different compute units {sorted(units)}; pass --unit",
+                file=sys.stderr,
+            )
+            return 2
+        series = [
+            PlotSeries(r.run.name, r.run.compute, r.run.pass_rate, fit=r.fit, interval=r.interval)
+            for r in reports
+        ]
+        path = plot_scaling(series, args.plot, unit=units.pop(), title=args.title, extend=args.extend)
+        print(f"wrote {path}")
+    return 0 if all(r.fit is not None for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""`python -m scalerl_jax.fit` on synthetic runs: the table, the crossing, the PNG, bad input."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from scalerl_jax import fit as fit_cli
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(
+    directory, *, a, c_mid, seed, r0=0.30, b=2.0, hours_per_step=10.0, num_steps=4_000, eval_every=100
+):
+    """A metrics.jsonl whose eval pass rates follow the explainer's sigmoid plus 0.002 noise."""
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True)
+    with open(directory / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for step in range(0, num_steps + 1, 10):
+            hours = step * hours_per_step
+            line = {
+                "step": step,
+                "compute/device_hours": hours,
+                "compute/unit": "gpu_hours",
+                "train/loss": 0.1,
+            }
+            if step % eval_every == 0:
+                truth = r0 + (a - r0) / (1.0 + (c_mid / hours) ** b) if hours > 0 else r0
+                line["eval/pass_rate"] = float(np.clip(truth + rng.normal(0.0, 0.002), 0.0, 1.0))
+            f.write(json.dumps(line) + "\n")
+    return directory
+
+
+def table_row(stdout, name):
+    for line in stdout.splitlines():
+        if line.startswith(name + " "):
+            return re.split(r"\s{2,}", line.strip())
+    raise AssertionError(f"no row for {name!r} in:\n{stdout}")
+
+
+def test_two_runs_table_crossing_and_png(tmp_path, capsys):
+    # Recipes X (A 0.6, C_mid 5,000) and Y (A 0.7, C_mid 10,000) of the explainer, 40,000 GPU-hours each,
+    # fitted on [1,500, 20,000]. By hand (test_scaling_curves): Y overtakes X at 10,000 sqrt(2) = 14,142.
+    x = write_run(tmp_path / "x", a=0.60, c_mid=5_000.0, seed=0)
+    y = write_run(tmp_path / "y", a=0.70, c_mid=10_000.0, seed=1)
+    png = tmp_path / "scaling.png"
+    status = fit_cli.main([str(x), str(y), "--fit-end", "20000", "--bootstrap", "30", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    header = re.split(r"\s{2,}", out.splitlines()[0].strip())
+    for name, true_a in (("x", 0.60), ("y", 0.70)):
+        row = dict(zip(header, table_row(out, name), strict=True))
+        assert abs(float(row["A"]) - true_a) < 0.02
+        assert row["R0"] == f"{float(row['R0']):.3f}" and abs(float(row["R0"]) - 0.30) < 0.01
+        assert row["fit window"] == "[1,500, 20,000]"
+        assert row["points"].startswith("19 ")  # evals at 2,000 ... 20,000 GPU-hours
+        assert float(row["extrap MAE"].split()[0]) < 0.01
+        assert row["status"] == "ok"
+    crossing = re.search(r"y overtakes x at C = ([\d,]+) GPU-hours", out)
+    assert crossing, out
+    assert float(crossing.group(1).replace(",", "")) == pytest.approx(10_000.0 * np.sqrt(2.0), rel=0.03)
+
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    width, height = struct.unpack(">II", data[16:24])  # IHDR: 7 x 4.5 inches at 150 dpi
+    assert (width, height) == (1050, 675)
+    assert len(data) > 20_000
+
+
+def test_unfittable_run_gets_a_row_and_exit_status_1(tmp_path, capsys):
+    good = write_run(tmp_path / "good", a=0.60, c_mid=5_000.0, seed=0)
+    short = write_run(
+        tmp_path / "short", a=0.60, c_mid=5_000.0, seed=0, num_steps=200
+    )  # evals at 0, 1,000, 2,000
+    png = tmp_path / "p.png"
+    status = fit_cli.main([str(good), str(short), "--bootstrap", "0", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "NO FIT: run 'short': 1 point(s) in the fit window" in table_row(out, "short")[-1]
+    assert table_row(out, "good")[-1] == "ok"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_malformed_line_exits_2_naming_file_and_line(tmp_path):
+    run = write_run(tmp_path / "broken", a=0.60, c_mid=5_000.0, seed=0)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[41] = lines[41][:-5]  # line 42 cut short
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "scalerl_jax.fit", str(run)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2
+    assert re.search(r"broken/metrics.jsonl line 42: malformed JSON", result.stderr), result.stderr
