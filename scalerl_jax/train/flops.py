@@ -1,0 +1,40 @@
+"""Model FLOPs of one train step, for MFU (model FLOPs utilization).
+
+For a decoder with L layers, width d, h query heads and k KV heads of size e, MLP width f and
+vocabulary V, the weights used in matmuls per token are
+    N = L (2 d h e + 2 d k e + 3 d f) + d V
+(q and o projections, k and v projections, SwiGLU gate/up/down, and the LM head; the embedding
+lookup is a gather, not a matmul, and norms/biases are negligible). A matmul with an n-element
+weight costs 2n FLOPs per token forward and 4n backward, hence the usual 6 N per trained token.
+
+Causal attention on a sequence of T tokens: query i attends i + 1 keys, and QK^T and AV each cost
+2 h e FLOPs per (query, key) pair, so one layer's forward costs sum_i 4 h e (i + 1) =
+2 h e T (T + 1); with the backward (2x forward) a trained sequence costs 6 L h e T (T + 1), i.e.
+    flops per token = 6 N + 6 L h e (T + 1).
+This counts only the causal half of the score matrix (PaLM's 12 L h e T counts the full square;
+halve it to compare) and never counts recomputation (remat), so it is the MODEL FLOPs of MFU.
+"""
+from __future__ import annotations
+
+from scalerl_jax.models.config import ModelConfig
+
+
+def matmul_params(config: ModelConfig) -> int:
+  """N: weights that enter a matmul once per token (module docstring)."""
+  d, f, h, k, e = (config.hidden_size, config.intermediate_size, config.num_heads,
+                   config.num_kv_heads, config.head_dim)
+  per_layer = 2 * d * h * e + 2 * d * k * e + 3 * d * f
+  return config.num_layers * per_layer + d * config.vocab_size
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """6 N + 6 L h e (T + 1): forward + backward model FLOPs per token of a length-T sequence."""
+  if seq_len < 1:
+    raise ValueError(f"train_flops_per_token: seq_len={seq_len} must be >= 1")
+  attention = 6 * config.num_layers * config.num_heads * config.head_dim * (seq_len + 1)
+  return 6.0 * matmul_params(config) + float(attention)
+
+
+def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
+  """Model FLOPs of one step on `batch_size` sequences of `seq_len` tokens."""
+  return train_flops_per_token(config, seq_len) * batch_size * seq_len

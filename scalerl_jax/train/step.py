@@ -1,0 +1,343 @@
+"""The jitted RL train step: log-probs, policy loss, microbatched gradients, AdamW update.
+
+One step on a train batch (see `BATCH_SPEC`) with B rows:
+  1. A = compute_advantages(rewards, group_ids, normalization, valid=sample_valid)  (whole batch)
+     w = aggregation_weights(loss_mask, group_ids, aggregation, valid=sample_valid)  (whole batch)
+     so the loss is L = sum_{b,t} w[b,t] x[b,t] with x the per-token policy terms.
+  2. The rows are dealt into M microbatches, row b to microbatch b mod M (each microbatch then
+     takes rows from every batch shard, so all devices work on every microbatch). Since w and A
+     were fixed over the whole batch and x[b,:] depends on row b only, L = sum_m L_m with
+     L_m = sum_{b in m} w[b] . x[b], and grad L = sum_m grad L_m exactly, for every aggregation.
+  3. `lax.scan` over microbatches: logp = sequence_logprobs(policy, tokens, temperature) with the
+     model's (fp32) head, x = per_token_policy_terms(logp, behavior_logp, A, mask), grad of L_m
+     accumulated in fp32.
+  4. AdamW update (fp32 master weights, see optimizer.py). If the loss or the gradient norm is
+     not finite and `skip_nonfinite`, the state is returned unchanged and `train/finite` is 0.
+
+Precision: log-probs, losses, metrics and the gradient accumulator are fp32 whatever the body
+dtype of the model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from scalerl_jax.models import sequence_logprobs
+from scalerl_jax.models.sharding import (DEFAULT_RULES, Rules, logical_to_spec, param_shardings,
+                                         use_mesh_rules)
+from scalerl_jax.rl import (AGGREGATIONS, NORMALIZATIONS, OBJECTIVES, aggregation_weights,
+                            compute_advantages, per_token_policy_terms)
+from scalerl_jax.train.optimizer import OptimizerState, init_optimizer_state, optimizer_update
+
+# name -> (rank, dtype kind) of the train batch; B rows, T tokens per row.
+BATCH_SPEC: dict[str, tuple[int, str]] = {
+    "tokens": (2, "int"),          # prompt + completion, right padded
+    "loss_mask": (2, "float"),     # 1 on sampled completion tokens
+    "behavior_logp": (2, "float"), # sampler's log-prob of tokens[:, t]; 0 where mask is 0
+    "rewards": (1, "float"),
+    "group_ids": (1, "int"),       # prompt index in [0, B)
+    "sample_valid": (1, "bool"),   # False: padding row or dropped (zero-variance) row
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+  """Loss and step knobs (the recipe's defaults: CISPO, prompt average, batch-std advantages)."""
+
+  objective: str = "cispo"
+  aggregation: str = "prompt"
+  advantage_normalization: str = "batch"
+  eps_low: float | None = None   # clip range of dapo/grpo/gspo; None: the objective's default
+  eps_high: float | None = None  # (dapo 0.2/0.28, grpo symmetric, gspo 3e-4/4e-4; rl.objectives)
+  eps_max: float = 4.0           # cispo's importance-weight truncation
+  num_microbatches: int = 1
+  temperature: float = 1.0       # the sampler's temperature: logp of logits / temperature
+  logprob_chunk_size: int = 512  # sequence chunk of the log-prob computation
+  skip_nonfinite: bool = True    # keep the old state when loss or grads are NaN/inf
+
+  def __post_init__(self):
+    for name, allowed in (("objective", OBJECTIVES), ("aggregation", AGGREGATIONS),
+                          ("advantage_normalization", NORMALIZATIONS)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(
+            f"TrainStepConfig.{name}={getattr(self, name)!r}; expected one of {allowed}")
+    if self.num_microbatches < 1:
+      raise ValueError(f"TrainStepConfig.num_microbatches must be >= 1, got {self.num_microbatches}")
+    if self.temperature <= 0:
+      raise ValueError(f"TrainStepConfig.temperature must be > 0, got {self.temperature}")
+    if self.logprob_chunk_size < 1:
+      raise ValueError(
+          f"TrainStepConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+
+
+class TrainState(NamedTuple):
+  """Policy params (model dtype), optimizer state (fp32, with master weights) and update count."""
+
+  params: Any
+  opt_state: OptimizerState
+  step: jax.Array
+
+
+def create_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  """TrainState at step 0 for `params` (an nnx.State from `nnx.split(model)`)."""
+  return TrainState(params=params, opt_state=init_optimizer_state(optimizer, params),
+                    step=jnp.zeros((), jnp.int32))
+
+
+def train_state_shardings(state: TrainState, optimizer: optax.GradientTransformation,
+                          param_shardings, mesh: Mesh) -> TrainState:
+  """Shardings of every leaf of `state`: Adam moments and master weights like their params,
+  scalars (counts, step) replicated. `state` may be abstract (jax.eval_shape)."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  inner = optax.tree_utils.tree_map_params(
+      optimizer, lambda _, sharding: sharding, state.opt_state.inner, param_shardings,
+      transform_non_params=lambda _: replicated)
+  master = None if state.opt_state.master is None else param_shardings
+  return TrainState(params=param_shardings, opt_state=OptimizerState(inner=inner, master=master),
+                    step=replicated)
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation, *, mesh: Mesh | None = None,
+                     rules: Rules = DEFAULT_RULES) -> tuple[TrainState, TrainState | None]:
+  """(state, its shardings) at step 0; without a mesh the shardings are None.
+
+  With a mesh, the params are placed on their rule shardings (`param_shardings`) and the
+  optimizer state is created directly on `train_state_shardings` (the params' buffers are
+  donated to the new state).
+  """
+  if mesh is None:
+    return create_train_state(params, optimizer), None
+  shardings_of_params = param_shardings(params, mesh, rules)
+  create = lambda p: create_train_state(p, optimizer)
+  shardings = train_state_shardings(jax.eval_shape(create, params), optimizer,
+                                    shardings_of_params, mesh)
+  placed = jax.device_put(params, shardings_of_params)
+  return jax.jit(create, out_shardings=shardings, donate_argnums=0)(placed), shardings
+
+
+def validate_batch(batch: dict) -> tuple[int, int]:
+  """Checks names, ranks, dtypes and shapes of a train batch; returns (B, T)."""
+  missing = sorted(set(BATCH_SPEC) - set(batch))
+  if missing:
+    raise ValueError(f"train batch: missing key(s) {missing}; expected {sorted(BATCH_SPEC)}")
+  extra = sorted(set(batch) - set(BATCH_SPEC))
+  if extra:
+    raise ValueError(f"train batch: unexpected key(s) {extra}; expected {sorted(BATCH_SPEC)}")
+  for name in BATCH_SPEC:
+    if not hasattr(batch[name], "shape") or not hasattr(batch[name], "dtype"):
+      raise ValueError(f"train batch[{name!r}]: expected an array, got {type(batch[name]).__name__}")
+  if len(batch["tokens"].shape) != 2:
+    raise ValueError(f"train batch['tokens']: shape {tuple(batch['tokens'].shape)}, expected [B, T]")
+  rows, length = batch["tokens"].shape
+  for name, (rank, kind) in BATCH_SPEC.items():
+    value = batch[name]
+    shape = tuple(value.shape)
+    want = (rows, length)[:rank]
+    if shape != want:
+      raise ValueError(f"train batch[{name!r}]: shape {shape}, expected {want} (B={rows}, T={length})")
+    dtype = np.dtype(value.dtype)
+    ok = {"int": np.issubdtype(dtype, np.integer), "float": np.issubdtype(dtype, np.floating),
+          "bool": dtype == np.bool_}[kind]
+    if not ok:
+      raise ValueError(f"train batch[{name!r}]: dtype {dtype}, expected a {kind} dtype")
+  return rows, length
+
+
+def deal_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
+  """[B, ...] -> [M, B/M, ...] with row b in microbatch b mod M (at position b // M)."""
+  rows = x.shape[0]
+  return jnp.swapaxes(x.reshape(rows // num_microbatches, num_microbatches, *x.shape[1:]), 0, 1)
+
+
+class _MicrobatchSums(NamedTuple):
+  """Per-microbatch sums that add up to whole-batch metrics."""
+
+  loss: jax.Array            # sum w x
+  loss_tokens: jax.Array     # sum m
+  entropy: jax.Array         # sum m H
+  ratio: jax.Array           # sum m r
+  clipped: jax.Array         # sum m [clipped / truncated]
+  abs_logp_diff: jax.Array   # sum m |logp - behavior_logp|
+
+
+def _microbatch_loss(graphdef, params, microbatch: dict, config: TrainStepConfig):
+  """L_m = sum w x over the microbatch, with the per-token sums used for metrics."""
+  model = nnx.merge(graphdef, params)
+  logp, entropy = sequence_logprobs(model, microbatch["tokens"], temperature=config.temperature,
+                                    chunk_size=config.logprob_chunk_size, return_entropy=True)
+  mask = microbatch["mask"]
+  terms, aux = per_token_policy_terms(
+      logp, microbatch["behavior_logp"], microbatch["advantages"], mask,
+      objective=config.objective, eps_low=config.eps_low, eps_high=config.eps_high,
+      eps_max=config.eps_max)
+  loss = jnp.sum(microbatch["weights"] * terms)
+  sums = _MicrobatchSums(
+      loss=loss,
+      loss_tokens=jnp.sum(mask),
+      entropy=jnp.sum(mask * entropy),
+      ratio=jnp.sum(mask * aux["ratio"]),
+      clipped=jnp.sum(mask * aux["clipped"]),
+      abs_logp_diff=jnp.sum(mask * jnp.abs(logp - microbatch["behavior_logp"])))
+  return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+
+
+def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
+                         constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
+  """(fp32 gradient of the full-batch loss, metrics) by a scan over microbatches.
+
+  `constrain` is applied to each microbatch array (a sharding constraint under a mesh).
+  Metrics (float32 scalars; "loss tokens" are mask * sample_valid > 0):
+    train/loss              the full-batch aggregated loss sum w x
+    train/grad_norm         global L2 norm of the accumulated gradient
+    train/entropy           mean entropy of the tempered policy over loss tokens
+    train/ratio_mean        mean importance ratio r (gspo: sequence ratio) over loss tokens
+    train/clip_frac         fraction of loss tokens truncated (cispo: r > eps_max) or clipped
+    train/logp_mismatch     mean |logp_train - logp_behavior| over loss tokens (whole batch)
+    train/logp_mismatch_first_mb   the same over the first microbatch only
+    train/num_loss_tokens, train/num_prompts, train/num_samples   what entered the loss
+    train/advantage_abs_mean       mean |A| over valid rows
+    train/finite            1 when loss and grad norm are finite, else 0
+  """
+  rows = batch["tokens"].shape[0]
+  num_microbatches = config.num_microbatches
+  if rows % num_microbatches:
+    raise ValueError(
+        f"train batch: B={rows} rows do not split into num_microbatches={num_microbatches}")
+  valid = batch["sample_valid"]
+  group_ids = batch["group_ids"].astype(jnp.int32)
+  advantages = compute_advantages(batch["rewards"], group_ids,
+                                  normalization=config.advantage_normalization, valid=valid)
+  mask = batch["loss_mask"].astype(jnp.float32) * valid.astype(jnp.float32)[:, None]
+  weights = aggregation_weights(mask, group_ids, aggregation=config.aggregation)
+  per_row = {"tokens": batch["tokens"].astype(jnp.int32),
+             "behavior_logp": batch["behavior_logp"].astype(jnp.float32),
+             "advantages": advantages, "mask": mask, "weights": weights}
+  microbatches = {k: deal_microbatches(v, num_microbatches) for k, v in per_row.items()}
+
+  grad_fn = jax.grad(lambda p, mb: _microbatch_loss(graphdef, p, mb, config), has_aux=True)
+
+  def body(grad_sum, microbatch):
+    microbatch = {k: constrain(v) for k, v in microbatch.items()}
+    grads, sums = grad_fn(params, microbatch)
+    grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
+    return grad_sum, sums
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  grads, per_microbatch = jax.lax.scan(body, zeros, microbatches)
+
+  totals = jax.tree.map(jnp.sum, per_microbatch)
+  tokens = totals.loss_tokens
+  safe_tokens = jnp.maximum(tokens, 1.0)
+  tokens_per_group = jax.ops.segment_sum(jnp.sum(mask, axis=1), group_ids, num_segments=rows)
+  first_tokens = jnp.maximum(per_microbatch.loss_tokens[0], 1.0)
+  grad_norm = optax.tree.norm(grads)
+  metrics = {
+      "train/loss": totals.loss,
+      "train/grad_norm": grad_norm,
+      "train/entropy": totals.entropy / safe_tokens,
+      "train/ratio_mean": totals.ratio / safe_tokens,
+      "train/clip_frac": totals.clipped / safe_tokens,
+      "train/logp_mismatch": totals.abs_logp_diff / safe_tokens,
+      "train/logp_mismatch_first_mb": per_microbatch.abs_logp_diff[0] / first_tokens,
+      "train/num_loss_tokens": tokens,
+      "train/num_prompts": jnp.sum(tokens_per_group > 0).astype(jnp.float32),
+      "train/num_samples": jnp.sum(jnp.sum(mask, axis=1) > 0).astype(jnp.float32),
+      "train/advantage_abs_mean": jnp.sum(jnp.abs(advantages)) / jnp.maximum(
+          jnp.sum(valid.astype(jnp.float32)), 1.0),
+      "train/finite": (jnp.isfinite(totals.loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
+  }
+  return grads, metrics
+
+
+def _select_tree(pred, on_true, on_false):
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def train_step(graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
+               state: TrainState, batch: dict,
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
+  """One update (the module docstring); returns (new state, metrics). Pure; jit it."""
+  grads, metrics = accumulate_gradients(graphdef, state.params, batch, config, constrain)
+  new_params, new_opt_state = optimizer_update(optimizer, grads, state.opt_state, state.params)
+  new_state = TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1)
+  if config.skip_nonfinite:
+    new_state = _select_tree(metrics["train/finite"] > 0, new_state, state)
+  metrics["train/update_applied"] = (new_state.step > state.step).astype(jnp.float32)
+  return new_state, metrics
+
+
+class TrainStep:
+  """The jitted, state-donating train step; counts how often it was traced (compiled).
+
+  With a mesh, the state keeps `state_shardings` (in and out), every batch array is sharded along
+  B over the mesh axes that `rules` give the logical axis 'batch', and the model's activations
+  are constrained by `rules` (`use_mesh_rules` around tracing); without a mesh, everything stays
+  where jit puts it (one device).
+  """
+
+  def __init__(self, graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
+               *, mesh: Mesh | None = None, state_shardings: TrainState | None = None,
+               rules: Rules = DEFAULT_RULES):
+    if (mesh is None) != (state_shardings is None):
+      raise ValueError("TrainStep: pass both mesh and state_shardings, or neither")
+    self.config = config
+    self.mesh = mesh
+    self.rules = tuple(rules)
+    self.num_traces = 0
+    self.batch_sharding: NamedSharding | None = None  # where to put batches ahead of time
+    constrain = lambda x: x
+    jit_kwargs: dict[str, Any] = {"donate_argnums": 0}
+    if mesh is not None:
+      batch_spec = logical_to_spec(("batch",), rules, mesh=mesh)
+      batch_sharding = NamedSharding(mesh, batch_spec)
+      self.batch_sharding = batch_sharding
+      batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
+      self.batch_shards = int(np.prod([mesh.shape[a] for a in batch_axes if a is not None]))
+      constrain = lambda x: jax.lax.with_sharding_constraint(x, batch_sharding)
+      replicated = NamedSharding(mesh, PartitionSpec())
+      jit_kwargs.update(in_shardings=(state_shardings, batch_sharding),
+                        out_shardings=(state_shardings, replicated))
+    else:
+      self.batch_shards = 1
+
+    def step(state, batch):
+      self.num_traces += 1
+      return train_step(graphdef, optimizer, config, state, batch, constrain)
+
+    self._jitted = jax.jit(step, **jit_kwargs)
+
+  def _check_batch(self, batch: dict) -> None:
+    rows, _ = validate_batch(batch)
+    per_microbatch = rows // self.config.num_microbatches
+    if rows % self.config.num_microbatches or per_microbatch % self.batch_shards:
+      raise ValueError(
+          f"train batch: B={rows} must split into num_microbatches={self.config.num_microbatches}"
+          f" microbatches whose size is a multiple of the {self.batch_shards} batch shards")
+
+  def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    self._check_batch(batch)
+    with use_mesh_rules(self.mesh, self.rules):
+      return self._jitted(state, batch)
+
+  def lower(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
+    """Ahead-of-time lowering for these shapes (`.compile()` it to time compilation or to read
+    `memory_analysis()`); the arrays may be jax.ShapeDtypeStruct."""
+    self._check_batch(batch)
+    with use_mesh_rules(self.mesh, self.rules):
+      return self._jitted.lower(state, batch)
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation,
+                    config: TrainStepConfig, *, mesh: Mesh | None = None,
+                    state_shardings: TrainState | None = None,
+                    rules: Rules = DEFAULT_RULES) -> TrainStep:
+  """The jitted step `step(state, batch) -> (state, metrics)` (state donated)."""
+  return TrainStep(graphdef, optimizer, config, mesh=mesh, state_shardings=state_shardings,
+                   rules=rules)
