@@ -1,0 +1,66 @@
+"""Datasets (TFDS, array_record), prompts, verifiable rewards, prompt pool and evaluation.
+
+Works on strings and token ids only; imports nothing from models, sampler or pipeline.
+"""
+
+from scalerl_jax.data.batching import (FILTER_MODES, AssembledBatch, BatchAssembler, Group,
+                                       zero_variance_filter)
+from scalerl_jax.data.builders import (POLARIS_FILENAME, build_local_file, build_polaris,
+                                       build_synthetic, read_split)
+from scalerl_jax.data.evaluation import EvalResult, evaluate, pass_at_k
+from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
+from scalerl_jax.data.prompts import (DEFAULT_TEMPLATE, EncodedPrompts, PromptEncoder,
+                                      PromptFormat, PromptSet, build_prompt_set, format_problem,
+                                      sft_arrays, sft_example)
+from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, default_pool, extract_answer,
+                                      last_boxed, math_reward, score_completions)
+from scalerl_jax.data.synthetic import (SYNTHETIC_TEMPLATE, THINK_END, THINK_START,
+                                        ArithmeticProblem, Level, SyntheticTaskConfig,
+                                        generate_splits, tokenizer_corpus)
+from scalerl_jax.data.tokenizer import special_token_ids, train_tokenizer
+from scalerl_jax.data.verify_pool import VerifyPool
+
+__all__ = [
+    "FILTER_MODES",
+    "POLARIS_FILENAME",
+    "DEFAULT_TEMPLATE",
+    "SYNTHETIC_TEMPLATE",
+    "THINK_END",
+    "THINK_START",
+    "ArithmeticProblem",
+    "AssembledBatch",
+    "BatchAssembler",
+    "EncodedPrompts",
+    "EvalResult",
+    "Group",
+    "Level",
+    "PoolExhaustedError",
+    "PromptEncoder",
+    "PromptFormat",
+    "PromptPool",
+    "PromptSet",
+    "RewardConfig",
+    "ScoredBatch",
+    "SyntheticTaskConfig",
+    "VerifyPool",
+    "build_local_file",
+    "build_polaris",
+    "build_prompt_set",
+    "build_synthetic",
+    "default_pool",
+    "evaluate",
+    "extract_answer",
+    "format_problem",
+    "generate_splits",
+    "last_boxed",
+    "math_reward",
+    "pass_at_k",
+    "read_split",
+    "score_completions",
+    "sft_arrays",
+    "sft_example",
+    "special_token_ids",
+    "tokenizer_corpus",
+    "train_tokenizer",
+    "zero_variance_filter",
+]

@@ -1,0 +1,236 @@
+"""TFDS builders: synthetic arithmetic, Polaris-53K from a local file, any local jsonl/parquet.
+
+All write ``array_record`` files into a caller-given ``data_dir`` and are read back with
+``builder.as_data_source(split)`` (random access, no TensorFlow anywhere). Config names carry a
+digest of everything that determines the data (for local files: the file's SHA-256), so a
+changed seed, size or file never silently reuses an old build. Splits: ``train`` and
+``heldout`` (plus ``sft`` for the synthetic task: worked traces for the supervised warm start).
+Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_dropped']``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import numpy as np
+import tensorflow_datasets as tfds
+from absl import logging
+
+from scalerl_jax.data import rows as rows_lib
+from scalerl_jax.data import synthetic
+
+FILE_FORMAT = "array_record"
+POLARIS_FILENAME = "polaris-data-53K.jsonl"
+_VERSION = tfds.core.Version("1.0.0")
+
+
+def _sha256_of_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _short_digest(*parts: object) -> str:
+    return hashlib.sha256(repr(parts).encode("utf-8")).hexdigest()[:12]
+
+
+# --- synthetic arithmetic -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class SyntheticArithmeticConfig(tfds.core.BuilderConfig):
+    """Builder config wrapping the task definition."""
+
+    task: synthetic.SyntheticTaskConfig = synthetic.SyntheticTaskConfig()
+
+
+class SyntheticArithmetic(tfds.core.GeneratorBasedBuilder):
+    """``synthetic.generate_splits(config.task)`` as a dataset with features problem, answer,
+    solution (worked trace) and level."""
+
+    name = "scalerl_synthetic_arithmetic"
+    VERSION = _VERSION
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Chains of integer + and - with worked <think> traces and boxed answers.",
+            features=tfds.features.FeaturesDict({
+                "problem": tfds.features.Text(),
+                "answer": tfds.features.Text(),
+                "solution": tfds.features.Text(),
+                "level": tfds.features.Scalar(dtype=np.int32),
+            }),
+        )
+
+    def _split_generators(self, dl_manager):
+        splits = synthetic.generate_splits(self.builder_config.task)
+        return {name: self._generate_examples(problems) for name, problems in splits.items()}
+
+    def _generate_examples(self, problems):
+        for index, problem in enumerate(problems):
+            yield index, {"problem": problem.text, "answer": str(problem.answer),
+                          "solution": problem.solution, "level": problem.level}
+
+
+def build_synthetic(data_dir: str, task: synthetic.SyntheticTaskConfig) -> SyntheticArithmetic:
+    """Builds (or reuses an identical earlier build of) the synthetic task under ``data_dir``."""
+    config = SyntheticArithmeticConfig(name=f"task_{task.digest()}", version=_VERSION, task=task)
+    builder = SyntheticArithmetic(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    _prepare(builder)
+    return builder
+
+
+# --- local problem/answer files (Polaris-53K and any jsonl/parquet) ----------------------------
+
+
+_LOCAL_FEATURES = {
+    "problem": tfds.features.Text(),
+    "answer": tfds.features.Text(),
+    "difficulty": tfds.features.Text(),
+    "source_index": tfds.features.Scalar(dtype=np.int64),
+}
+
+
+@dataclasses.dataclass(eq=False)
+class LocalFileConfig(tfds.core.BuilderConfig):
+    """A local file and how to read it.
+
+    Attributes:
+      path: the jsonl/parquet file (for Polaris: the file name inside the manual dir).
+      problem_field, answer_field: source fields mapped to ``problem`` / ``answer``.
+      difficulty_field: source field mapped to ``difficulty`` ('' for every row when None).
+      heldout_size, seed: the held-out split (a seeded draw of distinct problems).
+    """
+
+    path: str = ""
+    problem_field: str = "problem"
+    answer_field: str = "answer"
+    difficulty_field: str | None = None
+    heldout_size: int = 1000
+    seed: int = 0
+
+
+def _local_splits(builder, path: str):
+    """Reads, checks, de-duplicates and splits ``path`` per ``builder.builder_config``."""
+    config = builder.builder_config
+    field_map = {"problem": config.problem_field, "answer": config.answer_field}
+    if config.difficulty_field is not None:
+        field_map["difficulty"] = config.difficulty_field
+    rows, duplicates = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
+    if duplicates:
+        logging.warning("%s: dropped %d rows whose problem repeats an earlier row", path,
+                        duplicates)
+    builder.info.metadata["duplicates_dropped"] = duplicates
+    train, heldout = rows_lib.heldout_split(rows, config.heldout_size, config.seed)
+    return {"train": builder._generate_examples(train),
+            "heldout": builder._generate_examples(heldout)}
+
+
+def _local_examples(rows: list[rows_lib.Row]):
+    for row in rows:
+        yield row.source_index, {"problem": row.fields["problem"], "answer": row.fields["answer"],
+                                 "difficulty": row.fields.get("difficulty", ""),
+                                 "source_index": row.source_index}
+
+
+class LocalMathFile(tfds.core.GeneratorBasedBuilder):
+    """Any local jsonl/parquet of problems with answers (``config.path``)."""
+
+    name = "scalerl_local_math_file"
+    VERSION = _VERSION
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description="Local problem/answer file.",
+                                     features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
+                                     metadata=tfds.core.MetadataDict())
+
+    def _split_generators(self, dl_manager):
+        return _local_splits(self, self.builder_config.path)
+
+    def _generate_examples(self, rows):
+        yield from _local_examples(rows)
+
+
+class Polaris53k(tfds.core.GeneratorBasedBuilder):
+    """POLARIS-Project's Polaris-53K (fields problem, answer, difficulty) from the manual dir."""
+
+    name = "polaris_53k"
+    VERSION = _VERSION
+    MANUAL_DOWNLOAD_INSTRUCTIONS = (
+        f"Place {POLARIS_FILENAME} (jsonl with fields problem, answer, difficulty) in the manual "
+        "dir; nothing is downloaded.")
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(builder=self, description="Polaris-53K math problems.",
+                                     features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
+                                     metadata=tfds.core.MetadataDict())
+
+    def _split_generators(self, dl_manager):
+        return _local_splits(self, os.fspath(dl_manager.manual_dir / self.builder_config.path))
+
+    def _generate_examples(self, rows):
+        yield from _local_examples(rows)
+
+
+def build_local_file(data_dir: str, path: str, *, problem_field: str = "problem",
+                     answer_field: str = "answer", difficulty_field: str | None = None,
+                     heldout_size: int = 1000, seed: int = 0) -> LocalMathFile:
+    """Builds a local jsonl/parquet file into ``data_dir`` (ValueError naming a bad row)."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"build_local_file: no such file {path}")
+    fields = (problem_field, answer_field, difficulty_field, heldout_size, seed)
+    name = f"file_{_short_digest(_sha256_of_file(path), *fields)}"
+    config = LocalFileConfig(name=name, version=_VERSION, path=path, problem_field=problem_field,
+                             answer_field=answer_field, difficulty_field=difficulty_field,
+                             heldout_size=heldout_size, seed=seed)
+    builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    _prepare(builder)
+    return builder
+
+
+def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000,
+                  seed: int = 0) -> Polaris53k:
+    """Builds Polaris-53K from ``manual_dir/polaris-data-53K.jsonl`` into ``data_dir``.
+
+    The held-out split is ``heldout_size`` (paper: 1,000) problems drawn with ``seed``.
+    """
+    path = os.path.join(manual_dir, POLARIS_FILENAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"build_polaris: {POLARIS_FILENAME} not found in manual dir {manual_dir}")
+    name = f"heldout{heldout_size}_seed{seed}_{_short_digest(_sha256_of_file(path))}"
+    config = LocalFileConfig(name=name, version=_VERSION, path=POLARIS_FILENAME,
+                             difficulty_field="difficulty", heldout_size=heldout_size, seed=seed)
+    builder = Polaris53k(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    _prepare(builder, manual_dir=manual_dir)
+    return builder
+
+
+# --- shared ----------------------------------------------------------------------------------
+
+
+def _prepare(builder: tfds.core.DatasetBuilder, manual_dir: str | None = None) -> None:
+    """``download_and_prepare`` without statistics (they would need TensorFlow)."""
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        manual_dir=manual_dir, compute_stats=tfds.download.ComputeStatsMode.SKIP))
+
+
+def _to_python(value):
+    """Decodes a data-source value: bytes -> str (UTF-8), numpy scalars -> int/float."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8")
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
+    """Every example of ``split`` as a dict of Python values, in the data source's index order."""
+    source = builder.as_data_source(split=split)
+    return [{key: _to_python(value) for key, value in source[i].items()}
+            for i in range(len(source))]

@@ -1,0 +1,131 @@
+"""Reading problem/answer rows from local jsonl or parquet files, strictly, and splitting them.
+
+Every row must carry each mapped field as a non-empty string (valid UTF-8); the first bad row
+fails the whole read with its index and field, so a malformed dataset is never half-used.
+Exact duplicate problems keep their first occurrence (the count of dropped rows is returned),
+then a seeded draw of distinct problems forms the held-out split: disjoint from training by
+problem text and identical across runs for the same file, size and seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One problem: fields by output name, and its 0-based row index in the source file."""
+
+    fields: dict[str, str]
+    source_index: int
+
+
+def _checked_field(record: Mapping, field: str, index: int, where: str) -> str:
+    """The non-empty string ``record[field]`` (bytes are decoded as UTF-8), else ValueError."""
+    if field not in record or record[field] is None:
+        raise ValueError(f"{where}: row {index} has no field {field!r}")
+    value = record[field]
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: row {index} field {field!r} is not valid UTF-8: {e}") from e
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: row {index} field {field!r} is {type(value).__name__}, "
+                         "expected a string")
+    if not value.strip():
+        raise ValueError(f"{where}: row {index} field {field!r} is empty")
+    return value
+
+
+def _jsonl_records(path: str):
+    """Yields ``(index, dict)`` per line; ValueError naming the line for bad UTF-8 or JSON."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for index, raw in enumerate(lines):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"{path}: row {index} (line {index + 1}) is not valid UTF-8: {e}") from e
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: row {index} (line {index + 1}) is "
+                             f"{type(record).__name__}, expected a JSON object")
+        yield index, record
+
+
+def _parquet_records(path: str):
+    """Yields ``(index, dict)`` per parquet row (pyarrow; binary columns come as bytes)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    for index, record in enumerate(table.to_pylist()):
+        yield index, record
+
+
+def file_format_of(path: str) -> str:
+    """``'jsonl'`` or ``'parquet'`` from the file suffix (ValueError otherwise)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".jsonl", ".json"):
+        return "jsonl"
+    if suffix == ".parquet":
+        return "parquet"
+    raise ValueError(f"{path}: unknown data file suffix {suffix!r} (expected .jsonl or .parquet)")
+
+
+def read_rows(path: str, field_map: Mapping[str, str], *,
+              file_format: str | None = None) -> list[Row]:
+    """All rows of ``path`` with ``field_map`` (output name -> source field) applied and checked."""
+    file_format = file_format or file_format_of(path)
+    records = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(file_format)
+    if records is None:
+        raise ValueError(f"{path}: unknown file_format {file_format!r} (jsonl or parquet)")
+    rows = []
+    for index, record in records(path):
+        fields = {name: _checked_field(record, source, index, path)
+                  for name, source in field_map.items()}
+        rows.append(Row(fields=fields, source_index=index))
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def drop_duplicate_problems(rows: list[Row],
+                            problem_field: str = "problem") -> tuple[list[Row], int]:
+    """Rows with the first occurrence of each exact problem text, and how many were dropped."""
+    seen: set[str] = set()
+    unique = []
+    for row in rows:
+        problem = row.fields[problem_field]
+        if problem not in seen:
+            seen.add(problem)
+            unique.append(row)
+    return unique, len(rows) - len(unique)
+
+
+def heldout_split(rows: list[Row], heldout_size: int, seed: int) -> tuple[list[Row], list[Row]]:
+    """``(train, heldout)``: ``heldout_size`` rows drawn by a seeded permutation, the rest train.
+
+    Both keep file order. ``rows`` should be duplicate-free so the splits share no problem.
+    """
+    if not 0 <= heldout_size < len(rows):
+        raise ValueError(f"heldout_size={heldout_size} must be in [0, {len(rows)}) for "
+                         f"{len(rows)} rows")
+    order = np.random.default_rng(seed).permutation(len(rows))
+    heldout_positions = set(order[:heldout_size].tolist())
+    train = [row for i, row in enumerate(rows) if i not in heldout_positions]
+    heldout = [row for i, row in enumerate(rows) if i in heldout_positions]
+    return train, heldout
