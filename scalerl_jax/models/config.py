@@ -1,0 +1,169 @@
+"""Decoder configuration (`ModelConfig`) and named presets for the Llama 3 / Qwen2.5 / Qwen3 families."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
+ATTENTION_IMPLS = ("xla", "cudnn")
+HEAD_PRECISIONS = ("highest", "high", "default")
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer.
+
+    `dtype` is the parameter and body dtype. With `fp32_head` the unembedding weight is kept in
+    float32 (for tied embeddings the shared table is float32 and cast to `dtype` for the lookup)
+    and the head matmul runs in float32 at `head_precision` (default 'highest': true float32; 'high'
+    allows bf16x3 / TF32-class passes on accelerators, a speed knob). `rope_scaling` is None or the
+    Llama 3.1 scaling dict with the keys in `ROPE_SCALING_KEYS`. `qkv_bias` adds biases to the
+    q/k/v projections (Qwen2.5), `o_bias` to the output projection (Llama `attention_bias`),
+    `qk_norm` applies a per-head RMSNorm to q and k before RoPE (Qwen3).
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: Mapping[str, float] | tuple[tuple[str, float], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    max_position_embeddings: int = 8192
+    dtype: str = "float32"
+    fp32_head: bool = True
+    head_precision: str = "highest"
+    scan_layers: bool = True
+    remat_policy: str = "none"
+    attention_impl: str = "xla"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"ModelConfig.family={self.family!r}; expected one of {FAMILIES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; expected one of {DTYPES}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"ModelConfig.remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+        if self.head_precision not in HEAD_PRECISIONS:
+            raise ValueError(
+                f"ModelConfig.head_precision={self.head_precision!r}; expected one of {HEAD_PRECISIONS}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
+        if self.rope_scaling is not None:
+            scaling = dict(self.rope_scaling)
+            missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+            if missing:
+                raise ValueError(f"ModelConfig.rope_scaling is missing keys {missing}")
+            # Frozen dataclass: store an immutable, hashable copy so the config can be a jit static.
+            object.__setattr__(self, "rope_scaling",
+                               tuple(sorted((k, float(scaling[k])) for k in ROPE_SCALING_KEYS)))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, float] | None:
+        """`rope_scaling` as a plain dict (it is stored as a sorted tuple of pairs to stay hashable)."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **overrides: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+    def num_params(self) -> int:
+        """Exact parameter count from the shapes (embedding counted once when tied)."""
+        d, f, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
+                          self.num_kv_heads, self.head_dim)
+        attn = d * h * hd * 2 + d * k * hd * 2
+        attn += (h * hd + 2 * k * hd) if self.qkv_bias else 0
+        attn += d if self.o_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else d * self.vocab_size
+        return self.vocab_size * d + self.num_layers * layer + d + head
+
+
+_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+_LLAMA32_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B: 8,030,261,248 parameters.
+    "llama3.1-8b": dict(family="llama", vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
+                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
+                        rope_scaling=_LLAMA31_SCALING, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                        max_position_embeddings=131_072, dtype="bfloat16", bos_token_id=128_000,
+                        eos_token_id=128_001),
+    # meta-llama/Llama-3.2-1B (tied embeddings, rope factor 32).
+    "llama3.2-1b": dict(family="llama", vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
+                        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500_000.0,
+                        rope_scaling=_LLAMA32_SCALING, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        max_position_embeddings=131_072, dtype="bfloat16", bos_token_id=128_000,
+                        eos_token_id=128_001),
+    # Qwen/Qwen3-8B.
+    "qwen3-8b": dict(family="qwen3", vocab_size=151_936, hidden_size=4096, intermediate_size=12_288,
+                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+                     max_position_embeddings=40_960, dtype="bfloat16", bos_token_id=151_643,
+                     eos_token_id=151_645),
+    # Qwen/Qwen2.5-7B.
+    "qwen2.5-7b": dict(family="qwen2", vocab_size=152_064, hidden_size=3584, intermediate_size=18_944,
+                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True,
+                       max_position_embeddings=32_768, dtype="bfloat16", bos_token_id=151_643,
+                       eos_token_id=151_643),
+    # Tiny test presets (float32, CPU). tiny-llama's rope scaling makes all three Llama 3.1 frequency
+    # bands (kept, interpolated, divided by factor) appear with head_dim 16.
+    "tiny-llama": dict(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                       rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64},
+                       rms_norm_eps=1e-5, max_position_embeddings=512, dtype="float32"),
+    "tiny-qwen2": dict(family="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6,
+                       qkv_bias=True, max_position_embeddings=512, dtype="float32"),
+    "tiny-qwen3": dict(family="qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6,
+                       qk_norm=True, tie_word_embeddings=True, max_position_embeddings=512, dtype="float32"),
+}
+
+
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset (see `PRESETS`) with `overrides` applied, e.g. `get_preset('tiny-llama', dtype='bfloat16')`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ValueError(f"get_preset({name!r}): unknown ModelConfig fields {sorted(unknown)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

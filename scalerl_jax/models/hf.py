@@ -1,0 +1,498 @@
+"""Hugging Face checkpoints: config.json + safetensors <-> `Transformer`, and the tokenizer.
+
+Loading maps tensor names with `HF_TO_NNX` (a regex table: HF name -> NNX parameter path and a
+layout transform), builds the model abstractly (`nnx.eval_shape`, no allocation) and places each
+parameter onto its sharding as it is read (one parameter on the host at a time; with a mesh each
+device receives only its shard via `jax.make_array_from_callback`). Pickled weights (`.bin`,
+`.pt`) are refused. Missing, extra and mis-shaped tensors are named in the error.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import re
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+import safetensors
+import safetensors.numpy
+import tokenizers
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh
+
+from scalerl_jax.models import sharding
+from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models.transformer import Transformer
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# HF tensors that carry no parameters (recomputed RoPE buffers of old checkpoints): skipped and counted.
+IGNORED_HF_TENSORS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# HF name regex -> (NNX path inside a layer or at the top, layout transform). A `(\d+)` group is the
+# layer index. Transforms (HF layout -> ours): copy; linear: W[out, in] -> W.T; heads_in:
+# W[N*D, E] -> W.T reshaped [E, N, D]; heads_out: W[E, H*D] -> W.T reshaped [H, D, E];
+# heads_bias: b[N*D] -> [N, D].
+HF_TO_NNX: tuple[tuple[str, str, str], ...] = (
+    (r"model\.embed_tokens\.weight", "embed_tokens", "copy"),
+    (r"model\.norm\.weight", "final_norm.scale", "copy"),
+    (r"lm_head\.weight", "lm_head", "linear"),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "attn_norm.scale", "copy"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "mlp_norm.scale", "copy"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight", "attn.q_proj", "heads_in"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight", "attn.k_proj", "heads_in"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight", "attn.v_proj", "heads_in"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight", "attn.o_proj", "heads_out"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias", "attn.q_bias", "heads_bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias", "attn.k_bias", "heads_bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias", "attn.v_bias", "heads_bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias", "attn.o_bias", "copy"),
+    (r"model\.layers\.(\d+)\.self_attn\.q_norm\.weight", "attn.q_norm.scale", "copy"),
+    (r"model\.layers\.(\d+)\.self_attn\.k_norm\.weight", "attn.k_norm.scale", "copy"),
+    (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "mlp.gate_proj", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "mlp.up_proj", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "mlp.down_proj", "linear"),
+)
+_COMPILED = tuple((re.compile(pattern), path, transform) for pattern, path, transform in HF_TO_NNX)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layout transforms
+# ----------------------------------------------------------------------------------------------
+
+def hf_to_ours(tensor: np.ndarray, transform: str, our_shape: tuple[int, ...]) -> np.ndarray:
+    """Convert one HF tensor to our layout (see `HF_TO_NNX`)."""
+    if transform == "copy":
+        return tensor
+    if transform == "linear":
+        return tensor.T
+    if transform in ("heads_in", "heads_out"):
+        return tensor.T.reshape(our_shape)
+    if transform == "heads_bias":
+        return tensor.reshape(our_shape)
+    raise ValueError(f"unknown layout transform {transform!r}")
+
+
+def ours_to_hf(array: np.ndarray, transform: str) -> np.ndarray:
+    """Inverse of `hf_to_ours`."""
+    if transform == "copy":
+        return array
+    if transform == "linear":
+        return array.T
+    if transform == "heads_in":
+        return array.reshape(array.shape[0], -1).T
+    if transform == "heads_out":
+        return array.reshape(-1, array.shape[-1]).T
+    if transform == "heads_bias":
+        return array.reshape(-1)
+    raise ValueError(f"unknown layout transform {transform!r}")
+
+
+def hf_shape(our_shape: tuple[int, ...], transform: str) -> tuple[int, ...]:
+    """The HF tensor shape that `hf_to_ours` turns into `our_shape`."""
+    return ours_to_hf(np.empty(our_shape, np.int8), transform).shape
+
+
+def _hf_name(pattern: re.Pattern, layer: int | None) -> str:
+    name = pattern.pattern.replace(r"\.", ".")
+    return name.replace(r"(\d+)", str(layer)) if layer is not None else name
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json
+# ----------------------------------------------------------------------------------------------
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
+    """(rope_theta, Llama 3.1 scaling or None) from `rope_parameters` (transformers >= 5) or
+    `rope_theta` + `rope_scaling` (older files)."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in merged]
+    if missing:
+        raise ValueError(f"config.json: llama3 rope scaling is missing {missing}")
+    return theta, {k: float(merged[k]) for k in keys}
+
+
+def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, fp32_head: bool = True,
+                   **overrides: Any) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3)."""
+    family = hf.get("model_type")
+    if family not in _ARCHITECTURES:
+        raise ValueError(f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+    if hf.get("mlp_bias", False):
+        raise ValueError("config.json: mlp_bias=true is not supported")
+    if hf.get("use_sliding_window", False):
+        raise ValueError("config.json: use_sliding_window=true is not supported")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise ValueError(f"config.json: missing required field {key!r}")
+    heads = int(hf["num_attention_heads"])
+    attention_bias = bool(hf.get("attention_bias", False))
+    theta, scaling = _rope_from_hf(hf)
+    checkpoint_dtype = hf.get("dtype") or hf.get("torch_dtype")
+    fields = dict(
+        family=family, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=False if family == "qwen2" else attention_bias,
+        qk_norm=family == "qwen3",
+        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        dtype=dtype or (checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else "float32"),
+        fp32_head=fp32_head, initializer_range=float(hf.get("initializer_range", 0.02)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _llama3_scaling_to_hf(scaling: dict[str, float]) -> dict[str, Any]:
+    original = scaling["original_max_position_embeddings"]
+    return {"rope_type": "llama3", **scaling, "original_max_position_embeddings": int(original)}
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, Any]:
+    """HF config.json dict for `config` (loadable by transformers' Auto classes)."""
+    if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
+        raise ValueError("qwen2 checkpoints need qkv_bias=True and o_bias=False")
+    if config.family in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
+        raise ValueError(f"{config.family} checkpoints have one attention_bias for q/k/v/o; "
+                         f"got qkv_bias={config.qkv_bias}, o_bias={config.o_bias}")
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[config.family]], "model_type": config.family,
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings, "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else _llama3_scaling_to_hf(config.rope_scaling_dict),
+        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
+        "torch_dtype": dtype or config.dtype, "bos_token_id": config.bos_token_id,
+        "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id,
+        "use_cache": True,
+    }
+    if config.family == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+    else:
+        hf.update(attention_bias=config.qkv_bias, attention_dropout=0.0)
+        if config.family == "qwen3":
+            hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+        else:
+            hf.update(mlp_bias=False)
+    return hf
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------------
+
+def _weight_files(path: str) -> list[str]:
+    """Safetensors files of a checkpoint directory (index file, single file, or all *.safetensors)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    index = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index}: no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
+        if missing:
+            raise FileNotFoundError(f"{index} lists missing shard files {missing}")
+        return [os.path.join(path, name) for name in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        return files
+    pickled = sorted(name for name in os.listdir(path) if name.endswith(PICKLE_SUFFIXES))
+    if pickled:
+        raise ValueError(
+            f"{path}: only pickled weights {pickled}; refusing to unpickle (arbitrary code execution). "
+            "Convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True)).")
+    raise FileNotFoundError(f"{path}: no *.safetensors weights and no {SAFETENSORS_INDEX}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one HF tensor lives and what it becomes."""
+    hf_name: str
+    file: str
+    nnx_path: str
+    layer: int | None
+    transform: str
+
+
+def _index_tensors(files: list[str]) -> tuple[dict[str, _Source], list[str], int]:
+    """(sources by HF name, unmatched HF names, skipped-buffer count) over all files."""
+    sources: dict[str, _Source] = {}
+    extra: list[str] = []
+    ignored = 0
+    for file in files:
+        with safetensors.safe_open(file, framework="np") as f:
+            names = list(f.keys())
+        for name in names:
+            if name in sources:
+                raise ValueError(f"tensor {name!r} appears in both {sources[name].file} and {file}")
+            if any(p.fullmatch(name) for p in IGNORED_HF_TENSORS):
+                ignored += 1
+                continue
+            for pattern, nnx_path, transform in _COMPILED:
+                match = pattern.fullmatch(name)
+                if match:
+                    layer = int(match.group(1)) if match.groups() else None
+                    sources[name] = _Source(name, file, nnx_path, layer, transform)
+                    break
+            else:
+                extra.append(name)
+    return sources, extra, ignored
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
+
+
+def _named_variables(state: Any) -> dict[str, nnx.Variable]:
+    """{'a.b.c': variable} for every variable of an NNX state."""
+    found: dict[str, nnx.Variable] = {}
+
+    def visit(path: tuple[Any, ...], leaf: Any) -> Any:
+        if isinstance(leaf, nnx.Variable):
+            found[_path_str(path)] = leaf
+        return leaf
+
+    jax.tree_util.tree_map_with_path(visit, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """One model parameter and the HF tensors (one per layer when stacked) that fill it."""
+    path: str
+    layer_path: str          # path inside a layer ('attn.q_proj') or at the top ('embed_tokens')
+    layers: tuple[int | None, ...]  # HF layer indices in order of the leading axis; (None,) if unstacked
+    stacked: bool
+
+
+def _targets(config: ModelConfig, paths: list[str]) -> list[_Target]:
+    """How each parameter path maps onto HF layer indices."""
+    targets = []
+    for path in paths:
+        parts = path.split(".")
+        if parts[0] != "layers":
+            targets.append(_Target(path, path, (None,), False))
+        elif config.scan_layers:
+            targets.append(_Target(path, ".".join(parts[1:]), tuple(range(config.num_layers)), True))
+        else:
+            targets.append(_Target(path, ".".join(parts[2:]), (int(parts[1]),), False))
+    return targets
+
+
+def _expected_hf_names(targets: list[_Target]) -> dict[tuple[str, int | None], tuple[str, str]]:
+    """{(layer_path, layer): (hf_name, transform)} the model needs."""
+    by_path = {nnx_path: (pattern, transform) for pattern, nnx_path, transform in _COMPILED}
+    needed = {}
+    for target in targets:
+        if target.layer_path not in by_path:
+            raise ValueError(f"parameter {target.path!r} has no Hugging Face name in HF_TO_NNX")
+        pattern, transform = by_path[target.layer_path]
+        for layer in target.layers:
+            needed[(target.layer_path, layer)] = (_hf_name(pattern, layer), transform)
+    return needed
+
+
+def _read_param(target: _Target, shape: tuple[int, ...], dtype: np.dtype, needed: dict, sources: dict[str, _Source],
+                open_file: Callable[[str], Any]) -> np.ndarray:
+    """Host array of one parameter in our layout and dtype (layers stacked on axis 0 when stacked)."""
+    host = np.empty(shape, dtype)
+    layer_shape = shape[1:] if target.stacked else shape
+    for i, layer in enumerate(target.layers):
+        hf_name, transform = needed[(target.layer_path, layer)]
+        tensor = open_file(sources[hf_name].file).get_tensor(hf_name)
+        expected = hf_shape(layer_shape, transform)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects {expected} "
+                             f"(for parameter {target.path})")
+        value = hf_to_ours(tensor, transform, layer_shape).astype(dtype)
+        if target.stacked:
+            host[i] = value
+        else:
+            host[...] = value
+    return host
+
+
+@contextlib.contextmanager
+def _open_files() -> Iterator[Callable[[str], Any]]:
+    with contextlib.ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def open_file(file: str) -> Any:
+            if file not in handles:
+                handles[file] = stack.enter_context(safetensors.safe_open(file, framework="np"))
+            return handles[file]
+
+        yield open_file
+
+
+def load_hf_config(path: str, *, dtype: str | None = None, fp32_head: bool = True, **overrides: Any) -> ModelConfig:
+    """ModelConfig from `path/config.json`."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{config_file} does not exist")
+    with open(config_file) as f:
+        return config_from_hf(json.load(f), dtype=dtype, fp32_head=fp32_head, **overrides)
+
+
+def load_hf(path: str, *, dtype: str | None = None, fp32_head: bool = True, mesh: Mesh | None = None,
+            rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides: Any) -> Transformer:
+    """A `Transformer` with the weights of the local HF checkpoint directory `path`.
+
+    dtype: body/param dtype (default: the checkpoint's `torch_dtype`, else float32). fp32_head
+    keeps the unembedding in float32. With `mesh`, each parameter is placed on its
+    `param_shardings(..., mesh, rules)` sharding as it is read; otherwise on the default device.
+    `config_overrides` set other ModelConfig fields (scan_layers, remat_policy, attention_impl...).
+    """
+    config = load_hf_config(path, dtype=dtype, fp32_head=fp32_head, **config_overrides)
+    files = _weight_files(path)
+    sources, extra, ignored = _index_tensors(files)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, abstract_state = nnx.split(abstract)
+    variables = _named_variables(abstract_state)
+    targets = _targets(config, list(variables))
+    needed = _expected_hf_names(targets)
+    needed_names = {name for name, _ in needed.values()}
+    missing = sorted(needed_names - set(sources))
+    extra += sorted(set(sources) - needed_names)
+    if missing or extra:
+        raise ValueError(f"checkpoint {path} does not match the {config.family} config: "
+                         f"missing tensors {missing}; unexpected tensors {sorted(extra)}")
+    if ignored:
+        logging.info("load_hf(%s): skipped %d rotary inv_freq buffers", path, ignored)
+    shardings = _named_variables(sharding.param_shardings(abstract_state, mesh, rules)) if mesh is not None else {}
+    values: dict[str, jax.Array] = {}
+    with _open_files() as open_file:
+        for target in targets:
+            abstract_value = variables[target.path].get_value()
+            host = _read_param(target, tuple(abstract_value.shape), np.dtype(abstract_value.dtype), needed,
+                               sources, open_file)
+            if mesh is None:
+                values[target.path] = jax.device_put(host)
+            else:
+                placement = shardings[target.path].get_value()
+                values[target.path] = jax.make_array_from_callback(host.shape, placement, lambda idx, h=host: h[idx])
+            del host
+    state = jax.tree_util.tree_map_with_path(
+        lambda p, v: v.replace(values[_path_str(p)]) if isinstance(v, nnx.Variable) else v,
+        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+
+def _hf_tensors_of(model: Transformer) -> Iterator[tuple[str, Callable[[], list[tuple[str, np.ndarray]]], int]]:
+    """(parameter path, thunk giving its [(hf_name, array)], bytes per element) in model order."""
+    config = model.config
+    variables = _named_variables(nnx.state(model))
+    targets = _targets(config, list(variables))
+    needed = _expected_hf_names(targets)
+    for target in targets:
+        def tensors(target: _Target = target) -> list[tuple[str, np.ndarray]]:
+            array = variables[target.path].get_value()
+            if not array.is_fully_addressable:
+                raise ValueError(f"save_hf: parameter {target.path} is not fully addressable from this process")
+            host = np.asarray(jax.device_get(array))
+            out = []
+            for i, layer in enumerate(target.layers):
+                hf_name, transform = needed[(target.layer_path, layer)]
+                out.append((hf_name, np.ascontiguousarray(ours_to_hf(host[i] if target.stacked else host, transform))))
+            return out
+        yield target.path, tensors, variables[target.path].get_value().size
+
+
+def save_hf(model: Transformer, path: str, *, dtype: str | None = None,
+            max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+    """Write `model` as a HF checkpoint: config.json + safetensors (sharded with an index file when
+    larger than `max_shard_bytes`). All tensors are stored in `dtype` (default: the body dtype)."""
+    config = model.config
+    out_dtype = np.dtype(jax.numpy.dtype(dtype or config.dtype))
+    os.makedirs(path, exist_ok=True)
+    params = list(_hf_tensors_of(model))
+    shards: list[list[Callable[[], list[tuple[str, np.ndarray]]]]] = [[]]
+    shard_bytes = 0
+    for _, thunk, size in params:
+        nbytes = size * out_dtype.itemsize
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(thunk)
+        shard_bytes += nbytes
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for number, thunks in enumerate(shards, start=1):
+        file = SAFETENSORS_SINGLE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: array.astype(out_dtype) for thunk in thunks for name, array in thunk()}
+        safetensors.numpy.save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        total_bytes += sum(t.nbytes for t in tensors.values())
+    if len(shards) > 1:
+        with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                      f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(config, dtype=str(out_dtype)), f, indent=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+def load_tokenizer(path: str) -> tokenizers.Tokenizer:
+    """`tokenizers.Tokenizer` from `path/tokenizer.json` (see `load_chat_template` for the template)."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{file} does not exist")
+    return tokenizers.Tokenizer.from_file(file)
+
+
+def load_chat_template(path: str) -> str | None:
+    """The chat template (jinja string) of a checkpoint directory, or None.
+
+    Looked up in `chat_template.jinja`, then `tokenizer_config.json['chat_template']` (a string, or
+    a list of {name, template} from which 'default' is taken).
+    """
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja) as f:
+            return f.read()
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.exists(config_file):
+        return None
+    with open(config_file) as f:
+        template = json.load(f).get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        if "default" not in named:
+            raise ValueError(f"{config_file}: chat_template list has no 'default' entry (names {sorted(named)})")
+        return named["default"]
+    return template

@@ -1,0 +1,224 @@
+"""Decoder building blocks: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP, decoder layer.
+
+Parameters carry logical axis names as NNX metadata (`out_sharding`). A block built with
+`stack=L` holds L layers' parameters stacked on a leading `'layers'` axis (used by the scanned
+decoder); its forward must then be applied to one slice at a time (see transformer.py).
+Linear weights are stored input-major (`x @ W`), attention weights split per head:
+q `[embed, heads, head_dim]`, k/v `[embed, kv_heads, head_dim]`, o `[heads, head_dim, embed]`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from scalerl_jax.models import sharding
+from scalerl_jax.models.config import ModelConfig
+
+KVCache = dict[str, jax.Array]
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    """jnp dtype from its config name ('float32', 'bfloat16', 'float16')."""
+    return jnp.dtype(name)
+
+
+def make_param(rngs: nnx.Rngs | None, shape: Sequence[int], logical_axes: Sequence[str | None], *,
+               dtype: jnp.dtype, init: str = "normal", stddev: float = 0.02,
+               stack: int | None = None) -> nnx.Param:
+    """An `nnx.Param` of `shape` (prefixed by `stack` layers) with logical axes as sharding metadata.
+
+    init: 'normal' draws N(0, stddev^2) (the Hugging Face Llama/Qwen initializer), 'zeros', 'ones'.
+    Sharding is metadata only (`eager_sharding=False`): `sharding.param_shardings` maps it to a mesh.
+    """
+    shape = tuple(int(s) for s in shape)
+    axes = tuple(logical_axes)
+    if stack is not None:
+        shape, axes = (int(stack),) + shape, ("layers",) + axes
+    if init == "normal":
+        value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
+    elif init == "zeros":
+        value = jnp.zeros(shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        raise ValueError(f"make_param: unknown init {init!r} (expected 'normal', 'zeros' or 'ones')")
+    return nnx.Param(value.astype(dtype), out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, the statistics in float32, the result in x's dtype."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, stack: int | None = None):
+        self.eps = eps
+        self.scale = make_param(None, (dim,), ("norm",), dtype=dtype, init="ones", stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: dict[str, float] | None = None) -> np.ndarray:
+    """inv_freq[i] = theta^(-2i/head_dim), i < head_dim/2, with optional Llama 3.1 scaling.
+
+    Llama 3.1 scaling (factor s, low/high frequency factors l/h, original context C): with
+    wavelength w = 2 pi / inv_freq, frequencies with w > C/l are divided by s, those with
+    w < C/h are kept, and in between they are interpolated with
+    smooth = (C/w - l) / (h - l): (1 - smooth) inv_freq / s + smooth inv_freq.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv_freq.astype(np.float32)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelength = 2.0 * np.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    interpolated = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = np.where(wavelength > original / low, inv_freq / factor,
+                      np.where(wavelength < original / high, inv_freq, interpolated))
+    return scaled.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate halves of x[..., T, N, D]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), angle = pos * inv_freq.
+
+    This is the "rotate_half" layout of Hugging Face Llama/Qwen checkpoints.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(d) masked) v with grouped KV heads.
+
+    q [B, T, H, D], k/v [B, S, K, D] with H = K * G (query head h uses KV head h // G), mask
+    bool [B, T, S] (True = attend). Scores and softmax in float32; a fully masked row gives a
+    uniform average instead of NaN. Returns [B, T, H, D] in q's dtype.
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    qg = q.reshape(batch, length, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(dim))
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, length, heads, dim)
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with optional q/k/v bias, o bias and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, h, k, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        dtype, std = dtype_of(config.dtype), config.initializer_range
+        self.config = config
+        self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
+        self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
+        self.v_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
+        self.o_proj = make_param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dtype=dtype, stddev=std, stack=stack)
+        if config.qkv_bias:
+            self.q_bias = make_param(None, (h, hd), ("heads", "head_dim"), dtype=dtype, init="zeros", stack=stack)
+            self.k_bias = make_param(None, (k, hd), ("kv_heads", "head_dim"), dtype=dtype, init="zeros", stack=stack)
+            self.v_bias = make_param(None, (k, hd), ("kv_heads", "head_dim"), dtype=dtype, init="zeros", stack=stack)
+        if config.o_bias:
+            self.o_bias = make_param(None, (d,), ("embed",), dtype=dtype, init="zeros", stack=stack)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,T,H,D], k/v [B,T,K,D] after bias, q/k norm and RoPE."""
+        cfg = self.config
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...])
+        k = jnp.einsum("btd,dnh->btnh", x, self.k_proj[...])
+        v = jnp.einsum("btd,dnh->btnh", x, self.v_proj[...])
+        if cfg.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = sharding.constrain(checkpoint_name(q, "query_proj"), sharding.QUERY_AXES)
+        k = sharding.constrain(checkpoint_name(k, "key_proj"), sharding.KV_AXES)
+        v = sharding.constrain(checkpoint_name(v, "value_proj"), sharding.KV_AXES)
+        return q, k, v
+
+    def _output(self, attended: jax.Array) -> jax.Array:
+        attended = checkpoint_name(attended, "attention_out")
+        out = jnp.einsum("btnh,nhd->btd", attended, self.o_proj[...])
+        return out + self.o_bias[...] if self.config.o_bias else out
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Causal self-attention within x [B, T, D] (query t attends to keys s <= t)."""
+        q, k, v = self._project(x, positions)
+        length = x.shape[1]
+        if self.config.attention_impl == "cudnn":
+            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        else:
+            causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+            attended = grouped_attention(q, k, v, jnp.broadcast_to(causal, (x.shape[0], length, length)))
+        return self._output(attended)
+
+    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache
+                       ) -> tuple[jax.Array, KVCache]:
+        """Write this call's k/v into cache[b, positions[b, t]], then attend to entries s <= positions[b, t].
+
+        cache: {'k', 'v'} each [B, S, K, D]. Positions outside [0, S) are not written (dropped).
+        """
+        q, k, v = self._project(x, positions)
+        batch, max_len = cache["k"].shape[:2]
+        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)
+        write_at = jnp.where(positions < 0, max_len, positions)  # negatives would wrap; drop them
+        new_k = cache["k"].at[rows, write_at].set(k.astype(cache["k"].dtype), mode="drop")
+        new_v = cache["v"].at[rows, write_at].set(v.astype(cache["v"].dtype), mode="drop")
+        mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+        attended = grouped_attention(q, new_k.astype(q.dtype), new_v.astype(q.dtype), mask)
+        return self._output(attended), {"k": new_k, "v": new_v}
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        d, f = config.hidden_size, config.intermediate_size
+        dtype, std = dtype_of(config.dtype), config.initializer_range
+        self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
+        self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
+        self.down_proj = make_param(rngs, (f, d), ("mlp", "embed"), dtype=dtype, stddev=std, stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = x @ self.gate_proj[...]
+        up = x @ self.up_proj[...]
+        hidden = sharding.constrain(jax.nn.silu(gate) * up, sharding.MLP_AXES)
+        return hidden @ self.down_proj[...]
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        dtype = dtype_of(config.dtype)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+        self.attn = Attention(config, rngs=rngs, stack=stack)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+        self.mlp = MLP(config, rngs=rngs, stack=stack)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        h = x + self.attn(self.attn_norm(x), positions)
+        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES)
+
+    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache
+                       ) -> tuple[jax.Array, KVCache]:
+        """As `__call__`, attending through (and updating) this layer's KV cache."""
+        attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache)
+        h = x + attended
+        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache

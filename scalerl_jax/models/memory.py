@@ -1,0 +1,184 @@
+"""Per-device memory plan of a training configuration, from shapes only (no allocation).
+
+    python -m scalerl_jax.models.memory --preset llama3.1-8b --mesh 1,8,1 --microbatch 8 --seq_len 16384
+
+Parameters come from `nnx.eval_shape` of the model and their shardings from the logical-axis rules,
+so a shard is exact: prod(ceil(dim / mesh axes)) elements. Optimizer state is AdamW's two float32
+moments sharded like the parameters; gradients are a float32 accumulator over microbatches plus one
+microbatch's gradient in the parameter dtype. Activations are an estimate (stated per term in
+`activation_terms`): what `jax.checkpoint` keeps per layer under the remat policy, one layer's full
+working set during its backward pass, and the chunked log-prob head.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from scalerl_jax.models import sharding
+from scalerl_jax.models.config import ModelConfig, get_preset
+from scalerl_jax.models.transformer import Transformer
+
+GIB = 1024 ** 3
+DEVICE_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one training configuration."""
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    activation_terms: Mapping[str, int]
+    kv_cache: int
+
+    @property
+    def total(self) -> int:
+        """Trainer total: params + optimizer + gradients + activations (the KV cache is the sampler's)."""
+        return self.params + self.optimizer + self.gradients + self.activations
+
+    def fits(self, device_gb: float, usable_fraction: float = 0.9) -> bool:
+        """Whether `total` fits in `usable_fraction` of a device of `device_gb` GB (1e9 bytes)."""
+        return self.total <= usable_fraction * device_gb * 1e9
+
+
+def _mesh_sizes(mesh_shape: Sequence[int] | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(mesh_shape, Mapping):
+        return {name: int(size) for name, size in mesh_shape.items()}
+    if len(mesh_shape) != len(sharding.MESH_AXES):
+        raise ValueError(f"mesh shape {tuple(mesh_shape)} must have one entry per axis {sharding.MESH_AXES}")
+    return dict(zip(sharding.MESH_AXES, (int(s) for s in mesh_shape)))
+
+
+def shard_elements(shape: Sequence[int], spec: jax.sharding.PartitionSpec, mesh: Mapping[str, int]) -> int:
+    """Elements of the largest shard of an array of `shape` sharded by `spec` over axis sizes `mesh`."""
+    total = 1
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        total *= -(-dim // math.prod(mesh[a] for a in names))
+    return total
+
+
+def param_shard_bytes(config: ModelConfig, mesh: Mapping[str, int], rules: sharding.Rules,
+                      dtype: str | None = None) -> int:
+    """Per-device bytes of all parameters (in `dtype` if given, else their own dtypes)."""
+    abstract_state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    specs = sharding.param_specs(abstract_state, rules, mesh=mesh)
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    total = 0
+    for variable, spec in zip(jax.tree.leaves(abstract_state, is_leaf=is_variable),
+                              jax.tree.leaves(specs, is_leaf=is_variable)):
+        value = variable.get_value()
+        itemsize = np.dtype(dtype or value.dtype).itemsize
+        total += shard_elements(value.shape, spec.get_value(), mesh) * itemsize
+    return total
+
+
+def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch: int, seq_len: int,
+                     remat_policy: str, logprob_chunk: int) -> dict[str, int]:
+    """Estimated activation bytes per device, by term.
+
+    b = ceil(microbatch / (data * fsdp)) sequences of T tokens per device, tp = tensor size, e =
+    body dtype bytes. Per token and layer (dividing heads / mlp / vocab widths by tp):
+      layer inputs (scan carry, always kept): D e
+      none: all intermediates ~ e (4D + 3 H hd/tp + 4 K hd/tp + 3F/tp) + attention probs
+      dots_with_no_batch_dims: e (H hd/tp + 2 K hd/tp + 2D + 2F/tp) (weight-matmul outputs)
+      dots: that + attention scores and output; save_qkv_attn: e (2 H hd/tp + 2 K hd/tp); full: 0
+      attention scores/probs (xla attention only; cudnn is flash): H/tp * T * (4 + e)
+    Working set of one layer during its backward: the `none` amount for one layer. Head: the
+    float32 hidden states (b T D 4) and ~4 float32 [b, chunk, V/tp] buffers per log-prob chunk.
+    """
+    d, f, h, k, hd = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
+                      config.head_dim)
+    e = np.dtype(config.dtype).itemsize
+    tp = mesh.get("tensor", 1)
+    b = -(-microbatch // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
+    tokens = b * seq_len
+    scores = (h / tp) * seq_len * (4 + e) if config.attention_impl == "xla" else (h / tp) * (4 + hd * e)
+    everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
+    weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * f / tp)
+    saved = {"none": everything, "full": 0.0, "dots_with_no_batch_dims": weight_dots,
+             "dots": weight_dots + scores + e * h * hd / tp, "save_qkv_attn": e * (2 * h * hd / tp + 2 * k * hd / tp)}
+    if remat_policy not in saved:
+        raise ValueError(f"activation_terms: unknown remat_policy {remat_policy!r}; expected one of {sorted(saved)}")
+    return {
+        "layer_inputs": int(config.num_layers * tokens * d * e),
+        "saved_by_remat_policy": int(config.num_layers * tokens * saved[remat_policy]),
+        "one_layer_working_set": int(tokens * everything) if remat_policy != "none" else 0,
+        "head_hidden_fp32": int(tokens * d * 4),
+        "logprob_chunk": int(4 * b * min(logprob_chunk, seq_len) * -(-config.vocab_size // tp) * 4),
+    }
+
+
+def kv_cache_bytes(config: ModelConfig, mesh: Mapping[str, int], *, slots: int, max_len: int,
+                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> int:
+    """Per-device bytes of the sampler's KV cache ({'k', 'v'} [L, slots, max_len, K, hd])."""
+    shape = (config.num_layers, slots, max_len, config.num_kv_heads, config.head_dim)
+    spec = sharding.logical_to_spec(sharding.KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="kv_cache")
+    return 2 * shard_elements(shape, spec, mesh) * np.dtype(config.dtype).itemsize
+
+
+def plan_memory(config: ModelConfig, mesh_shape: Sequence[int] | Mapping[str, int], *, microbatch: int,
+                seq_len: int, remat_policy: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
+                logprob_chunk: int = 512, kv_slots: int = 0) -> MemoryPlan:
+    """MemoryPlan for training `config` on a mesh (data, fsdp, tensor) at `microbatch` sequences of
+    `seq_len` tokens per microbatch (global), plus a sampler KV cache of `kv_slots` slots."""
+    mesh = _mesh_sizes(mesh_shape)
+    params = param_shard_bytes(config, mesh, rules)
+    params_fp32 = param_shard_bytes(config, mesh, rules, dtype="float32")
+    terms = activation_terms(config, mesh, microbatch=microbatch, seq_len=seq_len,
+                             remat_policy=remat_policy or config.remat_policy, logprob_chunk=logprob_chunk)
+    return MemoryPlan(params=params, optimizer=2 * params_fp32, gradients=params_fp32 + params,
+                      activations=sum(terms.values()), activation_terms=terms,
+                      kv_cache=kv_cache_bytes(config, mesh, slots=kv_slots, max_len=seq_len, rules=rules)
+                      if kv_slots else 0)
+
+
+def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> str:
+    """Human-readable table of a MemoryPlan in GiB."""
+    lines = [title, f"  {'params':<28}{plan.params / GIB:10.2f} GiB",
+             f"  {'optimizer (AdamW mu, nu fp32)':<28}{plan.optimizer / GIB:10.2f} GiB",
+             f"  {'gradients (fp32 acc + 1 mb)':<28}{plan.gradients / GIB:10.2f} GiB",
+             f"  {'activations (estimate)':<28}{plan.activations / GIB:10.2f} GiB"]
+    lines += [f"    {name:<26}{value / GIB:10.2f} GiB" for name, value in plan.activation_terms.items()]
+    lines.append(f"  {'total per device':<28}{plan.total / GIB:10.2f} GiB")
+    if plan.kv_cache:
+        lines.append(f"  {'sampler KV cache':<28}{plan.kv_cache / GIB:10.2f} GiB (generator devices)")
+    for name, gb in DEVICE_MEMORY_GB.items():
+        verdict = "fits" if plan.fits(gb, usable_fraction) else "does NOT fit"
+        lines.append(f"  {name}: {verdict} ({plan.total / 1e9:.1f} GB of {usable_fraction:.0%} x {gb} GB)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3.1-8b")
+    parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor sizes")
+    parser.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch (global)")
+    parser.add_argument("--seq_len", type=int, default=16_384)
+    parser.add_argument("--remat", default="full", help="remat policy name")
+    parser.add_argument("--dtype", default=None, help="override the preset's body dtype")
+    parser.add_argument("--attention_impl", default=None, help="xla | cudnn")
+    parser.add_argument("--logprob_chunk", type=int, default=512)
+    parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
+    parser.add_argument("--usable_fraction", type=float, default=0.9)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
+    config = get_preset(args.preset, **overrides)
+    mesh = [int(s) for s in args.mesh.split(",")]
+    plan = plan_memory(config, mesh, microbatch=args.microbatch, seq_len=args.seq_len, remat_policy=args.remat,
+                       logprob_chunk=args.logprob_chunk, kv_slots=args.kv_slots)
+    title = (f"{args.preset} ({config.num_params():,} params, {config.dtype}, fp32_head={config.fp32_head}) on mesh "
+             f"data,fsdp,tensor={args.mesh}; microbatch {args.microbatch} x {args.seq_len} tokens, remat "
+             f"{args.remat}, attention {config.attention_impl}")
+    print(format_plan(plan, title, args.usable_fraction))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3) in Flax NNX, with a KV-cached forward.
+
+Layers are either stacked (`config.scan_layers`: one `DecoderLayer` holding [L, ...] params,
+applied with `jax.lax.scan` over `nnx.split` state slices, so compile time does not grow with
+depth) or a list of L separate layers (unrolled). Both apply `jax.checkpoint` per layer with the
+policy named by `config.remat_policy` when gradients are taken through `__call__`/`hidden`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from scalerl_jax.models import sharding
+from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models.layers import DecoderLayer, KVCache, RMSNorm, dtype_of, make_param
+
+_NnxList = getattr(nnx, "List", list)
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None:
+    """The `jax.checkpoint` policy named `name` ('none' has no checkpointing and returns None).
+
+    full: save nothing inside a layer (recompute all); dots: save every matmul output;
+    dots_with_no_batch_dims: save weight matmuls only (not attention scores);
+    save_qkv_attn: save the q/k/v projections and the attention output.
+    """
+    policies = jax.checkpoint_policies
+    table: dict[str, Callable[..., bool] | None] = {
+        "full": policies.nothing_saveable,
+        "dots": policies.checkpoint_dots,
+        "dots_with_no_batch_dims": policies.dots_with_no_batch_dims_saveable,
+        "save_qkv_attn": policies.save_only_these_names(
+            "query_proj", "key_proj", "value_proj", "attention_out"),
+    }
+    if name == "none":
+        return None
+    if name not in table:
+        raise ValueError(f"unknown remat_policy {name!r}; expected 'none' or one of {sorted(table)}")
+    return table[name]
+
+
+def _embedding_dtype(config: ModelConfig) -> jnp.dtype:
+    """Tied embeddings double as the head: float32 when `fp32_head`, else the body dtype."""
+    return jnp.dtype(jnp.float32) if (config.tie_word_embeddings and config.fp32_head) else dtype_of(config.dtype)
+
+
+class Transformer(nnx.Module):
+    """tokens [B, T] -> logits float32 [B, T, V] (causal), plus `hidden`, `head`, `forward_cached`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        d, v = config.hidden_size, config.vocab_size
+        self.embed_tokens = make_param(rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config),
+                                       stddev=config.initializer_range)
+        if config.scan_layers:
+            self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers)
+        else:
+            self.layers = _NnxList([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype_of(config.dtype))
+        if not config.tie_word_embeddings:
+            head_dtype = jnp.float32 if config.fp32_head else dtype_of(config.dtype)
+            self.lm_head = make_param(rngs, (d, v), ("embed", "vocab"), dtype=head_dtype,
+                                      stddev=config.initializer_range)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits float32 [B, T, V] of causal attention over tokens [B, T]."""
+        return self.head(self.hidden(tokens, positions))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Embedding lookup in the body dtype, [B, T] -> [B, T, D]."""
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype_of(self.config.dtype))
+        return sharding.constrain(x, sharding.HIDDEN_AXES)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states [B, T, D] (body dtype); positions default to arange(T) (RoPE only)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        policy_name = self.config.remat_policy
+
+        def apply_layer(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> jax.Array:
+            return layer(x, pos)
+
+        if policy_name != "none":
+            apply_layer = _checkpointed(apply_layer, remat_policy(policy_name),
+                                        prevent_cse=not self.config.scan_layers)
+        x = self.embed(tokens)
+        if self.config.scan_layers:
+            x, _ = _scan_layers(self.layers, lambda layer, h, _: (apply_layer(layer, h, positions), None), x, None)
+        else:
+            for layer in self.layers:
+                x = apply_layer(layer, x, positions)
+        return self.final_norm(x)
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Unembedding [..., D] -> float32 [..., V].
+
+        fp32_head: W is float32 and logits = float32(h) @ W at `config.head_precision` (HIGHEST by
+        default). Otherwise the matmul runs in the body dtype (logits rounded to it), then is cast to float32.
+        """
+        weight = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        if self.config.fp32_head:
+            precision = jax.lax.Precision[self.config.head_precision.upper()]
+            logits = jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32), weight.astype(jnp.float32),
+                                precision=precision)
+        else:
+            body = dtype_of(self.config.dtype)
+            logits = jnp.einsum("...d,dv->...v", hidden.astype(body), weight.astype(body)).astype(jnp.float32)
+        return sharding.constrain(logits, sharding.LOGITS_AXES) if logits.ndim == 3 else logits
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache
+                       ) -> tuple[jax.Array, KVCache]:
+        """Final-normed hidden [B, T, D] and the updated cache.
+
+        For each row b and step t, K/V of tokens[b, t] are written at cache[:, b, positions[b, t]]
+        (positions outside [0, max_len) are not written, so they cannot corrupt other rows); the
+        query at position p then attends to all cache entries with key index <= p, which are
+        assumed valid. Prefill: T = bucket length, positions = arange; decode: T = 1.
+        """
+        _check_cache(self.config, cache, tokens.shape[0])
+        x = self.embed(tokens)
+        if self.config.scan_layers:
+            x, cache = _scan_layers(self.layers, lambda layer, h, c: layer.forward_cached(h, positions, c),
+                                    x, cache)
+        else:
+            new_k, new_v = [], []
+            for i, layer in enumerate(self.layers):
+                x, layer_cache = layer.forward_cached(x, positions, {"k": cache["k"][i], "v": cache["v"][i]})
+                new_k.append(layer_cache["k"])
+                new_v.append(layer_cache["v"])
+            cache = {"k": jnp.stack(new_k), "v": jnp.stack(new_v)}
+        return self.final_norm(x), cache
+
+
+def _checkpointed(apply_layer: Callable[..., jax.Array], policy: Callable[..., bool], *,
+                  prevent_cse: bool) -> Callable[..., jax.Array]:
+    """`apply_layer(layer, x, pos)` under `jax.checkpoint` (the layer passed functionally as its state).
+
+    prevent_cse can be False inside `lax.scan`, which already keeps XLA from merging the recomputation.
+    """
+
+    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> jax.Array:
+        graphdef, state = nnx.split(layer)
+
+        def pure(state: Any, x: jax.Array, pos: jax.Array) -> jax.Array:
+            return apply_layer(nnx.merge(graphdef, state), x, pos)
+
+        return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos)
+
+    return apply
+
+
+def _scan_layers(stacked: DecoderLayer, body: Callable[[DecoderLayer, jax.Array, Any], tuple[jax.Array, Any]],
+                 x: jax.Array, per_layer: Any) -> tuple[jax.Array, Any]:
+    """Fold `body(layer_i, x, per_layer[i]) -> (x, out_i)` over the stacked layers with lax.scan."""
+    graphdef, state = nnx.split(stacked)
+
+    def step(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, Any]:
+        layer_state, layer_extra = xs
+        return body(nnx.merge(graphdef, layer_state), carry, layer_extra)
+
+    return jax.lax.scan(step, x, (state, per_layer))
+
+
+def _check_cache(config: ModelConfig, cache: KVCache, batch: int) -> None:
+    expected = (config.num_layers, batch, config.num_kv_heads, config.head_dim)
+    for name in ("k", "v"):
+        if name not in cache:
+            raise ValueError(f"KV cache is missing {name!r} (expected keys 'k' and 'v')")
+        shape = cache[name].shape
+        if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != expected:
+            raise ValueError(
+                f"KV cache {name!r} has shape {tuple(shape)}; expected [num_layers={expected[0]}, "
+                f"batch={batch}, max_len, num_kv_heads={expected[2]}, head_dim={expected[3]}]")
+
+
+def init_kv_cache(config: ModelConfig, batch: int, max_len: int, *, dtype: str | None = None,
+                  mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+    """Zero KV cache {'k', 'v'}, each [num_layers, batch, max_len, num_kv_heads, head_dim].
+
+    dtype defaults to the body dtype. With a mesh the zeros are created directly on their
+    shardings (logical axes `sharding.KV_CACHE_AXES`).
+    """
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    cache_dtype = dtype_of(dtype or config.dtype)
+
+    def zeros() -> KVCache:
+        return {"k": jnp.zeros(shape, cache_dtype), "v": jnp.zeros(shape, cache_dtype)}
+
+    if mesh is None:
+        return zeros()
+    spec = sharding.logical_to_spec(sharding.KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="kv_cache")
+    out = NamedSharding(mesh, spec)
+    return jax.jit(zeros, out_shardings={"k": out, "v": out})()
+
+
+def init_transformer(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
+                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> Transformer:
+    """A randomly initialized `Transformer` built by one jitted program and, with a mesh, created
+    directly on `param_shardings` (an 8B model never sits whole on one device). The draws are those
+    of `Transformer(config, rngs=nnx.Rngs(seed))` (equal up to float rounding of the fused program)."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
+    out_shardings = None if mesh is None else sharding.param_shardings(abstract_state, mesh, rules)
+    state = jax.jit(lambda: nnx.state(Transformer(config, rngs=nnx.Rngs(seed))), out_shardings=out_shardings)()
+    return nnx.merge(graphdef, state)

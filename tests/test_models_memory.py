@@ -1,0 +1,53 @@
+"""Memory plan: exact per-device parameter / optimizer / gradient bytes against a hand calculation."""
+import pytest
+
+from scalerl_jax.models import get_preset
+from scalerl_jax.models.memory import kv_cache_bytes, main, plan_memory
+
+
+def test_llama31_8b_fsdp8_bytes_by_hand():
+    # Mesh data=1, fsdp=8, tensor=1; bf16 body, fp32 head. Per device (norms are replicated):
+    #   embed [128256, 4096] bf16 / 8 on embed:        128256 * 512 * 2      =   131,334,144
+    #   lm_head [4096, 128256] fp32 / 8:                512 * 128256 * 4     =   262,668,288
+    #   q, o [32, 4096, 32*128] bf16 / 8:               2 * 32*512*4096*2    =   268,435,456
+    #   k, v [32, 4096, 8*128] bf16 / 8:                2 * 32*512*1024*2    =    67,108,864
+    #   gate, up, down [32, 4096, 14336] bf16 / 8:      3 * 32*512*14336*2   = 1,409,286,144
+    #   2 norms [32, 4096] bf16 replicated:             2 * 32*4096*2        =       524,288
+    #   final norm [4096] bf16:                                                         8,192
+    #   total                                                                 = 2,139,365,376
+    # The same in fp32 (Adam moments, gradient accumulator): 4,016,062,464.
+    plan = plan_memory(get_preset("llama3.1-8b"), (1, 8, 1), microbatch=8, seq_len=4096, remat_policy="full")
+    assert plan.params == 2_139_365_376
+    assert plan.optimizer == 2 * 4_016_062_464
+    assert plan.gradients == 4_016_062_464 + 2_139_365_376
+    assert plan.total == plan.params + plan.optimizer + plan.gradients + plan.activations
+
+
+def test_tensor_parallel_and_kv_cache_bytes():
+    # tensor=2 also splits heads/mlp/vocab: the MLP of llama3.1-8b becomes 3 * 32*512*7168*2 bytes.
+    config = get_preset("llama3.1-8b")
+    fsdp_only = plan_memory(config, (1, 8, 1), microbatch=8, seq_len=1024, remat_policy="full")
+    with_tp = plan_memory(config, (1, 4, 2), microbatch=8, seq_len=1024, remat_policy="full")
+    assert with_tp.params == fsdp_only.params  # 8 shards either way, norms replicated
+    # KV cache: 2 (k, v) * 32 layers * 64 slots * 16384 * 8 kv heads * 128 * 2 bytes, slots over fsdp=8.
+    assert kv_cache_bytes(config, {"data": 1, "fsdp": 8, "tensor": 1}, slots=64, max_len=16384) == \
+        2 * 32 * 64 * 16384 * 8 * 128 * 2 // 8
+
+
+def test_remat_policies_order_activation_estimates():
+    config = get_preset("llama3.1-8b")
+    act = {policy: plan_memory(config, (1, 8, 1), microbatch=8, seq_len=8192, remat_policy=policy).activations
+           for policy in ("none", "dots", "dots_with_no_batch_dims", "full")}
+    assert act["none"] > act["dots"] > act["dots_with_no_batch_dims"] > act["full"] > 0
+
+
+def test_indivisible_mesh_is_named():
+    with pytest.raises(ValueError, match="kv_heads.*not divisible"):
+        plan_memory(get_preset("qwen2.5-7b"), (1, 1, 8), microbatch=8, seq_len=1024)  # 4 KV heads on tensor=8
+
+
+def test_cli_prints_fit(capsys):
+    main(["--preset", "llama3.1-8b", "--mesh", "1,8,1", "--microbatch", "8", "--seq_len", "16384",
+          "--remat", "full", "--attention_impl", "cudnn"])
+    out = capsys.readouterr().out
+    assert "H100 80GB: fits" in out and "H200 141GB: fits" in out and "optimizer" in out
