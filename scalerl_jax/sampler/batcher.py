@@ -1,0 +1,321 @@
+"""Host-side continuous batching over an `Engine`, with versioned params.
+
+`ContinuousBatcher.run_chunk()` is one turn of the loop:
+1. wait for the previous chunk's small per-slot `active` vector and free the slots that finished;
+2. adopt params pushed by `update_params` since the last turn (sequences in flight keep their KV
+   cache and continue under the new params: PipelineRL's in-flight update);
+3. prefill pending requests (FIFO) into free slots, grouped by prefill length bucket, each group
+   split into calls of at most `max_prefill_rows` rows padded to a power of two (bounded compiles);
+4. dispatch the next jitted multi-step `generate` chunk and start copying its outputs to the host;
+5. while that chunk runs, turn the previous chunk's outputs into per-request token lists and
+   return the `Completion`s that finished in it.
+So results come back one chunk after the one that produced them and the host work of step 5
+overlaps device compute. Each generated token records the params version of its chunk.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from typing import Any, Hashable, Sequence
+
+import jax
+import numpy as np
+
+from scalerl_jax.sampler.engine import (ChunkResult, Engine, SlotSettings, host_settings,
+                                        prefill_bucket, row_bucket)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to complete.
+
+    `seed` selects the request's PRNG stream: key = fold_in(key(batcher seed), seed), so its
+    samples do not depend on which slot or chunk it runs in. `temperature` 0 is greedy.
+    `interrupt` applies the engine's forced interruption (if it has one) to this request.
+    """
+
+    request_id: Hashable
+    prompt_tokens: Sequence[int]
+    max_new_tokens: int
+    seed: int = 0
+    temperature: float = 0.0
+    stop_tokens: Sequence[int] = ()
+    interrupt: bool = True
+
+
+@dataclasses.dataclass
+class Completion:
+    """A finished request; the per-token lists have one entry per generated token.
+
+    `tokens` include any forced interruption phrase; `logprobs` are fp32 behaviour log-probs
+    (0 for forced tokens), `versions` the params version that produced each token, `sampled`
+    False for forced tokens. `num_think_tokens` counts sampled tokens before thinking ended (a
+    natural end-think included), `num_answer_tokens` sampled tokens after it, so
+    len(tokens) = num_think_tokens + num_answer_tokens + (len(phrase) if interrupted, unless
+    truncated inside the phrase). `finish_reason`: 'stop' (a stop token, included in tokens),
+    'answer_budget', or 'length' (max_new_tokens or the cache length). `think_budget` is the
+    drawn budget (-1 without interruption).
+    """
+
+    request_id: Hashable
+    prompt_tokens: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    sampled: list[bool]
+    interrupted: bool
+    truncated: bool
+    num_think_tokens: int
+    num_answer_tokens: int
+    finish_reason: str
+    think_budget: int
+
+
+@dataclasses.dataclass
+class _SlotRecord:
+    """Host-side accumulation for the request occupying one slot."""
+
+    request: Request
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    sampled: list[bool] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """A dispatched chunk: its device outputs, the params version and the slot occupants."""
+
+    result: ChunkResult
+    version: int
+    records: list[_SlotRecord | None]
+
+
+class ContinuousBatcher:
+    """Continuous batching driver: `add_request`, `run_chunk`, `update_params` (see module doc).
+
+    `params` must already be on the generator's devices; their shardings are the target of every
+    later `update_params` push. Not thread safe except `update_params`, which may be called from
+    another thread (the swap happens under a lock at the next chunk boundary).
+    """
+
+    def __init__(self, engine: Engine, params: Any, *, version: int = 0, seed: int = 0):
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"ContinuousBatcher seed={seed} must be in [0, 2**32)")
+        self.engine = engine
+        self.seed = seed
+        self._params = params
+        self._version = version
+        self._param_shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
+        self._pending_params: tuple[Any, int] | None = None
+        self._params_lock = threading.Lock()
+        self._state = engine.init_decode_state()
+        self._slots: list[_SlotRecord | None] = [None] * engine.config.num_slots
+        self._queue: collections.deque[Request] = collections.deque()
+        self._live_ids: set[Hashable] = set()
+        self._inflight: _Chunk | None = None
+        self.last_push_seconds = 0.0
+        self.counters = collections.Counter()
+
+    # --------------------------------------------------------------------------- properties
+    @property
+    def version(self) -> int:
+        """Params version used by the most recently dispatched chunk."""
+        return self._version
+
+    @property
+    def num_free_slots(self) -> int:
+        return sum(record is None for record in self._slots)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_active(self) -> int:
+        """Slots holding a request (including ones that finished in the chunk now in flight)."""
+        return len(self._slots) - self.num_free_slots
+
+    @property
+    def idle(self) -> bool:
+        """Nothing pending, nothing in a slot, nothing in flight."""
+        return not self._queue and self.num_active == 0 and self._inflight is None
+
+    def stats(self) -> dict[str, float]:
+        """Counters (chunks, tokens, completions, slot-steps) plus compile counts and last push time."""
+        out = {f"sampler/{name}": float(value) for name, value in self.counters.items()}
+        out.update({f"sampler/compiles_{name}": float(count)
+                    for name, count in self.engine.compile_counts.items()})
+        out["sampler/param_push_seconds"] = self.last_push_seconds
+        out["sampler/params_version"] = float(self._version)
+        return out
+
+    # ------------------------------------------------------------------------------ public API
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FIFO); raises ValueError naming the request and field if it is invalid."""
+        self._validate(request)
+        self._live_ids.add(request.request_id)
+        self._queue.append(request)
+
+    def update_params(self, params: Any, version: int) -> float:
+        """Copy `params` onto the generator's shardings; adopted at the next chunk boundary.
+
+        Always copies (never aliases the caller's buffers, which a train step may donate).
+        Returns and records the push time in seconds (until the copy is complete).
+        """
+        start = time.perf_counter()
+        placed = jax.device_put(params, self._param_shardings, may_alias=False)
+        jax.block_until_ready(placed)
+        seconds = time.perf_counter() - start
+        with self._params_lock:
+            self._pending_params = (placed, version)
+        self.last_push_seconds = seconds
+        self.counters["param_pushes"] += 1
+        return seconds
+
+    def run_chunk(self) -> list[Completion]:
+        """One loop turn (module docstring); returns requests that finished in the previous chunk."""
+        previous, self._inflight = self._inflight, None
+        if previous is not None:
+            still_active = np.asarray(previous.result.active)
+            for slot, record in enumerate(previous.records):
+                if record is not None and not still_active[slot]:
+                    self._slots[slot] = None
+        self._adopt_pending_params()
+        self._fill_free_slots()
+        if self.num_active:
+            self._state, result = self.engine.generate(self._params, self._state)
+            for leaf in jax.tree.leaves(result):
+                leaf.copy_to_host_async()
+            self._inflight = _Chunk(result, self._version, list(self._slots))
+            self.counters["chunks"] += 1
+        return self._absorb(previous) if previous is not None else []
+
+    def drain(self) -> list[Completion]:
+        """Run chunks until idle; returns every completion in finishing order."""
+        completions: list[Completion] = []
+        while not self.idle:
+            completions.extend(self.run_chunk())
+        return completions
+
+    # ------------------------------------------------------------------------------ internals
+    def _validate(self, request: Request) -> None:
+        cfg = self.engine.config
+        vocab = self.engine.model_config.vocab_size
+        rid = request.request_id
+        if rid in self._live_ids:
+            raise ValueError(f"request_id={rid!r} is already pending or running")
+        prompt = np.asarray(request.prompt_tokens)
+        if prompt.ndim != 1 or prompt.size == 0:
+            raise ValueError(f"request {rid!r}: prompt_tokens is empty or not a flat list")
+        if prompt.size + 1 > cfg.max_len:
+            raise ValueError(f"request {rid!r}: prompt length {prompt.size} leaves no room in "
+                             f"EngineConfig.max_len={cfg.max_len}")
+        bad = np.flatnonzero((prompt < 0) | (prompt >= vocab))
+        if bad.size:
+            raise ValueError(f"request {rid!r}: prompt_tokens[{bad[0]}]={prompt[bad[0]]} outside "
+                             f"the vocabulary [0, {vocab})")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {rid!r}: max_new_tokens={request.max_new_tokens} must be >= 1")
+        if len(request.stop_tokens) > cfg.max_stop_tokens:
+            raise ValueError(f"request {rid!r}: {len(request.stop_tokens)} stop_tokens exceed "
+                             f"EngineConfig.max_stop_tokens={cfg.max_stop_tokens}")
+        if not 0 <= request.seed < 2**32:
+            raise ValueError(f"request {rid!r}: seed={request.seed} must be in [0, 2**32)")
+        if request.temperature < 0:
+            raise ValueError(f"request {rid!r}: temperature={request.temperature} must be >= 0")
+
+    def _adopt_pending_params(self) -> None:
+        with self._params_lock:
+            pending, self._pending_params = self._pending_params, None
+        if pending is not None:
+            self._params, self._version = pending
+            self.counters["param_swaps"] += 1
+
+    def _fill_free_slots(self) -> None:
+        cfg = self.engine.config
+        free = [slot for slot, record in enumerate(self._slots) if record is None]
+        taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+        groups: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
+        for slot, request in zip(free, taken):
+            bucket = prefill_bucket(len(request.prompt_tokens), min_bucket=cfg.min_prefill_bucket,
+                                    max_len=cfg.max_len)
+            groups[bucket].append((slot, request))
+        for bucket, group in sorted(groups.items()):
+            for start in range(0, len(group), cfg.max_prefill_rows):
+                self._insert_group(bucket, group[start:start + cfg.max_prefill_rows])
+            for slot, request in group:
+                self._slots[slot] = _SlotRecord(request)
+
+    def _insert_group(self, bucket: int, group: list[tuple[int, Request]]) -> None:
+        cfg = self.engine.config
+        rows = row_bucket(len(group), max_rows=cfg.max_prefill_rows)
+        tokens = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows are dropped
+        stops = np.full((rows, cfg.max_stop_tokens), -1, np.int32)
+        max_new = np.ones((rows,), np.int32)
+        temperature = np.zeros((rows,), np.float32)
+        streams = np.zeros((rows,), np.uint32)
+        interrupt = np.zeros((rows,), bool)
+        for row, (slot, request) in enumerate(group):
+            prompt = np.asarray(request.prompt_tokens, np.int32)
+            tokens[row, :len(prompt)] = prompt
+            lengths[row] = len(prompt)
+            slots[row] = slot
+            stops[row, :len(request.stop_tokens)] = request.stop_tokens
+            max_new[row] = request.max_new_tokens
+            temperature[row] = request.temperature
+            streams[row] = request.seed
+            interrupt[row] = request.interrupt
+        settings: SlotSettings = host_settings(
+            seeds=np.full((rows,), self.seed, np.uint32), streams=streams, max_new_tokens=max_new,
+            temperature=temperature, stop_tokens=stops, interrupt=interrupt)
+        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots,
+                                                 settings)
+        self.counters["prefill_calls"] += 1
+        self.counters["prefill_rows_padded"] += rows - len(group)
+
+    def _absorb(self, chunk: _Chunk) -> list[Completion]:
+        result = jax.tree.map(np.asarray, chunk.result)
+        self.counters["decode_steps"] += int(result.steps)
+        self.counters["slot_steps"] += int(result.steps) * len(chunk.records)
+        interruption = self.engine.config.interruption
+        finished: list[Completion] = []
+        for slot, record in enumerate(chunk.records):
+            if record is None:
+                continue
+            emitted = result.emitted[slot]
+            count = int(emitted.sum())
+            record.tokens.extend(result.tokens[slot, emitted].tolist())
+            record.logprobs.extend(result.logprobs[slot, emitted].tolist())
+            record.sampled.extend(result.sampled[slot, emitted].tolist())
+            record.versions.extend([chunk.version] * count)
+            self.counters["generated_tokens"] += count
+            self.counters["forced_tokens"] += count - int(result.sampled[slot].sum())
+            if result.active[slot]:
+                continue
+            stopped = bool(result.stopped[slot])
+            think_budget = int(result.think_budget[slot])
+            num_answer = int(result.num_answer[slot])
+            if stopped:
+                reason = "stop"
+            elif (interruption is not None and think_budget >= 0
+                  and num_answer >= interruption.answer_budget):
+                reason = "answer_budget"
+            else:
+                reason = "length"
+            finished.append(Completion(
+                request_id=record.request.request_id,
+                prompt_tokens=list(record.request.prompt_tokens),
+                tokens=record.tokens, logprobs=record.logprobs, versions=record.versions,
+                sampled=record.sampled, interrupted=bool(result.interrupted[slot]),
+                truncated=bool(result.truncated[slot]),
+                num_think_tokens=int(result.num_think[slot]), num_answer_tokens=num_answer,
+                finish_reason=reason, think_budget=think_budget))
+            self._live_ids.discard(record.request.request_id)
+            self.counters["completions"] += 1
+        return finished
