@@ -1,0 +1,70 @@
+"""Cluster planning: simulated utilization of PipelineRL-k vs PPO-off-policy-k (pipeline/sim.py).
+
+Default: the paper's setting, 64 generator GPUs and 16 trainer GPUs, 48 prompts x 16 completions
+= 768 completions per step, prompts of 1,024 tokens and completions up to 15,360 (16k total),
+long-tailed lengths (lognormal, median 4,000, prompt-level sigma 0.5 and sample-level sigma 0.6).
+Per-token costs default to an 8B dense model on H100-class GPUs, derived from hardware numbers
+(replace them with measured ones from the sampler and train-step benchmarks):
+  decode_step_s      6.0e-3  16 GB of bf16 weights read per decode step at ~2.7 TB/s
+  decode_slot_s      2.0e-5  2 x 8e9 FLOP per token at ~800 TFLOP/s
+  decode_kv_token_s  4.9e-8  131 kB of K/V per cached token (32 layers, 8 kv heads, 128 dims,
+                             bf16) read per step at ~2.7 TB/s
+  prefill_token_s    3.2e-5  2 x 8e9 FLOP per token at ~50% of 989 TFLOP/s
+  train_token_s      1.0e-4  6 x 8e9 FLOP per token (forward + backward) at ~50% MFU
+  weight_push_s 1.0, weight_load_s 0.5  broadcasting 16 GB to the generators
+Each row is a separate simulated run of `--steps` trainer steps (the first k + 2 excluded);
+ratios are samples/s over PPO-off-policy with the same k.
+
+  .venv/bin/python benchmarks/sim_cluster.py [--ks 1,2,4,8] [--steps 40] [--train_token_s 1e-4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from scalerl_jax.pipeline.sim import ClusterSpec, simulate
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ks", default="1,2,4,8", help="comma-separated k values")
+    parser.add_argument("--steps", type=int, default=40, help="trainer steps per simulated run")
+    parser.add_argument("--seed", type=int, default=0)
+    for field in dataclasses.fields(ClusterSpec):
+        parser.add_argument(f"--{field.name}", type=type(field.default), default=field.default)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    spec = ClusterSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterSpec)})
+    ks = [int(k) for k in args.ks.split(",")]
+    print(f"cluster: {spec.num_generators} generator GPUs x {spec.slots_per_generator} slots, "
+          f"{spec.num_trainers} trainer GPUs; {spec.prompts_per_step} x {spec.samples_per_prompt} "
+          f"= {spec.prompts_per_step * spec.samples_per_prompt} completions per step, "
+          f"completions <= {spec.max_completion_tokens} tokens (median {spec.length_median:.0f})")
+    header = (f"{'schedule':<18}{'step s':>8}{'samples/s':>10}{'vs PPO':>8}{'GPU util':>9}"
+              f"{'gen busy':>9}{'gen slots':>10}{'trn busy':>9}{'gen idle':>9}{'trn idle':>9}"
+              f"{'lag mean':>9}{'lag max':>8}{'span':>6}")
+    print(header)
+    for k in ks:
+        rows = {}
+        for schedule in ("ppo_off_policy", "pipeline"):
+            start = time.perf_counter()
+            rows[schedule] = (simulate(spec, schedule=schedule, k=k, num_steps=args.steps,
+                                       seed=args.seed), time.perf_counter() - start)
+        base = rows["ppo_off_policy"][0].samples_per_s
+        for schedule, (r, seconds) in rows.items():
+            name = f"{'PipelineRL' if schedule == 'pipeline' else 'PPO-off-policy'}-{k}"
+            print(f"{name:<18}{r.step_time_s:>8.1f}{r.samples_per_s:>10.2f}"
+                  f"{r.samples_per_s / base:>7.2f}x{r.gpu_utilization:>9.2f}"
+                  f"{r.generator_busy_frac:>9.2f}{r.generator_slot_util:>10.2f}"
+                  f"{r.trainer_busy_frac:>9.2f}{r.generator_idle_frac:>9.2f}"
+                  f"{r.trainer_idle_frac:>9.2f}{r.lag_mean:>9.2f}{r.lag_max:>8d}"
+                  f"{r.versions_spanned_mean:>6.2f}   ({seconds:.1f} s to simulate)")
+
+
+if __name__ == "__main__":
+    main()

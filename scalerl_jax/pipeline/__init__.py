@@ -1,0 +1,23 @@
+"""PipelineRL-k and PPO-off-policy-k: generator and trainer threads around a bounded group buffer.
+
+`lag.py` (which groups may be admitted / trained: the lag bound), `queue.py` (the thread-safe
+buffer), `batching.py` (groups -> padded train batch), `pipeline_rl.py` (the two threads,
+weight push, metrics, clean failure and signals), `sim.py` (discrete-event cluster simulator).
+Only this package (and `main`) uses threads.
+"""
+
+from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
+from scalerl_jax.pipeline.group import Group, Prompt, lags
+from scalerl_jax.pipeline.lag import (PipelineSchedule, PPOOffPolicySchedule, Schedule, Ticket,
+                                      default_capacity, make_schedule)
+from scalerl_jax.pipeline.pipeline_rl import (GeneratorStats, Pipeline, PipelineConfig,
+                                              PipelineResult, StepRecord)
+from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
+from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate
+
+__all__ = [
+    "BufferCounts", "ClusterSpec", "GeneratorStats", "Group", "GroupBuffer", "PPOOffPolicySchedule",
+    "Pipeline", "PipelineConfig", "PipelineResult", "PipelineSchedule", "PipelineStopped", "Prompt",
+    "Schedule", "SimResult", "StepRecord", "Ticket", "WaitTimes", "build_train_batch",
+    "default_capacity", "lags", "make_schedule", "pick_bucket", "power_of_two_buckets", "simulate",
+]

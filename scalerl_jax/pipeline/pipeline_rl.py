@@ -1,0 +1,479 @@
+"""PipelineRL-k and PPO-off-policy-k on one host: a generator thread and a trainer thread.
+
+Generator thread: keeps the sampler's decode slots busy. While the pending requests do not cover
+the free slots (plus `admission_slack`), it asks the group buffer to admit a prompt at the
+sampler's current params version, takes a prompt from `prompt_source`, and queues its n requests.
+It runs one sampler chunk at a time; when all n completions of a prompt are back it scores them
+with `reward_fn` and hands the group to the buffer. With nothing to run and admission refused it
+blocks on the buffer (back-pressure), first adopting any params pushed meanwhile.
+
+Trainer thread: takes the batch the schedule selects (waiting if needed), builds the padded
+arrays (`batching.py`), runs the train step, and pushes params version v + 1 to the sampler
+(`push_params`, by default `batcher.update_params`: a `jax.device_put` copy onto the sampler's
+shardings, adopted at the sampler's next chunk boundary while in-flight sequences keep their
+KV cache). Then it reports a `StepRecord` through `on_step` (metrics, per-completion versions).
+
+The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by back-pressure)
+and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
+
+Stopping. The trainer stops after `num_steps`; `request_stop()` or SIGINT/SIGTERM (handled when
+`run()` is called from the main thread) stop it after the current step (a second SIGINT raises
+KeyboardInterrupt at once). An exception in either thread closes the buffer, which wakes and
+stops the other; `run()` then re-raises that exception (with its traceback) in the calling
+thread. Groups still queued at the end are listed in the result, never reported as trained.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import signal
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, power_of_two_buckets
+from scalerl_jax.pipeline.group import Group, Prompt, lags
+from scalerl_jax.pipeline.lag import default_capacity, make_schedule
+from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
+from scalerl_jax.sampler.batcher import Request
+
+ZERO_VARIANCE_MODES = ("drop", "refill", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Schedule, batch shape, sampling settings and stopping of a pipeline run.
+
+    `capacity`: groups admitted and not yet consumed (in flight + queued); None means the
+    schedule's natural bound, (k+1)*G for PipelineRL-k and k*G for PPO-off-policy-k. A smaller
+    capacity bounds host memory and tightens the effective lag further.
+    `zero_variance`: 'drop' (filtered from the loss, batch not refilled), 'refill' (discarded
+    on arrival, counted; the batch fills with other groups) or 'none'.
+    `admission_slack`: extra pending requests allowed beyond the free slots, so that slots
+    freed by the chunk in flight are refilled at once (None: one prompt's worth, n).
+    """
+
+    max_new_tokens: int
+    max_seq_len: int
+    schedule: str = "pipeline"
+    k: int = 8
+    prompts_per_step: int = 48
+    samples_per_prompt: int = 16
+    num_steps: int = 1
+    capacity: int | None = None
+    zero_variance: str = "drop"
+    temperature: float = 1.0
+    stop_tokens: tuple[int, ...] = ()
+    interrupt: bool = True
+    min_length_bucket: int = 128
+    admission_slack: int | None = None
+    seed: int = 0
+    first_version: int = 0
+    poll_s: float = 0.05
+    join_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("pipeline", "ppo_off_policy"):
+            raise ValueError(f"PipelineConfig.schedule={self.schedule!r}: expected 'pipeline' "
+                             "or 'ppo_off_policy'")
+        if self.zero_variance not in ZERO_VARIANCE_MODES:
+            raise ValueError(f"PipelineConfig.zero_variance={self.zero_variance!r}: expected one "
+                             f"of {ZERO_VARIANCE_MODES}")
+        for name, minimum in (("prompts_per_step", 1), ("samples_per_prompt", 1), ("num_steps", 0),
+                              ("max_new_tokens", 1), ("max_seq_len", 2), ("min_length_bucket", 1),
+                              ("first_version", 0)):
+            if getattr(self, name) < minimum:
+                raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= {minimum}")
+        if self.zero_variance == "refill" and self.samples_per_prompt < 2:
+            raise ValueError("PipelineConfig.zero_variance='refill' needs samples_per_prompt >= 2 "
+                             "(a single completion always has zero variance)")
+        if self.admission_slack is not None and self.admission_slack < 0:
+            raise ValueError(f"PipelineConfig.admission_slack={self.admission_slack} must be >= 0")
+        if self.poll_s <= 0 or self.join_timeout_s <= 0:
+            raise ValueError("PipelineConfig.poll_s and join_timeout_s must be > 0")
+
+    @property
+    def rows(self) -> int:
+        """Rows of every train batch: G prompts x n completions."""
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One trainer step: which groups it trained on and what it measured.
+
+    `version` is the params version the step ran on (it produced `version + 1`); per completion
+    (group by group, sample order) `first_versions`, `last_versions` and `lags`.
+    """
+
+    version: int
+    group_ids: tuple[int, ...]
+    first_versions: tuple[int, ...]
+    last_versions: tuple[int, ...]
+    lags: tuple[int, ...]
+    metrics: dict[str, float]
+    groups: tuple[Group, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorStats:
+    """Cumulative generator-side counters."""
+
+    chunks: int = 0
+    busy_s: float = 0.0  # time inside sampler chunks
+    generated_tokens: int = 0
+    completions: int = 0
+    groups_finished: int = 0
+    groups_discarded: int = 0  # zero-variance groups dropped on arrival ('refill')
+    score_s: float = 0.0  # time inside reward_fn
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """How a run ended, the final train state and the accounting of every admitted group.
+
+    admitted == trained + discarded + queued + in_flight + consumed by a step that failed.
+    """
+
+    train_state: Any
+    version: int
+    steps: int
+    stop_reason: str  # 'num_steps', 'stop_requested', 'signal SIGINT', 'error'
+    counts: BufferCounts
+    trained_group_ids: tuple[int, ...]
+    queued_group_ids: tuple[int, ...]
+    waits: WaitTimes
+    generator: GeneratorStats
+    wall_s: float
+
+
+class _GeneratorCounters:
+    """Lock-guarded `GeneratorStats` written by the generator thread, read by the trainer."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._stats = GeneratorStats()
+
+    def add(self, **increments: float) -> None:
+        with self._lock:
+            self._stats = dataclasses.replace(self._stats, **{
+                name: getattr(self._stats, name) + value for name, value in increments.items()})
+
+    def snapshot(self) -> GeneratorStats:
+        with self._lock:
+            return self._stats
+
+
+def request_seed(base_seed: int, admit_version: int, index: int, sample: int) -> int:
+    """A request's sampler stream in [0, 2**32), from (run seed, admission version, index of the
+    group among those admitted at that version, sample): distinct per request, and the same
+    after a resume at a PPO phase boundary (group ids restart, these do not)."""
+    state = np.random.SeedSequence([base_seed, admit_version, index, sample]).generate_state(1)
+    return int(state[0])
+
+
+class Pipeline:
+    """Runs the generator and trainer threads (module docstring). One `run()` per instance.
+
+    `batcher`: the sampler driver (`ContinuousBatcher` protocol: `add_request`, `run_chunk`,
+    `update_params`, `num_free_slots`, `num_pending`, `idle`, `version`).
+    `prompt_source()` -> `Prompt`; `reward_fn(prompt, completions)` -> n floats (called in the
+    generator thread). `train_step(state, batch)` -> (state, metrics) (may donate `state`).
+    `push_params(state, version)` sends new params to the sampler (default: `update_params`
+    of `state.params`). `on_step(record)` is called in the trainer thread after each step.
+    `clock` measures waits and throughput.
+    """
+
+    def __init__(self, config: PipelineConfig, *, batcher: Any,
+                 prompt_source: Callable[[], Prompt],
+                 reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]],
+                 train_step: Callable[[Any, dict], tuple[Any, dict]], train_state: Any,
+                 push_params: Callable[[Any, int], Any] | None = None,
+                 on_step: Callable[[StepRecord], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.schedule = make_schedule(config.schedule, k=config.k,
+                                      groups_per_step=config.prompts_per_step,
+                                      first_version=config.first_version)
+        capacity = config.capacity if config.capacity is not None else default_capacity(self.schedule)
+        self.buffer = GroupBuffer(self.schedule, capacity=capacity,
+                                  first_version=config.first_version, clock=clock)
+        if batcher.version != config.first_version:
+            raise ValueError(f"batcher holds params version {batcher.version} but "
+                             f"PipelineConfig.first_version={config.first_version}")
+        self.batcher = batcher
+        self.prompt_source = prompt_source
+        self.reward_fn = reward_fn
+        self.train_step = train_step
+        self.push_params = push_params or (
+            lambda state, version: batcher.update_params(state.params, version))
+        self.on_step = on_step
+        self.clock = clock
+        self.length_buckets = power_of_two_buckets(
+            min(config.min_length_bucket, config.max_seq_len), config.max_seq_len)
+        self._train_state = train_state
+        self._version = config.first_version
+        self._trained_ids: list[int] = []
+        self._generator_stats = _GeneratorCounters()
+        self._stop = threading.Event()  # both loops: leave now
+        self._stop_requested = threading.Event()  # trainer: leave after the current step
+        self._stop_reason = ""
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._started = False
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str = "stop_requested") -> None:
+        """Stop after the current train step (thread safe)."""
+        if not self._stop_requested.is_set():
+            self._stop_reason = reason
+        self._stop_requested.set()
+
+    def run(self) -> PipelineResult:
+        """Run until `num_steps`, a stop request, a signal or an error (re-raised here)."""
+        if self._started:
+            raise RuntimeError("Pipeline.run() may be called once per Pipeline")
+        self._started = True
+        start = self.clock()
+        threads = [threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}",
+                                    daemon=True)
+                   for name, loop in (("generator", self._generator_loop),
+                                      ("trainer", self._trainer_loop))]
+        previous_handlers = self._install_signal_handlers()
+        try:
+            for thread in threads:
+                thread.start()
+            while any(thread.is_alive() for thread in threads):
+                if self._stop_requested.is_set() and not self._stop.is_set():
+                    self.buffer.close()  # a waiting trainer leaves now, a training one after its step
+                for thread in threads:
+                    thread.join(timeout=self.config.poll_s)
+        finally:
+            self._stop.set()
+            self._stop_requested.set()
+            self.buffer.close()
+            for thread in threads:
+                thread.join(timeout=self.config.join_timeout_s)
+            for signum, handler in previous_handlers.items():
+                signal.signal(signum, handler)
+        stuck = [thread.name for thread in threads if thread.is_alive()]
+        if self._error is not None:
+            raise self._error
+        if stuck:
+            raise RuntimeError(f"pipeline threads {stuck} did not stop within "
+                               f"{self.config.join_timeout_s} s")
+        return PipelineResult(
+            train_state=self._train_state, version=self._version,
+            steps=self._version - self.config.first_version,
+            stop_reason=self._stop_reason or "num_steps", counts=self.buffer.counts(),
+            trained_group_ids=tuple(self._trained_ids),
+            queued_group_ids=tuple(self.buffer.queued_group_ids()),
+            waits=self.buffer.waits(), generator=self._generator_stats.snapshot(),
+            wall_s=self.clock() - start)
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum, frame):
+            if self._stop_requested.is_set() and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            logging.warning("pipeline: %s received, stopping after the current step",
+                            signal.Signals(signum).name)
+            self.request_stop(f"signal {signal.Signals(signum).name}")
+
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, handler)
+        return previous
+
+    def _guard(self, name: str, loop: Callable[[], None]) -> None:
+        """Run a loop; record the first exception; always stop the other loop."""
+        try:
+            loop()
+        except PipelineStopped:
+            pass
+        except BaseException as error:  # noqa: BLE001 - re-raised by run() in the main thread
+            with self._error_lock:
+                if self._error is None:
+                    self._error = error
+                    self._stop_reason = "error"
+                    logging.error("pipeline %s thread failed: %r", name, error)
+                else:
+                    logging.error("pipeline %s thread also failed: %r", name, error)
+        finally:
+            self._stop.set()
+            self.buffer.close()
+
+    # ------------------------------------------------------------------ generator
+    def _request(self, prompt: Prompt, group_id: int, sample: int, version: int,
+                 index: int) -> Request:
+        cfg = self.config
+        return Request(request_id=(group_id, sample), prompt_tokens=prompt.tokens,
+                       max_new_tokens=cfg.max_new_tokens,
+                       seed=request_seed(cfg.seed, version, index, sample),
+                       temperature=cfg.temperature, stop_tokens=tuple(cfg.stop_tokens),
+                       interrupt=cfg.interrupt)
+
+    def _generator_loop(self) -> None:
+        cfg, batcher = self.config, self.batcher
+        slack = cfg.samples_per_prompt if cfg.admission_slack is None else cfg.admission_slack
+        assembling: dict[int, dict] = {}
+        admitted_at: collections.Counter = collections.Counter()  # groups admitted per version
+        while not self._stop.is_set():
+            version = batcher.version
+            while batcher.num_pending < batcher.num_free_slots + slack:
+                group_id = self.buffer.try_admit(version)
+                if group_id is None:
+                    break
+                prompt = self.prompt_source()
+                assembling[group_id] = {"prompt": prompt, "version": version, "done": {}}
+                for sample in range(cfg.samples_per_prompt):
+                    batcher.add_request(
+                        self._request(prompt, group_id, sample, version, admitted_at[version]))
+                admitted_at[version] += 1
+            if batcher.idle:
+                epoch = self.buffer.epoch
+                batcher.run_chunk()  # nothing to decode: only adopts params pushed meanwhile
+                if batcher.version == version:
+                    self.buffer.wait_admissible(version, epoch=epoch, timeout=cfg.poll_s)
+                continue
+            start = self.clock()
+            completions = batcher.run_chunk()
+            self._generator_stats.add(chunks=1, busy_s=self.clock() - start,
+                                      generated_tokens=sum(len(c.tokens) for c in completions),
+                                      completions=len(completions))
+            for completion in completions:
+                group_id, sample = completion.request_id
+                entry = assembling[group_id]
+                entry["done"][sample] = completion
+                if len(entry["done"]) == cfg.samples_per_prompt:
+                    del assembling[group_id]
+                    self._finish_group(group_id, entry)
+
+    def _finish_group(self, group_id: int, entry: dict) -> None:
+        cfg = self.config
+        completions = [entry["done"][sample] for sample in range(cfg.samples_per_prompt)]
+        start = self.clock()
+        rewards = np.asarray(self.reward_fn(entry["prompt"], completions), np.float32)
+        score_s = self.clock() - start
+        if rewards.shape != (cfg.samples_per_prompt,):
+            raise ValueError(f"reward_fn returned shape {rewards.shape} for group {group_id}; "
+                             f"expected ({cfg.samples_per_prompt},)")
+        group = Group(group_id=group_id, prompt=entry["prompt"], admit_version=entry["version"],
+                      completions=completions, rewards=rewards)
+        early = [v for v in group.first_versions if v < group.admit_version]
+        if early:
+            raise RuntimeError(f"group {group_id}: first token version {min(early)} is older than "
+                               f"its admission version {group.admit_version}")
+        if cfg.zero_variance == "refill" and np.all(rewards == rewards[0]):
+            self.buffer.discard(group_id)
+            self._generator_stats.add(groups_discarded=1, score_s=score_s)
+            return
+        self.buffer.put(group_id, group)
+        self._generator_stats.add(groups_finished=1, score_s=score_s)
+
+    # ------------------------------------------------------------------ trainer
+    def _trainer_loop(self) -> None:
+        cfg = self.config
+        totals = _Totals(start=self.clock())
+        state = self._train_state
+        while (self._version - cfg.first_version < cfg.num_steps
+               and not self._stop_requested.is_set()):
+            wait_before = self.buffer.waits().trainer_waiting_for_data
+            version, groups = self.buffer.take_batch()
+            if version != self._version:
+                raise RuntimeError(f"trainer at version {self._version} got batch {version}")
+            counts = self.buffer.counts()
+            batch, info = build_train_batch(
+                groups, rows=cfg.rows, length_buckets=self.length_buckets,
+                zero_variance="none" if cfg.zero_variance == "none" else "drop")
+            step_start = self.clock()
+            self._train_state = None  # the step may donate the state's buffers
+            state, train_metrics = self.train_step(state, batch)
+            train_metrics = {name: float(value) for name, value in jax.device_get(train_metrics).items()}
+            step_s = self.clock() - step_start
+            self._train_state = state
+            self._version += 1
+            push_start = self.clock()
+            if self.schedule.should_push(self._version):
+                self.push_params(state, self._version)
+            push_s = self.clock() - push_start
+            self.buffer.notify()
+            self._trained_ids.extend(g.group_id for g in groups)
+            totals.completions += info.num_completions
+            totals.tokens += info.completion_tokens + sum(
+                len(g.prompt.tokens) * len(g.completions) for g in groups)
+            waits = self.buffer.waits()
+            metrics = dict(train_metrics)
+            metrics.update(step_metrics(
+                groups, info, version=version, counts=counts, waits=waits,
+                generator=self._generator_stats.snapshot(), totals=totals,
+                elapsed=max(self.clock() - totals.start, 1e-9),
+                wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s))
+            metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
+            totals.discarded = counts.discarded
+            if self.on_step is not None:
+                self.on_step(StepRecord(
+                    version=version, group_ids=tuple(g.group_id for g in groups),
+                    first_versions=tuple(v for g in groups for v in g.first_versions),
+                    last_versions=tuple(v for g in groups for v in g.last_versions),
+                    lags=tuple(int(x) for x in lags(groups, version)), metrics=metrics,
+                    groups=tuple(groups)))
+
+
+@dataclasses.dataclass
+class _Totals:
+    """Trainer-side running totals since the start of the run."""
+
+    start: float
+    completions: int = 0
+    tokens: int = 0  # prompt + completion tokens trained on
+    discarded: int = 0  # buffer's discarded count at the previous step
+
+
+def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, counts: BufferCounts,
+                 waits: WaitTimes, generator: GeneratorStats, totals: _Totals, elapsed: float,
+                 wait_s: float, step_s: float, push_s: float) -> dict[str, float]:
+    """The pipeline's per-step metrics. Lag of a completion = `version` (the params the step ran
+    on) - version of its first token; versions spanned = last - first token version + 1; idle
+    fractions and rates are cumulative over the `elapsed` seconds of the run."""
+    lag = lags(groups, version)
+    firsts = np.asarray([v for g in groups for v in g.first_versions])
+    spans = np.asarray([v for g in groups for v in g.last_versions]) - firsts + 1
+    blocked = waits.generator_blocked_lag + waits.generator_blocked_full
+    return {
+        "pipeline/version": float(version + 1),
+        "pipeline/lag_min": float(lag.min()),
+        "pipeline/lag_mean": float(lag.mean()),
+        "pipeline/lag_max": float(lag.max()),
+        "pipeline/versions_spanned_mean": float(spans.mean()),
+        "pipeline/versions_spanned_max": float(spans.max()),
+        "pipeline/trainer_wait_s": wait_s,
+        "pipeline/trainer_idle_frac": waits.trainer_waiting_for_data / elapsed,
+        "pipeline/generator_blocked_lag_s": waits.generator_blocked_lag,
+        "pipeline/generator_blocked_full_s": waits.generator_blocked_full,
+        "pipeline/generator_idle_frac": blocked / elapsed,
+        "pipeline/queue_depth": float(counts.queued),
+        "pipeline/in_flight_groups": float(counts.in_flight),
+        "pipeline/groups_admitted": float(counts.admitted),
+        "pipeline/groups_discarded": float(counts.discarded),
+        "pipeline/samples_per_s": totals.completions / elapsed,
+        "pipeline/train_tokens_per_s": totals.tokens / elapsed,
+        "pipeline/step_s": step_s,
+        "pipeline/push_s": push_s,
+        "pipeline/sequence_length": float(info.sequence_length),
+        "sampler/tokens_per_s": generator.generated_tokens / elapsed,
+        "sampler/completions_per_s": generator.completions / elapsed,
+        "sampler/busy_frac": generator.busy_s / elapsed,
+        "sampler/interrupted_frac": info.interrupted / info.num_completions,
+        "sampler/truncated_frac": info.truncated / info.num_completions,
+        "sampler/score_s": generator.score_s,
+        "data/zero_variance_dropped": float(
+            info.zero_variance_groups + counts.discarded - totals.discarded),
+    }

@@ -1,0 +1,94 @@
+"""Groups -> padded train batch (pipeline/batching.py), checked against arrays written out by hand."""
+
+import numpy as np
+import pytest
+
+from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
+from scalerl_jax.pipeline.group import Group, Prompt, lags
+from scalerl_jax.sampler import Completion
+from scalerl_jax.train.step import validate_batch
+
+
+def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False):
+    return Completion(request_id=None, prompt_tokens=[], tokens=list(tokens),
+                      logprobs=list(logprobs), versions=list(versions), sampled=list(sampled),
+                      interrupted=interrupted, truncated=truncated, num_think_tokens=0,
+                      num_answer_tokens=0, finish_reason="stop", think_budget=-1)
+
+
+def two_groups():
+    # group 0: prompt [5, 6], rewards differ; completion 1 has a forced token (sampled False).
+    g0 = Group(0, Prompt("a", (5, 6)), admit_version=3, rewards=[1.0, -1.0], completions=[
+        completion([7, 8], [-0.5, -0.25], [True, True], [3, 4]),
+        completion([9, 10, 11], [-1.0, 0.0, -2.0], [True, False, True], [4, 4, 5],
+                   interrupted=True)])
+    # group 1: prompt [1], both rewards equal -> zero variance.
+    g1 = Group(1, Prompt("b", (1,)), admit_version=4, rewards=[-1.0, -1.0], completions=[
+        completion([2], [-0.125], [True], [4]),
+        completion([3, 4, 5, 6], [-1.0, -1.0, -1.0, -1.0], [True] * 4, [5, 5, 5, 6],
+                   truncated=True)])
+    return [g0, g1]
+
+
+def test_batch_arrays_by_hand():
+    batch, info = build_train_batch(two_groups(), rows=6, length_buckets=(4, 8, 16))
+    # longest row: prompt 1 + completion 4 = 5, or 2 + 3 = 5 -> bucket 8
+    np.testing.assert_array_equal(batch["tokens"], [
+        [5, 6, 7, 8, 0, 0, 0, 0],
+        [5, 6, 9, 10, 11, 0, 0, 0],
+        [1, 2, 0, 0, 0, 0, 0, 0],
+        [1, 3, 4, 5, 6, 0, 0, 0],
+        [0] * 8, [0] * 8])
+    np.testing.assert_array_equal(batch["loss_mask"], [
+        [0, 0, 1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 1, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 1, 0, 0, 0],
+        [0] * 8, [0] * 8])
+    np.testing.assert_array_equal(batch["behavior_logp"], [
+        [0, 0, -0.5, -0.25, 0, 0, 0, 0],
+        [0, 0, -1.0, 0.0, -2.0, 0, 0, 0],
+        [0, -0.125, 0, 0, 0, 0, 0, 0],
+        [0, -1.0, -1.0, -1.0, -1.0, 0, 0, 0],
+        [0] * 8, [0] * 8])
+    np.testing.assert_array_equal(batch["rewards"], [1, -1, -1, -1, 0, 0])
+    np.testing.assert_array_equal(batch["group_ids"], [0, 0, 1, 1, 4, 5])
+    # group 1 has zero variance, rows 4-5 are padding
+    np.testing.assert_array_equal(batch["sample_valid"], [True, True, False, False, False, False])
+    assert validate_batch(batch) == (6, 8)
+    assert (info.num_groups, info.num_completions, info.zero_variance_groups) == (2, 4, 1)
+    assert (info.sequence_length, info.longest_sequence) == (8, 5)
+    assert (info.completion_tokens, info.sampled_tokens) == (10, 9)
+    assert (info.interrupted, info.truncated) == (1, 1)
+
+
+def test_no_filter_keeps_every_real_row():
+    batch, info = build_train_batch(two_groups(), rows=4, length_buckets=(8,), zero_variance="none")
+    np.testing.assert_array_equal(batch["sample_valid"], [True] * 4)
+    assert info.zero_variance_groups == 0
+
+
+def test_versions_and_lags():
+    g0, g1 = two_groups()
+    assert g0.first_versions == [3, 4] and g0.last_versions == [4, 5]
+    np.testing.assert_array_equal(lags([g0, g1], 6), [3, 2, 2, 1])
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="exceeds the largest length bucket 4"):
+        build_train_batch(two_groups(), rows=4, length_buckets=(4,))
+    with pytest.raises(ValueError, match="do not fit rows=3"):
+        build_train_batch(two_groups(), rows=3, length_buckets=(8,))
+    with pytest.raises(ValueError, match="group 9: 1 rewards for 2 completions"):
+        Group(9, Prompt("c", (1,)), 0, rewards=[1.0],
+              completions=two_groups()[0].completions)
+    bad = completion([1, 2], [-1.0], [True, True], [0, 0])
+    with pytest.raises(ValueError, match="group 2 completion 0: tokens/logprobs/sampled"):
+        build_train_batch([Group(2, Prompt("d", (1,)), 0, rewards=[0.0], completions=[bad])],
+                          rows=1, length_buckets=(8,))
+
+
+def test_buckets():
+    assert power_of_two_buckets(128, 1000) == (128, 256, 512, 1000)
+    assert power_of_two_buckets(64, 64) == (64,)
+    assert pick_bucket(129, (128, 256)) == 256 and pick_bucket(128, (128, 256)) == 128

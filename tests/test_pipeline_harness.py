@@ -1,0 +1,314 @@
+"""Deterministic harness for the pipeline threads (pipeline/pipeline_rl.py).
+
+The sampler is replaced by a scripted batcher that follows the `ContinuousBatcher` protocol
+(one token per chunk, a scripted number of chunks per request, requests that can be held back),
+and the train step by a counting step that can be gated; the orchestration under test (the
+threads, the buffer, admission, selection, stopping) is the real one. Blocking is synchronised
+on the buffer's observable state, not on sleeps, so the orderings asserted here are certain.
+"""
+
+import os
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+
+from scalerl_jax.pipeline.group import Prompt
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
+from scalerl_jax.sampler import Completion
+
+
+class ScriptedBatcher:
+    """ContinuousBatcher protocol. Request (group, sample) runs `chunks(group, sample)` chunks and
+    emits one token per chunk with the version of that chunk; while `hold(group, sample, n)` (n:
+    tokens so far) is true it does not advance. `fail_at_chunk`: raise in that chunk."""
+
+    def __init__(self, num_slots, *, chunks=lambda g, s: 1, hold=lambda g, s, n: False,
+                 fail_at_chunk=None):
+        self.num_slots = num_slots
+        self.chunks = chunks
+        self.hold = hold
+        self.fail_at_chunk = fail_at_chunk
+        self.version = 0
+        self.slots = [None] * num_slots
+        self.queue = []
+        self.chunk_count = 0
+        self.tokens_by_version = {}
+        self._pending = None
+        self._lock = threading.Lock()
+
+    @property
+    def num_free_slots(self):
+        return sum(s is None for s in self.slots)
+
+    @property
+    def num_pending(self):
+        return len(self.queue)
+
+    @property
+    def idle(self):
+        return not self.queue and self.num_free_slots == self.num_slots
+
+    def add_request(self, request):
+        self.queue.append(request)
+
+    def update_params(self, params, version):
+        with self._lock:
+            self._pending = (params, version)
+
+    def run_chunk(self):
+        with self._lock:
+            if self._pending is not None:
+                self.version = self._pending[1]
+                self._pending = None
+        for i, slot in enumerate(self.slots):
+            if slot is None and self.queue:
+                self.slots[i] = {"request": self.queue.pop(0), "tokens": [], "versions": []}
+        if self.idle:
+            return []
+        self.chunk_count += 1
+        if self.chunk_count == self.fail_at_chunk:
+            boom_in_chunk()
+        time.sleep(0.001)
+        finished = []
+        for i, slot in enumerate(self.slots):
+            if slot is None:
+                continue
+            group, sample = slot["request"].request_id
+            if self.hold(group, sample, len(slot["tokens"])):
+                continue
+            slot["tokens"].append(len(slot["tokens"]) + 1)
+            slot["versions"].append(self.version)
+            self.tokens_by_version[self.version] = self.tokens_by_version.get(self.version, 0) + 1
+            if len(slot["tokens"]) >= self.chunks(group, sample):
+                n = len(slot["tokens"])
+                finished.append(Completion(
+                    request_id=(group, sample), prompt_tokens=list(slot["request"].prompt_tokens),
+                    tokens=slot["tokens"], logprobs=[-1.0] * n, versions=slot["versions"],
+                    sampled=[True] * n, interrupted=False, truncated=False, num_think_tokens=0,
+                    num_answer_tokens=n, finish_reason="stop", think_budget=-1))
+                self.slots[i] = None
+        return finished
+
+
+def boom_in_chunk():
+    raise ValueError("injected sampler failure")
+
+
+class CountingStep:
+    """Train step on an int state (its version): records batches; `gate(version)` may block."""
+
+    def __init__(self, gate=lambda version: None, fail_at=None):
+        self.gate = gate
+        self.fail_at = fail_at
+        self.batches = []
+
+    def __call__(self, state, batch):
+        if state == self.fail_at:
+            boom_in_step()
+        self.gate(state)
+        self.batches.append(batch)
+        return state + 1, {"train/loss": 0.0}
+
+
+def boom_in_step():
+    raise RuntimeError("injected train-step failure")
+
+
+def make_pipeline(batcher, step, **overrides):
+    counter = iter(range(10**6))
+    records = []
+    settings = dict(max_new_tokens=8, max_seq_len=32, min_length_bucket=8, prompts_per_step=1,
+                    samples_per_prompt=1, num_steps=3, k=1, admission_slack=0, poll_s=0.01)
+    settings.update(overrides)
+    pipeline = Pipeline(
+        PipelineConfig(**settings), batcher=batcher,
+        prompt_source=lambda: Prompt(next(counter), (1, 2, 3)),
+        reward_fn=lambda prompt, completions: [float(i % 2) for i in range(len(completions))],
+        train_step=step, train_state=0,
+        push_params=lambda state, version: batcher.update_params(state, version),
+        on_step=records.append)
+    return pipeline, records
+
+
+def assert_accounting(result, records):
+    trained = [g for r in records for g in r.group_ids]
+    assert len(trained) == len(set(trained))  # none trained twice
+    assert set(trained).isdisjoint(result.queued_group_ids)  # queued is never reported trained
+    assert list(result.trained_group_ids) == trained
+    counts = result.counts
+    assert counts.admitted == len(trained) + counts.discarded + counts.queued + counts.in_flight
+    assert [r.version for r in records] == list(range(len(records)))  # strictly increasing
+
+
+def no_pipeline_threads_left():
+    return not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
+
+
+def test_trainer_waits_for_the_group_whose_deadline_has_come():
+    # k=1, G=1, n=1. Group 0 (2 tokens) is held after its first token (made by v0); group 1
+    # trains at v0. At v1 group 2 (admitted at v1) is ready, but group 0 must be consumed at v1
+    # at the latest: the trainer waits for it although another group is queued, and group 2
+    # follows at v2.
+    pipeline = None
+
+    def hold(group, sample, num_tokens):
+        return group == 0 and num_tokens == 1 and not (
+            pipeline.buffer.trainer_waiting_for() == 1 and pipeline.buffer.counts().queued >= 1)
+
+    batcher = ScriptedBatcher(2, chunks=lambda g, s: 2 if g == 0 else 1, hold=hold)
+    step = CountingStep()
+    pipeline, records = make_pipeline(batcher, step, k=1, num_steps=3)
+    result = pipeline.run()
+    assert [r.group_ids for r in records] == [(1,), (0,), (2,)]
+    assert [r.lags for r in records] == [(0,), (1,), (1,)]
+    assert records[1].first_versions == (0,) and records[1].last_versions == (1,)
+    assert records[2].first_versions == (1,)
+    m = records[1].metrics  # step on version 1 -> version 2; group 0 spans versions 0 and 1
+    assert (m["pipeline/version"], m["pipeline/lag_max"], m["pipeline/versions_spanned_max"]) == (2, 1, 2)
+    assert m["pipeline/groups_trained"] == 2 and m["pipeline/queue_depth"] == 1  # group 2 waits
+    assert result.waits.trainer_waits >= 1
+    assert_accounting(result, records)
+    assert no_pipeline_threads_left()
+
+
+@pytest.mark.parametrize("k,capacity,reason", [(8, 2, "full"), (1, None, "lag")])
+def test_generator_blocks_while_trainer_is_slow(k, capacity, reason):
+    # G=1, n=1, one-chunk requests. The first train step does not finish until the idle
+    # generator is blocked on admission, for the expected reason.
+    pipeline = None
+    seen = {}
+
+    def gate(version):
+        if version == 0:
+            deadline = time.monotonic() + 10
+            while pipeline.buffer.generator_blocked() != reason:
+                assert time.monotonic() < deadline, "generator never blocked"
+                time.sleep(0.002)
+            seen["counts"] = pipeline.buffer.counts()
+
+    batcher = ScriptedBatcher(4)
+    pipeline, records = make_pipeline(batcher, CountingStep(gate), k=k, capacity=capacity,
+                                      num_steps=2)
+    result = pipeline.run()
+    # admitted before the block: `capacity` groups (full) or (k+1)*G = 2 (lag), then one more
+    # once batch 0 was taken; it stays there while step 0 runs.
+    assert seen["counts"].admitted == 3 if reason == "full" else seen["counts"].admitted == 2
+    waits = result.waits  # (booked under the reason in force when each wait began)
+    assert waits.generator_full_waits + waits.generator_lag_waits >= 1
+    assert waits.generator_blocked_full + waits.generator_blocked_lag > 0
+    assert all(lag <= k for r in records for lag in r.lags)
+    assert_accounting(result, records)
+
+
+def test_generator_exception_ends_run_with_its_traceback():
+    batcher = ScriptedBatcher(2, chunks=lambda g, s: 3, fail_at_chunk=5)
+    start = time.monotonic()
+    pipeline, _ = make_pipeline(batcher, CountingStep(), num_steps=100)
+    with pytest.raises(ValueError, match="injected sampler failure") as info:
+        pipeline.run()
+    assert time.monotonic() - start < 10
+    assert "boom_in_chunk" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert no_pipeline_threads_left()
+
+
+def test_trainer_exception_wakes_a_blocked_generator():
+    # k=0: the generator is blocked on admission (lag) while the trainer fails in step 2.
+    batcher = ScriptedBatcher(2)
+    start = time.monotonic()
+    pipeline, records = make_pipeline(batcher, CountingStep(fail_at=2), k=0, num_steps=100)
+    with pytest.raises(RuntimeError, match="injected train-step failure") as info:
+        pipeline.run()
+    assert time.monotonic() - start < 10
+    assert "boom_in_step" in [frame.name for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert len(records) == 2 and no_pipeline_threads_left()
+
+
+def test_exception_in_reward_fn_and_in_on_step():
+    batcher = ScriptedBatcher(2)
+    pipeline, _ = make_pipeline(batcher, CountingStep())
+    pipeline.reward_fn = lambda prompt, completions: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        pipeline.run()
+
+    def on_step(record):
+        raise KeyError("bad metric")
+
+    pipeline, _ = make_pipeline(ScriptedBatcher(2), CountingStep())
+    pipeline.on_step = on_step
+    with pytest.raises(KeyError, match="bad metric"):
+        pipeline.run()
+    assert no_pipeline_threads_left()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_after_the_current_step(signum):
+    in_step, release = threading.Event(), threading.Event()
+
+    def gate(version):
+        if version == 1:
+            in_step.set()
+            assert release.wait(10)
+
+    def send_signal():
+        assert in_step.wait(10)
+        os.kill(os.getpid(), signum)
+        time.sleep(0.2)  # the handler runs in the main thread; the step is still going
+        release.set()
+
+    batcher = ScriptedBatcher(4)
+    pipeline, records = make_pipeline(batcher, CountingStep(gate), k=2, num_steps=50)
+    sender = threading.Thread(target=send_signal)
+    sender.start()
+    result = pipeline.run()
+    sender.join()
+    assert result.stop_reason == f"signal {signal.Signals(signum).name}"
+    assert result.steps == 2 and len(records) == 2  # step 1 finished, no step 2
+    assert_accounting(result, records)
+    assert no_pipeline_threads_left()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_request_stop_from_on_step():
+    batcher = ScriptedBatcher(4)
+    pipeline, records = make_pipeline(batcher, CountingStep(), k=3, num_steps=50)
+    pipeline.on_step = lambda record: (records.append(record),
+                                       record.version == 4 and pipeline.request_stop())
+    result = pipeline.run()
+    assert result.stop_reason == "stop_requested" and result.steps == 5
+    assert_accounting(result, records)
+
+
+def test_ppo_off_policy_k_updates_per_phase_on_one_version():
+    k, groups, samples = 3, 2, 2
+    batcher = ScriptedBatcher(3, chunks=lambda g, s: 1 + (g * 7 + s) % 4)
+    step = CountingStep()
+    pipeline, records = make_pipeline(batcher, step, schedule="ppo_off_policy", k=k,
+                                      prompts_per_step=groups, samples_per_prompt=samples,
+                                      num_steps=3 * k, admission_slack=2)
+    result = pipeline.run()
+    assert [r.version for r in records] == list(range(3 * k))
+    for r in records:
+        phase_start = r.version - r.version % k
+        assert set(r.first_versions) == set(r.last_versions) == {phase_start}
+        assert set(r.lags) == {r.version - phase_start}
+        assert len(r.group_ids) == groups
+    # every token of a phase on that phase's version: nothing generated while training
+    assert set(batcher.tokens_by_version) == {0, 3, 6}
+    assert_accounting(result, records)
+
+
+def test_zero_variance_refill_discards_and_counts():
+    # n=2 with rewards [r, r] for even groups: they are discarded on arrival and counted.
+    batcher = ScriptedBatcher(4)
+    pipeline, records = make_pipeline(batcher, CountingStep(), samples_per_prompt=2,
+                                      prompts_per_step=2, zero_variance="refill", k=2, num_steps=3)
+    pipeline.reward_fn = lambda prompt, completions: [1.0, 1.0 - 2 * (prompt.key % 2)]
+    result = pipeline.run()
+    for r in records:
+        assert all(g.prompt.key % 2 == 1 for g in r.groups)
+    assert result.counts.discarded >= 3
+    assert sum(r.metrics["data/zero_variance_dropped"] for r in records) <= result.counts.discarded
+    assert_accounting(result, records)
