@@ -24,7 +24,7 @@ CHOICES = {
 POSITIVE_INTS = (
     "num_steps", "batch.prompts_per_step", "batch.generations_per_prompt", "batch.microbatches",
     "sampler.num_slots", "sampler.chunk_steps", "sampler.max_new_tokens", "sampler.answer_budget",
-    "schedule.k", "schedule.queue_groups", "eval.every", "eval.num_prompts",
+    "schedule.k", "eval.every", "eval.num_prompts",
     "eval.samples_per_prompt", "checkpoint.every", "checkpoint.keep", "data.max_prompt_tokens",
     "model.logprob_chunk",
 )
@@ -90,6 +90,8 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config key `batch.microbatches` = {b.microbatches} must divide the batch's "
             f"{b.prompts_per_step * b.generations_per_prompt} sequences (`batch.prompts_per_step` x `batch.generations_per_prompt`)"
         )
+    if not isinstance(config.schedule.queue_groups, int) or config.schedule.queue_groups < 0:
+        raise ConfigError(f"config key `schedule.queue_groups` = {config.schedule.queue_groups!r}; expected an int >= 0 (0: automatic)")
     if not 0 < config.mesh.generator_fraction < 1:
         raise ConfigError(f"config key `mesh.generator_fraction` = {config.mesh.generator_fraction}; expected in (0, 1)")
     if not 0 < config.rl.positive_pass_rate <= 1:

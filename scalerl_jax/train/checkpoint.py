@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging
 
 
 class RunCheckpointer:
@@ -31,7 +32,16 @@ class RunCheckpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, train_state: Any, run_state: dict) -> None:
-        """Writes one checkpoint and waits until it is complete on disk."""
+        """Writes one checkpoint and waits until it is complete on disk (orbax's INFO lines muted)."""
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity(logging.WARNING)
+        try:
+            self._save(step, train_state, run_state)
+        finally:
+            logging.set_verbosity(verbosity)
+        logging.info("checkpoint: saved step %d to %s", step, self.directory)
+
+    def _save(self, step: int, train_state: Any, run_state: dict) -> None:
         self._manager.save(
             step,
             args=ocp.args.Composite(
