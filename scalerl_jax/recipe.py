@@ -89,7 +89,7 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "pipeline"  # 'pipeline' (PipelineRL-k) | 'ppo_off_policy'
     c.schedule.k = 8
-    c.schedule.queue_groups = 96
+    c.schedule.queue_groups = 0  # groups admitted and not yet trained; 0: the schedule's bound ((k+1)G, or kG for PPO)
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.lr = 5e-7
@@ -287,4 +287,77 @@ def scale(name: str) -> ml_collections.ConfigDict:
         raise ValueError(f"unknown scale-up variant {name!r}; choose one of {sorted(SCALE)}")
     c = scalerl_8b()
     SCALE[name](c)
+    return c
+
+
+# ---------------------------------------------------------------- the embedded default (CPU)
+def tiny() -> ml_collections.ConfigDict:
+    """The full ScaleRL recipe scaled down to one CPU: a ~2M-parameter Llama-style policy warm
+    started on the synthetic arithmetic task, then PipelineRL-2 with CISPO, prompt aggregation,
+    batch normalization, zero-variance filtering, No-Positive-Resampling and interruptions."""
+    c = scalerl_8b()
+    c.num_steps = 100
+    c.model.preset = "tiny-llama"
+    c.model.dtype = "float32"
+    c.model.scan_layers = False
+    c.model.remat_policy = "none"
+    c.model.logprob_chunk = 64
+
+    c.data.dataset = "synthetic"
+    c.data.use_chat_template = False
+    c.data.prompt_template = "{problem}\nAnswer in \\boxed{}."
+    c.data.max_prompt_tokens = 32
+    c.data.heldout_size = 128
+
+    c.batch.prompts_per_step = 16
+    c.batch.generations_per_prompt = 8
+    c.batch.microbatches = 1
+
+    c.rl.length_penalty_max = 64
+    c.rl.length_penalty_cache = 16
+
+    c.sampler.num_slots = 64
+    c.sampler.chunk_steps = 8
+    c.sampler.max_new_tokens = 80
+    c.sampler.think_budget_min = 60
+    c.sampler.think_budget_max = 68
+    c.sampler.answer_budget = 12
+    c.sampler.interruption_phrase = "Time is up. </think>"
+
+    c.schedule.k = 2
+
+    c.optimizer.lr = 1e-4
+    c.optimizer.warmup_steps = 5
+    c.optimizer.eps = 1e-8
+    c.optimizer.max_grad_norm = 1.0
+
+    c.mesh.generator_fraction = 0.5
+    c.mesh.trainer_shape = (1, -1, 1)
+    c.mesh.generator_shape = (-1, 1, 1)
+
+    c.eval.every = 10
+    c.eval.num_prompts = 128
+    c.eval.samples_per_prompt = 4
+    c.checkpoint.every = 20
+
+    c.synthetic = ml_collections.ConfigDict()
+    c.synthetic.seed = 0
+    c.synthetic.heldout_size = 128
+    c.synthetic.sft_size = 4096
+    c.synthetic.train_size = 4096
+    c.synthetic.levels = ((2, 9), (3, 9), (4, 9), (5, 9))
+
+    c.warm_start = ml_collections.ConfigDict()
+    c.warm_start.seed = 0
+    c.warm_start.steps = 220
+    c.warm_start.batch_size = 64
+    c.warm_start.lr = 2e-3
+    c.warm_start.warmup_steps = 30
+    c.warm_start.weight_decay = 0.0
+    c.warm_start.max_len = 96
+    c.warm_start.tokenizer_vocab_size = 300
+    c.warm_start.log_every = 25
+    c.warm_start.model_overrides = ml_collections.ConfigDict(dict(
+        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        rope_scaling=None, max_position_embeddings=128))
     return c

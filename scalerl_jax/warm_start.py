@@ -1,0 +1,105 @@
+"""Supervised warm start of the tiny policy, written as a Hugging Face checkpoint directory.
+
+The embedded default run goes through the same doors as the 8B run: this module trains a
+byte-level BPE tokenizer on the synthetic task (`tokenizer.json`), trains a small decoder on the
+task's worked traces by next-token cross-entropy, and saves it with `save_hf` (config.json +
+safetensors). The RL run then loads that directory with `load_hf`. The directory is cached under
+the workdir, keyed by a digest of everything that determines it, and written atomically (a
+temporary directory renamed when complete), so a killed warm start is redone, never half-loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from scalerl_jax import data as data_lib
+from scalerl_jax.models import Transformer, get_preset, save_hf, sequence_logprobs
+
+COMPLETE_MARKER = "warm_start_complete.json"
+
+
+def synthetic_task(config: ml_collections.ConfigDict) -> data_lib.SyntheticTaskConfig:
+    """The synthetic task of `config.synthetic` (seed, split sizes, difficulty levels)."""
+    s = config.synthetic
+    return data_lib.SyntheticTaskConfig(
+        seed=s.seed,
+        split_sizes=(("heldout", s.heldout_size), ("sft", s.sft_size), ("train", s.train_size)),
+        levels=tuple(data_lib.Level(num_ops, max_operand) for num_ops, max_operand in s.levels),
+    )
+
+
+def _digest(config: ml_collections.ConfigDict) -> str:
+    payload = json.dumps({"synthetic": config.synthetic.to_dict(), "warm_start": config.warm_start.to_dict(),
+                          "template": config.data.prompt_template}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def sft_loss(model: Transformer, tokens: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy over the masked targets: -sum(m * log p(x_t | x_<t)) / sum(m)."""
+    logp = sequence_logprobs(model, tokens)
+    return -jnp.sum(logp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
+
+
+def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """Returns the path of the warm-started tiny policy's HF directory, building it if needed."""
+    root = os.path.join(workdir, "warm_start")
+    path = os.path.join(root, _digest(config))
+    if os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+        logging.info("warm start: reusing %s", path)
+        return path
+    ws = config.warm_start
+    start = time.time()
+    task = synthetic_task(config)
+    builder = data_lib.build_synthetic(os.path.join(workdir, "tfds"), task)
+    sft_rows = data_lib.read_split(builder, "sft")
+    staging = path + ".tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    corpus = data_lib.tokenizer_corpus(
+        data_lib.generate_splits(task)["sft"], config.data.prompt_template,
+        extra_texts=(config.sampler.interruption_phrase,))
+    tokenizer = data_lib.train_tokenizer(corpus, ws.tokenizer_vocab_size, staging)
+    ids = data_lib.special_token_ids(tokenizer)
+    encoder = data_lib.PromptEncoder(tokenizer, data_lib.PromptFormat(
+        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens))
+    tokens, masks = data_lib.sft_arrays(sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=ids["eos"],
+                                        pad_id=ids["pad"])
+
+    model_config = get_preset(
+        config.model.preset, **ws.model_overrides.to_dict(), vocab_size=tokenizer.get_vocab_size(),
+        bos_token_id=ids["bos"], eos_token_id=ids["eos"], fp32_head=config.model.fp32_head)
+    model = Transformer(model_config, rngs=nnx.Rngs(ws.seed))
+    warmup = min(ws.warmup_steps, ws.steps // 2)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, ws.lr, warmup, max(ws.steps, warmup + 1), ws.lr * 0.1)
+    optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=ws.weight_decay), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tokens, masks):
+        loss, grads = nnx.value_and_grad(sft_loss)(model, tokens, masks)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(ws.seed)
+    for i in range(ws.steps):
+        batch = rng.integers(0, len(tokens), ws.batch_size)
+        loss = step(model, optimizer, jnp.asarray(tokens[batch]), jnp.asarray(masks[batch]))
+        if i % ws.log_every == 0 or i == ws.steps - 1:
+            logging.info("warm start: step %d/%d  sft loss %.4f  (%.0fs)", i + 1, ws.steps, float(loss),
+                         time.time() - start)
+    save_hf(model, staging)
+    with open(os.path.join(staging, COMPLETE_MARKER), "w") as f:
+        json.dump({"steps": ws.steps, "final_loss": float(loss), "seconds": time.time() - start}, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(staging, path)
+    logging.info("warm start: wrote %s in %.0fs", path, time.time() - start)
+    return path
