@@ -296,7 +296,7 @@ def tiny() -> ml_collections.ConfigDict:
     started on the synthetic arithmetic task, then PipelineRL-2 with CISPO, prompt aggregation,
     batch normalization, zero-variance filtering, No-Positive-Resampling and interruptions."""
     c = scalerl_8b()
-    c.num_steps = 100
+    c.num_steps = 150
     c.model.preset = "tiny-llama"
     c.model.dtype = "float32"
     c.model.scan_layers = False
@@ -326,7 +326,7 @@ def tiny() -> ml_collections.ConfigDict:
 
     c.schedule.k = 2
 
-    c.optimizer.lr = 1e-4
+    c.optimizer.lr = 2e-5
     c.optimizer.warmup_steps = 5
     c.optimizer.eps = 1e-8
     c.optimizer.max_grad_norm = 1.0
