@@ -73,7 +73,7 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
         num_too_long=train.num_too_long + heldout.num_too_long)
 
 
-def make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, golds, counters):
+def make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, golds):
     """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history."""
     length_shaping = config.rl.length_control == "length_penalty"
 
@@ -87,8 +87,6 @@ def make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, golds, c
                                                 l_cache=config.rl.length_penalty_cache))
             rewards = rewards + np.where(scored.correct, penalty, 0.0)
         pool.record(prompt.key, int(scored.correct.sum()), len(completions))
-        counters["correct"] += int(scored.correct.sum())
-        counters["scored"] += len(completions)
         return rewards.tolist()
 
     return reward_fn
@@ -165,8 +163,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         kind="exact" if config.data.dataset == "synthetic" else "math",
         correct_reward=config.data.reward_correct, incorrect_reward=config.data.reward_incorrect)
     verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s)
-    counters = {"correct": 0, "scored": 0, "nonfinite_steps": 0}
-    reward_fn = make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, task.train_golds, counters)
+    counters = {"nonfinite_steps": 0}
+    reward_fn = make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, task.train_golds)
 
     def prompt_source() -> Prompt:
         index = pool.next_prompts(1)[0]
