@@ -1,6 +1,7 @@
 """Checks a run config before anything heavy starts; every error names the offending key."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterable
 
@@ -98,6 +99,9 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"config key `rl.positive_pass_rate` = {config.rl.positive_pass_rate}; expected in (0, 1]")
     if config.optimizer.lr <= 0 or config.optimizer.eps <= 0:
         raise ConfigError("config keys `optimizer.lr` and `optimizer.eps` must be > 0")
+    a_range = tuple(config.eval.fit_a_range)
+    if len(a_range) != 2 or not 0 <= a_range[0] < a_range[1] <= 1:
+        raise ConfigError(f"config key `eval.fit_a_range` = {a_range!r}; expected (low, high) with 0 <= low < high <= 1")
 
 
 def check_paths(config: ml_collections.ConfigDict) -> None:
@@ -134,6 +138,49 @@ def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
             f"of {num_devices} devices)"
         )
     return generators, trainers
+
+
+# Keys a resumed run may change: how long it runs and how often it evaluates and saves.
+RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep")
+
+
+def config_json(config: ml_collections.ConfigDict) -> dict:
+    """The config as written to `WORKDIR/config.json` (tuples become lists)."""
+    return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """A workdir holding checkpoints is resumed only with the config it was started with.
+
+    Raises ConfigError naming the keys that differ from `WORKDIR/config.json` (other than
+    `RESUMABLE_CHANGES`), instead of silently continuing another run's checkpoints.
+    """
+    saved_path = os.path.join(workdir, "config.json")
+    checkpoints = os.path.join(workdir, "checkpoints")
+    if not (os.path.isfile(saved_path) and os.path.isdir(checkpoints) and os.listdir(checkpoints)):
+        return
+    with open(saved_path) as f:
+        saved = json.load(f)
+    new = config_json(config)
+
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[f"{prefix}{key}"] = value
+        return out
+
+    old_flat, new_flat = flat(saved), flat(new)
+    changed = sorted(k for k in set(old_flat) | set(new_flat)
+                     if old_flat.get(k) != new_flat.get(k) and k not in RESUMABLE_CHANGES)
+    if changed:
+        raise ConfigError(
+            f"workdir {workdir!r} holds checkpoints of a run with a different config; changed keys: "
+            f"{', '.join(f'`{k}` ({old_flat.get(k)!r} -> {new_flat.get(k)!r})' for k in changed[:8])}"
+            f"{' ...' if len(changed) > 8 else ''}. Use a new --workdir, or the config of that run "
+            f"(only {', '.join(RESUMABLE_CHANGES)} may change on resume)")
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, check_files: bool = True) -> None:

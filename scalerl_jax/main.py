@@ -16,7 +16,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scalerl_jax.config_validation import validate
+from scalerl_jax.config_validation import check_resume, config_json, validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.",
                                           lock_config=True)
@@ -31,9 +31,10 @@ def main(argv):
         jax.distributed.initialize()
     config, workdir = _CONFIG.value, _WORKDIR.value
     validate(config, num_devices=len(jax.devices()))
+    check_resume(config, workdir)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(config.to_dict(), f, indent=2, sort_keys=True, default=str)
+        json.dump(config_json(config), f, indent=2, sort_keys=True)
     from scalerl_jax.runner import run  # heavy imports after the config is known to be good
 
     start = time.time()

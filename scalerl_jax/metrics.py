@@ -30,6 +30,11 @@ def _to_json_value(value: Any) -> Any:
     raise ValueError(f"metric values must be scalars, got shape {array.shape}")
 
 
+def tensorboard_tag(key: str) -> str:
+    """`key` as a TensorBoard tag: '@' (as in 'eval/pass@1') is not allowed there, so 'pass_at_1'."""
+    return key.replace("@", "_at_")
+
+
 class MetricsWriter:
     """Appends step metrics to JSONL and TensorBoard; `offset()` marks a resumable position."""
 
@@ -53,7 +58,7 @@ class MetricsWriter:
         self._file.flush()
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(key, value, global_step=int(step))
+                self._tb.add_scalar(tensorboard_tag(key), value, global_step=int(step))
 
     def offset(self) -> int:
         """Byte length of the JSONL file so far (flushed); saved with every checkpoint."""
@@ -65,8 +70,12 @@ class MetricsWriter:
         self._tb.close()
 
 
-def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s: float | None) -> str:
-    """The per-step progress line: step, pass rate, reward, tokens/s, lag, length control, compute, ETA."""
+def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s: float | None,
+                    last_eval: tuple[int, float] | None = None) -> str:
+    """The per-step progress line: step, pass rate, reward, tokens/s, lag, length control, compute, ETA.
+
+    The pass rate is this step's held-out evaluation, else `last_eval` = (its step, its pass rate).
+    """
 
     def get(key: str, fmt: str) -> str:
         value = metrics.get(key)
@@ -75,8 +84,11 @@ def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s
         return format(float(value), fmt)
 
     eta = "-" if eta_s is None else f"{eta_s / 60:.1f}m"
+    pass_rate = get("eval/pass_rate", ".3f")
+    if pass_rate == "-" and last_eval is not None:
+        pass_rate = f"{last_eval[1]:.3f}@{last_eval[0]}"
     return (
-        f"step {step}/{num_steps} | pass {get('eval/pass_rate', '.3f')} | reward {get('train/reward_mean', '+.3f')}"
+        f"step {step}/{num_steps} | pass {pass_rate} | reward {get('train/reward_mean', '+.3f')}"
         f" | loss {get('train/loss', '+.4f')} | tok/s {get('sampler/tokens_per_s', '.0f')}"
         f" | lag {get('pipeline/lag_mean', '.2f')}/{get('pipeline/lag_max', '.0f')}"
         f" | interrupted {get('sampler/interrupted_frac', '.2f')} truncated {get('sampler/truncated_frac', '.2f')}"

@@ -109,6 +109,7 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.eval.every = 100
     c.eval.num_prompts = 1_000
     c.eval.samples_per_prompt = 16
+    c.eval.fit_a_range = (0.45, 0.8)  # the sigmoid fit's grid over the asymptote A (the paper's)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 100
@@ -292,7 +293,7 @@ def scale(name: str) -> ml_collections.ConfigDict:
 
 # ---------------------------------------------------------------- the embedded default (CPU)
 def tiny() -> ml_collections.ConfigDict:
-    """The full ScaleRL recipe scaled down to one CPU: a ~2M-parameter Llama-style policy warm
+    """The full ScaleRL recipe scaled down to one CPU: a 0.86M-parameter Llama-style policy warm
     started on the synthetic arithmetic task, then PipelineRL-2 with CISPO, prompt aggregation,
     batch normalization, zero-variance filtering, No-Positive-Resampling and interruptions."""
     c = scalerl_8b()
@@ -326,7 +327,7 @@ def tiny() -> ml_collections.ConfigDict:
 
     c.schedule.k = 2
 
-    c.optimizer.lr = 2e-5
+    c.optimizer.lr = 5e-5
     c.optimizer.warmup_steps = 5
     c.optimizer.eps = 1e-8
     c.optimizer.max_grad_norm = 1.0
@@ -338,6 +339,7 @@ def tiny() -> ml_collections.ConfigDict:
     c.eval.every = 10
     c.eval.num_prompts = 128
     c.eval.samples_per_prompt = 4
+    c.eval.fit_a_range = (0.45, 1.0)
     c.checkpoint.every = 20
 
     c.synthetic = ml_collections.ConfigDict()
@@ -349,12 +351,16 @@ def tiny() -> ml_collections.ConfigDict:
 
     c.warm_start = ml_collections.ConfigDict()
     c.warm_start.seed = 0
-    c.warm_start.steps = 220
+    c.warm_start.steps = 400
+    # 30% of the demonstrations answer without a trace (see warm_start.with_direct_answers); RL
+    # learns to reason first. Measured start: 43% held-out pass rate (trace-only SFT of 300 steps
+    # gives 60%, and RL from there went down or stayed flat at every learning rate tried).
+    c.warm_start.direct_answer_fraction = 0.3
     c.warm_start.batch_size = 64
     c.warm_start.lr = 2e-3
     c.warm_start.warmup_steps = 30
     c.warm_start.weight_decay = 0.0
-    c.warm_start.max_len = 96
+    c.warm_start.max_len = 72  # the longest prompt + trace is 65 tokens
     c.warm_start.tokenizer_vocab_size = 300
     c.warm_start.log_every = 25
     c.warm_start.model_overrides = ml_collections.ConfigDict(dict(

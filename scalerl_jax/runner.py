@@ -129,6 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     pool = data_lib.PromptPool(len(task.train_prompts), seed=config.seed,
                                npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None)
     meter = ComputeMeter()
+    counters = {"nonfinite_steps": 0}
     start_step, metrics_offset = 0, None
     latest = checkpointer.latest_step()
     if latest is not None:
@@ -136,6 +137,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         start_step, metrics_offset = int(run_state["version"]), int(run_state["metrics_offset"])
         pool.load_state_dict(run_state["pool"])
         meter.load_state_dict(run_state["meter"])
+        counters["nonfinite_steps"] = int(run_state["nonfinite_steps"])
         logging.info("resumed from checkpoint step %d", latest)
     writer = MetricsWriter(workdir, resume_offset=metrics_offset)
 
@@ -163,7 +165,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
         kind="exact" if config.data.dataset == "synthetic" else "math",
         correct_reward=config.data.reward_correct, incorrect_reward=config.data.reward_incorrect)
     verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s)
-    counters = {"nonfinite_steps": 0}
     reward_fn = make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, task.train_golds)
 
     def prompt_source() -> Prompt:
@@ -186,33 +187,28 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             difficulties=task.heldout_labels)
         return result.metrics
 
-    latest_state = {"state": train_state}
-
-    def push_params(state, version):
-        latest_state["state"] = state
-        return batcher.update_params(state.params, version)
+    latest_state = {"state": train_state}  # the newest trained state, pushed to the sampler or not
 
     step_times: list[float] = []
+    last_eval: list[tuple[int, float]] = []  # (step, held-out pass rate) of the latest evaluation
     meter.start(len(set(generator_devices) | set(trainer_devices)))
     if start_step == 0:
         initial = evaluate(train_state.params, 0)
         writer.write(0, {**initial, **meter.metrics(), "compute/unit": "device_hours"})
+        last_eval.append((0, initial["eval/pass_rate"]))
         logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
 
     def checkpoint(version: int) -> None:
         checkpointer.save(version, latest_state["state"], {
             "version": version, "pool": pool.state_dict(), "meter": meter.state_dict(),
-            "metrics_offset": writer.offset()})
+            "metrics_offset": writer.offset(), "nonfinite_steps": counters["nonfinite_steps"]})
 
     def on_step(record: StepRecord) -> None:
         version = record.version + 1
+        latest_state["state"] = record.train_state
         metrics = dict(record.metrics)
-        if not metrics.get("train/finite", 1.0):
-            counters["nonfinite_steps"] += 1
-            if config.nan_policy == "stop":
-                raise FloatingPointError(f"non-finite loss or gradient at step {version}; "
-                                         "set nan_policy='skip' to skip such steps")
-            logging.warning("step %d: non-finite loss or gradient, update skipped", version)
+        finite = bool(metrics.get("train/finite", 1.0))
+        counters["nonfinite_steps"] += int(not finite)
         rewards = np.concatenate([g.rewards for g in record.groups])
         tokens = sum(g.num_generated_tokens for g in record.groups)
         meter.add_tokens(generated=tokens, trained=int(metrics.get("train/num_loss_tokens", 0)))
@@ -221,15 +217,23 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
                         "train/nonfinite_steps": counters["nonfinite_steps"],
                         "data/prompts_too_long": task.num_too_long, **pool.metrics(), **meter.metrics(),
                         "compute/unit": "device_hours"})
+        if not finite:
+            if config.nan_policy == "stop":
+                writer.write(version, metrics)  # the failing step's row stays on record
+                raise FloatingPointError(f"non-finite loss or gradient at step {version}; the last "
+                                         "checkpoint is intact; set nan_policy='skip' to skip such steps")
+            logging.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", version,
+                            counters["nonfinite_steps"])
         if version % config.eval.every == 0 or version == config.num_steps:
             metrics.update(evaluate(latest_state["state"].params, version))
             metrics.update(meter.metrics())
+            last_eval[:] = [(version, metrics["eval/pass_rate"])]
         writer.write(version, metrics)
         step_times.append(time.time())
         eta = None
         if len(step_times) > 1:
             eta = (step_times[-1] - step_times[0]) / (len(step_times) - 1) * (config.num_steps - version)
-        logging.info(format_progress(version, config.num_steps, metrics, eta))
+        logging.info(format_progress(version, config.num_steps, metrics, eta, *last_eval))
         aligned = config.schedule.kind != "ppo_off_policy" or version % config.schedule.k == 0
         if version % config.checkpoint.every == 0 and aligned:
             checkpoint(version)
@@ -244,10 +248,10 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
             zero_variance=("refill" if config.rl.refill_zero_variance
                            else "drop" if config.rl.zero_variance_filter else "none"),
             temperature=config.sampler.temperature, stop_tokens=(ids["eos"],),
-            interrupt=interruption is not None, min_length_bucket=min(128, max_len),
+            interrupt=interruption is not None, min_length_bucket=min(32, max_len),
             seed=config.seed, first_version=start_step),
         batcher=batcher, prompt_source=prompt_source, reward_fn=reward_fn, train_step=step_fn,
-        train_state=train_state, push_params=push_params, on_step=on_step)
+        train_state=train_state, on_step=on_step)
     try:
         result = pipeline.run()
     finally:
@@ -261,7 +265,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     summary = {"steps": result.version, "stop_reason": result.stop_reason,
                "queued_groups_at_stop": len(result.queued_group_ids),
                "minutes": (time.time() - run_start) / 60}
-    fit_cli.main([workdir, "--plot", os.path.join(workdir, "scaling.png")])
+    low, high = config.eval.fit_a_range
+    fit_cli.main([workdir, "--a-range", f"{low},{high}", "--plot", os.path.join(workdir, "scaling.png")])
     return summary
 
 

@@ -1,8 +1,9 @@
 """Supervised warm start of the tiny policy, written as a Hugging Face checkpoint directory.
 
 The embedded default run goes through the same doors as the 8B run: this module trains a
-byte-level BPE tokenizer on the synthetic task (`tokenizer.json`), trains a small decoder on the
-task's worked traces by next-token cross-entropy, and saves it with `save_hf` (config.json +
+byte-level BPE tokenizer on the synthetic task (`tokenizer.json`), trains a small decoder by
+next-token cross-entropy on the task's demonstrations (worked traces, and a configured fraction
+of answer-only replies: `with_direct_answers`), and saves it with `save_hf` (config.json +
 safetensors). The RL run then loads that directory with `load_hf`. The directory is cached under
 the workdir, keyed by a digest of everything that determines it, and written atomically (a
 temporary directory renamed when complete), so a killed warm start is redone, never half-loaded.
@@ -51,6 +52,20 @@ def sft_loss(model: Transformer, tokens: jax.Array, loss_mask: jax.Array) -> jax
     return -jnp.sum(logp * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
 
+def with_direct_answers(rows: list[dict], fraction: float, rng: np.random.Generator) -> list[dict]:
+    """Rows whose `solution` is replaced, for a random `fraction` of them, by the answer alone.
+
+    The demonstrations then mix worked traces with answer-only replies, as a base model's data
+    does: the warm-started policy sometimes skips the trace, and answers without one are mostly
+    wrong on multi-step chains. Learning to reason before answering is left for RL to discover.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"warm_start.direct_answer_fraction={fraction} must be in [0, 1]")
+    direct = rng.random(len(rows)) < fraction
+    return [dict(row, solution=data_lib.direct_answer(row["answer"])) if d else row
+            for row, d in zip(rows, direct)]
+
+
 def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     """Returns the path of the warm-started tiny policy's HF directory, building it if needed."""
     root = os.path.join(workdir, "warm_start")
@@ -72,6 +87,7 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     ids = data_lib.special_token_ids(tokenizer)
     encoder = data_lib.PromptEncoder(tokenizer, data_lib.PromptFormat(
         template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens))
+    sft_rows = with_direct_answers(sft_rows, ws.direct_answer_fraction, np.random.default_rng([ws.seed, 1]))
     tokens, masks = data_lib.sft_arrays(sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=ids["eos"],
                                         pad_id=ids["pad"])
 

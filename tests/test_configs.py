@@ -1,11 +1,18 @@
 """Every recipe variant loads and validates; bad configs fail naming the key."""
 import importlib.util
+import json
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from scalerl_jax import recipe
-from scalerl_jax.config_validation import ConfigError, check_devices, validate
+from scalerl_jax.config_validation import ConfigError, check_devices, check_resume, config_json, validate
+from scalerl_jax.models import Transformer, get_preset
+from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -29,6 +36,33 @@ ALL_8B = (
 def test_every_8b_config_validates(name, arg):
     config = load_config_file(name, arg)
     validate(config, num_devices=80, check_files=False)
+
+
+def abstract_train_state(config):
+    """The config's policy and optimizer state as shapes only (`nnx.eval_shape`, `jax.eval_shape`)."""
+    model_config = get_preset(config.model.preset, dtype=config.model.dtype, fp32_head=config.model.fp32_head,
+                              scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
+    _, params = nnx.split(model)
+    optimizer = make_optimizer(OptimizerConfig(
+        learning_rate=config.optimizer.lr, warmup_steps=config.optimizer.warmup_steps, eps=config.optimizer.eps,
+        weight_decay=config.optimizer.weight_decay, max_grad_norm=config.optimizer.max_grad_norm or None))
+    return jax.eval_shape(lambda p: create_train_state(p, optimizer), params)
+
+
+@pytest.mark.parametrize("name,arg", ALL_8B)
+def test_every_8b_config_builds_abstractly(name, arg):
+    config = load_config_file(name, arg)
+    state = abstract_train_state(config)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    assert num_params == 8_030_261_248  # meta-llama/Llama-3.1-8B (safetensors metadata)
+    head = 128_256 * 4_096  # untied unembedding
+    float_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
+                      if jnp.issubdtype(x.dtype, jnp.floating))
+    # Hand count: bf16 body (2 B/param), head 4 B with the FP32 head else 2 B; fp32 master, Adam mu and nu
+    # (12 B/param) -> 14 N + 2 H with the FP32 head, 14 N without.
+    expected = 14 * num_params + (2 * head if config.model.fp32_head else 0)
+    assert float_bytes == expected
 
 
 def test_leave_one_out_changes_exactly_one_choice():
@@ -64,6 +98,13 @@ def test_unknown_key_is_named():
         validate(config, check_files=False)
 
 
+def test_bad_fit_range_is_named():
+    config = recipe.tiny()
+    config.eval.fit_a_range = (0.8, 0.45)
+    with pytest.raises(ConfigError, match="eval.fit_a_range"):
+        validate(config, check_files=False)
+
+
 def test_bad_choice_is_named():
     config = recipe.scalerl_8b()
     config.rl.aggregation = "mean"
@@ -95,3 +136,15 @@ def test_missing_checkpoint_is_named(tmp_path):
     config.model.checkpoint = str(tmp_path / "missing_model")
     with pytest.raises(ConfigError, match="model.checkpoint"):
         validate(config)
+
+
+def test_resume_with_a_different_config_names_the_changed_keys(tmp_path):
+    config = recipe.tiny()
+    (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+    (tmp_path / "config.json").write_text(json.dumps(config_json(config)))
+    config.num_steps = 300  # extending a run is allowed
+    check_resume(config, str(tmp_path))
+    config.optimizer.lr = 1e-4
+    with pytest.raises(ConfigError, match=r"`optimizer.lr` \(5e-05 -> 0.0001\)"):
+        check_resume(config, str(tmp_path))
+    check_resume(config, str(tmp_path / "fresh"))  # no checkpoints there: a new run

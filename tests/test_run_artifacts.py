@@ -29,6 +29,8 @@ def test_metrics_lines_and_resume_truncation(tmp_path):
 def test_progress_line_shows_the_watched_numbers():
     line = format_progress(3, 10, {"eval/pass_rate": 0.25, "pipeline/lag_max": 2, "compute/device_hours": 0.5}, 120.0)
     assert "step 3/10" in line and "pass 0.250" in line and "eta 2.0m" in line and "dev-h 0.5000" in line
+    line = format_progress(4, 10, {"train/reward_mean": -0.5}, None, last_eval=(3, 0.25))
+    assert "pass 0.250@3" in line and "reward -0.500" in line and "eta -" in line
 
 
 def test_checkpoint_round_trip_and_incomplete_is_ignored(tmp_path):

@@ -16,7 +16,7 @@ from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, default_pool, e
                                       last_boxed, math_reward, score_completions)
 from scalerl_jax.data.synthetic import (SYNTHETIC_TEMPLATE, THINK_END, THINK_START,
                                         ArithmeticProblem, Level, SyntheticTaskConfig,
-                                        generate_splits, tokenizer_corpus)
+                                        direct_answer, generate_splits, tokenizer_corpus)
 from scalerl_jax.data.tokenizer import special_token_ids, train_tokenizer
 from scalerl_jax.data.verify_pool import VerifyPool
 
@@ -48,6 +48,7 @@ __all__ = [
     "build_prompt_set",
     "build_synthetic",
     "default_pool",
+    "direct_answer",
     "evaluate",
     "extract_answer",
     "format_problem",

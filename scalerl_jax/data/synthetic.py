@@ -138,6 +138,11 @@ class ArithmeticProblem:
         return f"{THINK_START}{chr(10).join(lines)}{THINK_END}\\boxed{{{self.answer}}}"
 
 
+def direct_answer(answer: int | str) -> str:
+    """An answer-only demonstration: an empty ``<think></think>`` block, then ``\\boxed{answer}``."""
+    return f"{THINK_START}{THINK_END}\\boxed{{{answer}}}"
+
+
 def _draw_problem(rng: np.random.Generator, level: Level, level_index: int,
                   operators: Sequence[str]) -> ArithmeticProblem:
     """Operands uniform in ``[0, max_operand]``, operators uniform over ``operators``."""
@@ -202,5 +207,6 @@ def tokenizer_corpus(problems: Iterable[ArithmeticProblem], prompt_template: str
     for problem in problems:
         texts.append(prompt_template.replace("{problem}", problem.text))
         texts.append(problem.solution)
+        texts.append(direct_answer(problem.answer))
     texts.extend(extra_texts)
     return texts

@@ -8,10 +8,13 @@ with `reward_fn` and hands the group to the buffer. With nothing to run and admi
 blocks on the buffer (back-pressure), first adopting any params pushed meanwhile.
 
 Trainer thread: takes the batch the schedule selects (waiting if needed), builds the padded
-arrays (`batching.py`), runs the train step, and pushes params version v + 1 to the sampler
-(`push_params`, by default `batcher.update_params`: a `jax.device_put` copy onto the sampler's
-shardings, adopted at the sampler's next chunk boundary while in-flight sequences keep their
-KV cache). Then it reports a `StepRecord` through `on_step` (metrics, per-completion versions).
+arrays (`batching.py`), runs the train step and reports a `StepRecord` through `on_step`
+(metrics, per-completion versions, the new train state). Then it pushes params version v + 1 to
+the sampler (`push_params`, by default `batcher.update_params`: a `jax.device_put` copy onto the
+sampler's shardings, adopted at the sampler's next chunk boundary while in-flight sequences keep
+their KV cache). `on_step` runs before the push, so under PPO-off-policy-k a checkpoint taken there
+at a phase boundary sees no prompt drawn for the next phase yet. `pipeline/push_s` reports the
+previous step's push.
 
 The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by back-pressure)
 and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
@@ -108,7 +111,9 @@ class StepRecord:
     """One trainer step: which groups it trained on and what it measured.
 
     `version` is the params version the step ran on (it produced `version + 1`); per completion
-    (group by group, sample order) `first_versions`, `last_versions` and `lags`.
+    (group by group, sample order) `first_versions`, `last_versions` and `lags`. `train_state`
+    is the state the step produced (version + 1), whether or not it was pushed to the sampler;
+    it stays valid during `on_step` and is donated by the next step.
     """
 
     version: int
@@ -118,6 +123,7 @@ class StepRecord:
     lags: tuple[int, ...]
     metrics: dict[str, float]
     groups: tuple[Group, ...]
+    train_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,6 +389,7 @@ class Pipeline:
         cfg = self.config
         totals = _Totals(start=self.clock())
         state = self._train_state
+        push_s = 0.0  # the previous step's push
         while (self._version - cfg.first_version < cfg.num_steps
                and not self._stop_requested.is_set()):
             wait_before = self.buffer.waits().trainer_waiting_for_data
@@ -400,11 +407,6 @@ class Pipeline:
             step_s = self.clock() - step_start
             self._train_state = state
             self._version += 1
-            push_start = self.clock()
-            if self.schedule.should_push(self._version):
-                self.push_params(state, self._version)
-            push_s = self.clock() - push_start
-            self.buffer.notify()
             self._trained_ids.extend(g.group_id for g in groups)
             totals.completions += info.num_completions
             totals.tokens += info.completion_tokens + sum(
@@ -424,7 +426,12 @@ class Pipeline:
                     first_versions=tuple(v for g in groups for v in g.first_versions),
                     last_versions=tuple(v for g in groups for v in g.last_versions),
                     lags=tuple(int(x) for x in lags(groups, version)), metrics=metrics,
-                    groups=tuple(groups)))
+                    groups=tuple(groups), train_state=state))
+            push_start = self.clock()
+            if self.schedule.should_push(self._version):
+                self.push_params(state, self._version)
+            push_s = self.clock() - push_start
+            self.buffer.notify()
 
 
 @dataclasses.dataclass
