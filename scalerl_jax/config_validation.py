@@ -162,17 +162,8 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
     with open(saved_path) as f:
         saved = json.load(f)
     new = config_json(config)
-
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                out.update(flat(value, f"{prefix}{key}."))
-            else:
-                out[f"{prefix}{key}"] = value
-        return out
-
-    old_flat, new_flat = flat(saved), flat(new)
+    old_flat = {key: _get(saved, key) for key in _flat_keys(saved)}
+    new_flat = {key: _get(new, key) for key in _flat_keys(new)}
     changed = sorted(k for k in set(old_flat) | set(new_flat)
                      if old_flat.get(k) != new_flat.get(k) and k not in RESUMABLE_CHANGES)
     if changed:
