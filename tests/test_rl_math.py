@@ -298,6 +298,8 @@ def test_hand_computed_case():
     np.testing.assert_allclose(float(loss), a * math.log(2), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), [[-a / 2, -a / 3], [a / 6, 0]], rtol=1e-6)
     assert float(metrics["clip_frac"]) == pytest.approx(1 / 3)
+    assert float(metrics["clip_frac_high"]) == pytest.approx(1 / 3)  # the truncated r = 2
+    assert float(metrics["clip_frac_low"]) == 0.0
     assert float(metrics["ratio_mean"]) == pytest.approx((2 + 1 + 0.5) / 3)
     assert int(metrics["num_tokens"]) == 3 and int(metrics["num_prompts"]) == 1
 
@@ -305,6 +307,47 @@ def test_hand_computed_case():
     np.testing.assert_allclose(float(loss), -1.48 * a / 3, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grad), [[0, -a / 3], [0, 0]], rtol=1e-6, atol=1e-9)
     assert float(metrics["clip_frac"]) == pytest.approx(2 / 3)
+    assert float(metrics["clip_frac_high"]) == pytest.approx(1 / 3)  # row 0 token 0, A > 0
+    assert float(metrics["clip_frac_low"]) == pytest.approx(1 / 3)  # row 1, A < 0
+
+
+@pytest.mark.parametrize("objective,clip", [
+    ("cispo", dict(eps_max=1.3)), ("dapo", dict(eps_low=0.2, eps_high=0.28)),
+    ("grpo", dict(eps_low=0.15)), ("gspo", dict(eps_low=0.1, eps_high=0.12))])
+def test_clip_fractions_split_by_side(objective, clip):
+    """clip_frac_low / clip_frac_high against numpy on hand-built ratios and advantages: low is
+    A < 0 and r < 1 - eps_low, high is A > 0 and r > 1 + eps_high (cispo: r > eps_max, low 0);
+    the ratio is per token, or gspo's per-row exp(mean log-ratio) on each of the row's tokens."""
+    log_ratio = np.log(np.array([
+        [1.5, 0.9, 1.35, 1.2, 9.0],
+        [0.5, 1.4, 0.95, 0.7, 1.05],
+        [1.6, 0.3, 1.0, 2.0, 1.0],
+        [0.75, 0.82, 1.35, 0.5, 1.0]]))
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]],
+                    np.float32)
+    adv = np.array([0.9, -1.2, 0.0, -0.4], np.float32)  # row 2: A = 0 is clipped on no side
+    blogp = np.full(mask.shape, -2.0, np.float32)
+    logp = (blogp + log_ratio).astype(np.float32)
+    on = mask > 0
+    if objective == "gspo":
+        seq = np.exp((mask * log_ratio).sum(1) / mask.sum(1))
+        ratio = np.broadcast_to(seq[:, None], mask.shape)
+    else:
+        ratio = np.exp(log_ratio)
+    if objective == "cispo":
+        low, high = np.zeros_like(on), ratio > clip["eps_max"]
+    else:
+        eps_low = clip["eps_low"]
+        eps_high = clip.get("eps_high", eps_low)
+        low = (adv[:, None] < 0) & (ratio < 1 - eps_low)
+        high = (adv[:, None] > 0) & (ratio > 1 + eps_high)
+    want_low, want_high = (np.sum(on & side) / on.sum() for side in (low, high))
+    assert want_high > 0 and (objective == "cispo" or want_low > 0)
+    _, metrics = jax.jit(lambda lp: rl.policy_loss(
+        lp, blogp, adv, mask, np.arange(4), objective=objective, aggregation="token", **clip))(logp)
+    assert float(metrics["clip_frac_low"]) == pytest.approx(want_low, abs=1e-7)
+    assert float(metrics["clip_frac_high"]) == pytest.approx(want_high, abs=1e-7)
+    assert float(metrics["clip_frac"]) == pytest.approx(want_low + want_high, abs=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, accumulate_gradients,
-                               create_train_state, init_train_state, make_optimizer,
-                               make_train_step, validate_batch)
+                               create_train_state, init_train_state, learning_rate_schedule,
+                               make_optimizer, make_train_step, validate_batch)
 
 B, T = 8, 12
 TEMPERATURE = 0.8
@@ -62,7 +62,9 @@ def np_weights(mask, group_ids, aggregation):
 
 
 def np_loss_and_dlogp(logp, blogp, adv, mask, weights, objective, eps_low, eps_high, eps_max):
-  """(loss = sum w x, dloss/dlogp, fraction of clipped loss tokens), float64.
+  """(loss = sum w x, dloss/dlogp, clip fractions), float64. Clip fractions: the fractions of loss
+  tokens with the lower clip active (A < 0, r < 1 - el; cispo: none) and with the upper clip
+  active (A > 0, r > 1 + eh; cispo: the weight truncated, r > eps_max), as {'low', 'high'}.
 
   cispo: x = -sg(min(r, eps_max)) A logp, dx/dlogp = -min(r, eps_max) A.
   dapo : x = -min(r A, clip(r, 1-el, 1+eh) A); derivative -r A unless the clip branch is the min.
@@ -77,25 +79,27 @@ def np_loss_and_dlogp(logp, blogp, adv, mask, weights, objective, eps_low, eps_h
     c = np.minimum(r, eps_max)
     x = -c * A * logp
     return (np.sum(weights * x), np.where(on, -weights * c * A, 0.0),
-            np.sum(on & (r > eps_max)) / on.sum())
+            {"low": 0.0, "high": np.sum(on & (r > eps_max)) / on.sum()})
   if eps_high is None:  # grpo: symmetric clip
     eps_high = eps_low
   low, high = 1 - eps_low, 1 + eps_high
   if objective in ("dapo", "grpo"):
     r = np.exp(logp - blogp)
     x = -np.minimum(r * A, np.clip(r, low, high) * A)
-    clipped = ((A > 0) & (r > high)) | ((A < 0) & (r < low))
-    grad = np.where(on & ~clipped, -weights * r * A, 0.0)
-    return np.sum(weights * x), grad, np.sum(on & clipped) / on.sum()
+    clipped_low, clipped_high = (A < 0) & (r < low), (A > 0) & (r > high)
+    grad = np.where(on & ~(clipped_low | clipped_high), -weights * r * A, 0.0)
+    return np.sum(weights * x), grad, {"low": np.sum(on & clipped_low) / on.sum(),
+                                       "high": np.sum(on & clipped_high) / on.sum()}
   assert objective == "gspo"
   n = mask.sum(1)
   s = np.exp(np.sum(mask * (logp - blogp), 1) / np.maximum(n, 1))
   x_row = -np.minimum(s * adv, np.clip(s, low, high) * adv)
-  clipped = ((adv > 0) & (s > high)) | ((adv < 0) & (s < low))
+  clipped_low, clipped_high = (adv < 0) & (s < low), (adv > 0) & (s > high)
   weight_row = weights.sum(1)
-  grad = np.where(clipped, 0.0, -weight_row * adv * s / np.maximum(n, 1))[:, None] * mask
-  clip_frac = np.sum(on & clipped[:, None]) / on.sum()
-  return np.sum(weight_row * x_row), grad, clip_frac
+  grad = np.where(clipped_low | clipped_high, 0.0,
+                  -weight_row * adv * s / np.maximum(n, 1))[:, None] * mask
+  return np.sum(weight_row * x_row), grad, {"low": np.sum(on & clipped_low[:, None]) / on.sum(),
+                                            "high": np.sum(on & clipped_high[:, None]) / on.sum()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +139,8 @@ def _make_batch(logp_fn, params, seed=0):
   mask[0, 5] = 0.0  # a forced interruption token inside row 0's completion
   logp = np.asarray(logp_fn(params, jnp.asarray(tokens)), np.float64)
   delta = rng.normal(0.0, 0.4, (B, T))
-  delta[1, 4] = delta[3, 6] = delta[4, 5] = 2.0  # r = e^2 > eps_max = 4: cispo truncates
+  delta[1, 4] = delta[4, 5] = 2.0  # r = e^2 > eps_max = 4: cispo truncates
+  delta[3, 6] = 3.0  # and the batch's largest |logp - behavior_logp|, outside microbatch 0
   behavior = np.where(mask > 0, logp - delta, 0.0).astype(np.float32)
   batch = dict(
       tokens=tokens, loss_mask=mask, behavior_logp=behavior,
@@ -146,18 +151,19 @@ def _make_batch(logp_fn, params, seed=0):
 
 
 def _reference(model_parts, batch, objective, aggregation, eps_low, eps_high, eps_max=4.0):
-  """(loss, clip fraction, parameter gradient) of the full batch from the numpy formulas."""
+  """(loss, clip fractions {'low', 'high'}, parameter gradient) of the full batch from the numpy
+  formulas."""
   _, params, logp_fn, vjp_fn = model_parts
   logp = np.asarray(logp_fn(params, jnp.asarray(batch["tokens"])), np.float64)
   valid = batch["sample_valid"]
   mask = batch["loss_mask"].astype(np.float64) * valid[:, None]
   adv = np_advantages(batch["rewards"].astype(np.float64), batch["group_ids"], valid)
   weights = np_weights(mask, batch["group_ids"], aggregation)
-  loss, dlogp, clip_frac = np_loss_and_dlogp(
+  loss, dlogp, clip_fracs = np_loss_and_dlogp(
       logp, batch["behavior_logp"].astype(np.float64), adv, mask, weights, objective, eps_low,
       eps_high, eps_max)
   grads = vjp_fn(params, jnp.asarray(batch["tokens"]), jnp.asarray(dlogp, jnp.float32))
-  return loss, clip_frac, grads
+  return loss, clip_fracs, grads
 
 
 def _assert_trees_close(got, want, rtol=2e-4):
@@ -192,9 +198,20 @@ def test_microbatched_gradient_equals_full_batch_reference(model_parts, objectiv
   grads, metrics = jax.jit(lambda p, b: accumulate_gradients(graphdef, p, b, config))(params, batch)
   want_loss, want_clip, want_grads = _reference(model_parts, batch, objective, aggregation, *eps)
   np.testing.assert_allclose(float(metrics["train/loss"]), want_loss, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(float(metrics["train/clip_frac"]), want_clip, rtol=1e-6)
+  np.testing.assert_allclose(float(metrics["train/clip_frac"]),
+                             want_clip["low"] + want_clip["high"], rtol=1e-6)
+  if objective == "cispo":
+    np.testing.assert_allclose(float(metrics["train/cispo_truncated_frac"]), want_clip["high"],
+                               rtol=1e-6)
+    assert "train/clip_frac_low" not in metrics
+  else:
+    np.testing.assert_allclose(float(metrics["train/clip_frac_low"]), want_clip["low"], rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["train/clip_frac_high"]), want_clip["high"],
+                               rtol=1e-6)
   if objective != "gspo":  # the chosen deltas make some tokens clip / truncate
-    assert want_clip > 0
+    assert want_clip["high"] > 0
+  if objective == "dapo":
+    assert want_clip["low"] > 0
   # Valid rows 0-4 (rows 5-6 dropped, row 7 padding); completion lengths 9, 6, 8, 10, 3, and
   # row 0 loses its forced token.
   assert float(metrics["train/num_loss_tokens"]) == 8 + 6 + 8 + 10 + 3
@@ -247,6 +264,10 @@ def test_step_applies_adamw_to_the_reference_gradient(model_parts, jitted_step):
                     / mask[first_mb].sum())
   np.testing.assert_allclose(float(metrics["train/logp_mismatch_first_mb"]), mismatch_first,
                              rtol=1e-5)
+  # the largest gap is the planted delta 3 of row 3, dealt to microbatch 1 of 2.
+  mismatch_max = np.max(np.where(mask > 0, np.abs(logp - batch["behavior_logp"]), 0.0))
+  np.testing.assert_allclose(float(metrics["train/logp_mismatch_max"]), mismatch_max, rtol=1e-5)
+  np.testing.assert_allclose(mismatch_max, 3.0, rtol=1e-5)
   graphdef = model_parts[0]
   logits = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(batch["tokens"])), np.float64)
   z = logits[:, :-1] / TEMPERATURE
@@ -286,6 +307,28 @@ def test_steady_state_never_recompiles(model_parts, jitted_step):
     state, _ = step(state, _make_batch(logp_fn, params, seed=seed))
   assert step.num_traces - traces_before <= 1 and step.num_traces == 1
   assert int(state.step) == 3
+
+
+def test_lr_metric_follows_the_warmup_schedule(model_parts):
+  """train/lr of the t-th update (t = 0, 1, ...) is peak * min(1, (t + 1) / warmup) by hand; a
+  step skipped for a NaN does not advance it (the same lr is applied by the next step)."""
+  graphdef, params, logp_fn, _ = model_parts
+  config = OptimizerConfig(learning_rate=3e-3, warmup_steps=3)
+  optimizer = make_optimizer(config)
+  step = make_train_step(graphdef, optimizer, STEP_CONFIG,
+                         learning_rate_schedule=learning_rate_schedule(config))
+  state = create_train_state(_copy(params), optimizer)
+  lrs = []
+  for seed in range(5):
+    batch = _make_batch(logp_fn, params, seed=seed)
+    if seed == 1:
+      batch["rewards"][0] = np.nan
+    state, metrics = step(state, batch)
+    lrs.append(float(metrics["train/lr"]))
+  np.testing.assert_allclose(lrs, [1e-3, 2e-3, 2e-3, 3e-3, 3e-3], rtol=1e-6)
+  assert int(state.step) == 4 and step.num_traces == 1
+  assert "train/lr" not in make_train_step(graphdef, optimizer, STEP_CONFIG)(
+      create_train_state(_copy(params), optimizer), _make_batch(logp_fn, params))[1]
 
 
 def test_log_prob_of_rewarded_tokens_rises(model_parts, jitted_step):

@@ -29,7 +29,9 @@ def policy_metrics(
     'num_prompts' (rows / prompts with at least one valid token, i.e. those in the loss),
     'ratio_mean' and 'ratio_max' (importance ratio over valid tokens; gspo: sequence ratio per
     token; 0 for an empty batch), 'clip_frac' (fraction of valid tokens whose weight was truncated,
-    cispo r > eps_max, or clipped, dapo/grpo/gspo).
+    cispo r > eps_max, or clipped, dapo/grpo/gspo), split into 'clip_frac_low' (lower clip active:
+    A < 0 and r < 1 - eps_low; 0 for cispo) and 'clip_frac_high' (upper clip active: A > 0 and
+    r > 1 + eps_high; cispo: r > eps_max), which add up to 'clip_frac'.
     """
     num_tokens = jnp.sum(mask)
     num_sequences, num_prompts = count_sequences_and_prompts(mask, group_ids)
@@ -40,6 +42,8 @@ def policy_metrics(
         "ratio_mean": safe_divide(jnp.sum(mask * aux["ratio"]), num_tokens),
         "ratio_max": jnp.max(jnp.where(mask > 0, aux["ratio"], 0.0)),
         "clip_frac": safe_divide(jnp.sum(mask * aux["clipped"]), num_tokens),
+        "clip_frac_low": safe_divide(jnp.sum(mask * aux["clipped_low"]), num_tokens),
+        "clip_frac_high": safe_divide(jnp.sum(mask * aux["clipped_high"]), num_tokens),
     }
 
 

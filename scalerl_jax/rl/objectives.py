@@ -71,20 +71,24 @@ def resolve_clip_eps(
 
 def _clipped_weight(
     log_ratio: jax.Array, advantages: jax.Array, eps_low: float, eps_high: float
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """PPO-clip weight ``c`` with ``min(r A, clip(r, 1-eps_low, 1+eps_high) A) = c A``.
 
-    Returns (c, clipped, ratio): ``clipped`` is True where the clip branch is active (c is then
-    the constant bound, zero gradient), else ``c = r`` with gradient flowing into ``log_ratio``;
-    ``ratio = exp(log_ratio)`` without gradient, for metrics. Shapes broadcast.
+    Returns (c, clipped_low, clipped_high, ratio): ``clipped_low`` is True where the lower clip
+    branch is active (A < 0 and r < 1 - eps_low), ``clipped_high`` where the upper one is
+    (A > 0 and r > 1 + eps_high); there c is the constant bound (zero gradient), elsewhere
+    ``c = r`` with gradient flowing into ``log_ratio``. ``ratio = exp(log_ratio)`` without
+    gradient, for metrics. Shapes broadcast.
     """
     lower, upper = 1.0 - eps_low, 1.0 + eps_high
     ratio = jnp.exp(jax.lax.stop_gradient(log_ratio))
     positive = advantages > 0
-    clipped = (positive & (ratio > upper)) | ((advantages < 0) & (ratio < lower))
+    clipped_high = positive & (ratio > upper)
+    clipped_low = (advantages < 0) & (ratio < lower)
+    clipped = clipped_low | clipped_high
     unclipped_ratio = jnp.exp(jnp.where(clipped, 0.0, log_ratio))
     weight = jnp.where(clipped, jnp.where(positive, upper, lower), unclipped_ratio)
-    return weight, clipped, ratio
+    return weight, clipped_low, clipped_high, ratio
 
 
 def per_token_policy_terms(
@@ -112,9 +116,13 @@ def per_token_policy_terms(
 
     Returns:
       (terms, aux): terms float32[B,T], 0 outside the mask; aux has float32[B,T] arrays, 0
-      outside the mask: 'ratio' (r per token; gspo: the sequence ratio s_b on each token) and
-      'clipped' (1 where cispo truncated the weight, r > eps_max, or where the clip branch of
-      dapo/grpo/gspo was active), so that masked sums over microbatches give exact batch metrics.
+      outside the mask, so that masked sums over microbatches give exact batch metrics:
+        'ratio'        r per token (gspo: the sequence ratio s_b on each token);
+        'clipped_low'  1 where the lower clip is active, A < 0 and r < 1 - eps_low
+                       (dapo/grpo/gspo; always 0 for cispo, whose weight has no lower bound);
+        'clipped_high' 1 where the upper clip is active, A > 0 and r > 1 + eps_high
+                       (dapo/grpo/gspo), or where cispo truncated the weight, r > eps_max;
+        'clipped'      clipped_low + clipped_high (the two never overlap).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
@@ -139,21 +147,27 @@ def per_token_policy_terms(
             raise ValueError(f"eps_max: must be > 0 for cispo, got {eps_max}")
         ratio = jnp.exp(jax.lax.stop_gradient(log_ratio))
         terms = -jnp.minimum(ratio, eps_max) * advantages[:, None] * logp
-        clipped = ratio > eps_max
+        clipped_high = ratio > eps_max
+        clipped_low = jnp.zeros_like(clipped_high)
     else:
         low, high = resolve_clip_eps(objective, eps_low, eps_high)
         if objective == "gspo":
             sequence_log_ratio = safe_divide(jnp.sum(mask * log_ratio, axis=1), jnp.sum(mask, axis=1))
-            weight, clipped, ratio = _clipped_weight(sequence_log_ratio, advantages, low, high)
+            weight, clipped_low, clipped_high, ratio = _clipped_weight(
+                sequence_log_ratio, advantages, low, high)
             terms = jnp.broadcast_to((-weight * advantages)[:, None], logp.shape)
-            clipped = jnp.broadcast_to(clipped[:, None], logp.shape)
-            ratio = jnp.broadcast_to(ratio[:, None], logp.shape)
+            clipped_low, clipped_high, ratio = (
+                jnp.broadcast_to(x[:, None], logp.shape) for x in (clipped_low, clipped_high, ratio))
         else:
-            weight, clipped, ratio = _clipped_weight(log_ratio, advantages[:, None], low, high)
+            weight, clipped_low, clipped_high, ratio = _clipped_weight(
+                log_ratio, advantages[:, None], low, high)
             terms = -weight * advantages[:, None]
 
+    masked_flag = lambda flag: jnp.where(on, flag, False).astype(jnp.float32)
     aux = {
         "ratio": jnp.where(on, ratio, 0.0),
-        "clipped": jnp.where(on, clipped, False).astype(jnp.float32),
+        "clipped_low": masked_flag(clipped_low),
+        "clipped_high": masked_flag(clipped_high),
+        "clipped": masked_flag(clipped_low | clipped_high),
     }
     return jnp.where(on, terms, 0.0), aux

@@ -70,10 +70,15 @@ def warmup_constant_schedule(peak_lr: float, warmup_steps: int) -> optax.Schedul
   return schedule
 
 
+def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
+  """The schedule `make_optimizer(config)` applies: lr of the t-th update (t = 0, 1, ...)."""
+  return warmup_constant_schedule(config.learning_rate, config.warmup_steps)
+
+
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
   """optax chain: optional clip_by_global_norm(max_grad_norm), then AdamW with the schedule above."""
   adamw = optax.adamw(
-      learning_rate=warmup_constant_schedule(config.learning_rate, config.warmup_steps),
+      learning_rate=learning_rate_schedule(config),
       b1=config.b1,
       b2=config.b2,
       eps=config.eps,

@@ -164,15 +164,20 @@ class _MicrobatchSums(NamedTuple):
   entropy: jax.Array         # sum m H
   ratio: jax.Array           # sum m r
   clipped: jax.Array         # sum m [clipped / truncated]
+  clipped_low: jax.Array     # sum m [lower clip active]
+  clipped_high: jax.Array    # sum m [upper clip active / cispo truncation]
   abs_logp_diff: jax.Array   # sum m |logp - behavior_logp|
 
 
 def _microbatch_loss(graphdef, params, microbatch: dict, config: TrainStepConfig):
-  """L_m = sum w x over the microbatch, with the per-token sums used for metrics."""
+  """L_m = sum w x over the microbatch, with (the per-token sums used for metrics, the max of
+  |logp - behavior_logp| over the microbatch's loss tokens, 0 if it has none)."""
   model = nnx.merge(graphdef, params)
   logp, entropy = sequence_logprobs(model, microbatch["tokens"], temperature=config.temperature,
                                     chunk_size=config.logprob_chunk_size, return_entropy=True)
   mask = microbatch["mask"]
+  abs_logp_diff = jnp.where(mask > 0, jnp.abs(logp - microbatch["behavior_logp"]), 0.0)
+  abs_logp_diff_max = jnp.max(abs_logp_diff)
   terms, aux = per_token_policy_terms(
       logp, microbatch["behavior_logp"], microbatch["advantages"], mask,
       objective=config.objective, eps_low=config.eps_low, eps_high=config.eps_high,
@@ -184,8 +189,10 @@ def _microbatch_loss(graphdef, params, microbatch: dict, config: TrainStepConfig
       entropy=jnp.sum(mask * entropy),
       ratio=jnp.sum(mask * aux["ratio"]),
       clipped=jnp.sum(mask * aux["clipped"]),
-      abs_logp_diff=jnp.sum(mask * jnp.abs(logp - microbatch["behavior_logp"])))
-  return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+      clipped_low=jnp.sum(mask * aux["clipped_low"]),
+      clipped_high=jnp.sum(mask * aux["clipped_high"]),
+      abs_logp_diff=jnp.sum(mask * abs_logp_diff))
+  return loss, jax.tree.map(jax.lax.stop_gradient, (sums, abs_logp_diff_max))
 
 
 def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
@@ -199,7 +206,15 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
     train/entropy           mean entropy of the tempered policy over loss tokens
     train/ratio_mean        mean importance ratio r (gspo: sequence ratio) over loss tokens
     train/clip_frac         fraction of loss tokens truncated (cispo: r > eps_max) or clipped
+    train/clip_frac_low     dapo/grpo/gspo: fraction of loss tokens with the lower clip active,
+                            A < 0 and r < 1 - eps_low (gspo: r the row's sequence ratio)
+    train/clip_frac_high    dapo/grpo/gspo: fraction with the upper clip active, A > 0 and
+                            r > 1 + eps_high (low + high = clip_frac)
+    train/cispo_truncated_frac   cispo: fraction of loss tokens with r > eps_max, the IS weight
+                            truncated (= clip_frac)
     train/logp_mismatch     mean |logp_train - logp_behavior| over loss tokens (whole batch)
+    train/logp_mismatch_max max of |logp_train - logp_behavior| over the loss tokens of the
+                            whole batch (all microbatches; 0 without loss tokens)
     train/logp_mismatch_first_mb   the same over the first microbatch only
     train/num_loss_tokens, train/num_prompts, train/num_samples   what entered the loss
     train/advantage_abs_mean       mean |A| over valid rows
@@ -225,12 +240,12 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
 
   def body(grad_sum, microbatch):
     microbatch = {k: constrain(v) for k, v in microbatch.items()}
-    grads, sums = grad_fn(params, microbatch)
+    grads, stats = grad_fn(params, microbatch)
     grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
-    return grad_sum, sums
+    return grad_sum, stats
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  grads, per_microbatch = jax.lax.scan(body, zeros, microbatches)
+  grads, (per_microbatch, abs_logp_diff_max) = jax.lax.scan(body, zeros, microbatches)
 
   totals = jax.tree.map(jnp.sum, per_microbatch)
   tokens = totals.loss_tokens
@@ -245,6 +260,7 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
       "train/ratio_mean": totals.ratio / safe_tokens,
       "train/clip_frac": totals.clipped / safe_tokens,
       "train/logp_mismatch": totals.abs_logp_diff / safe_tokens,
+      "train/logp_mismatch_max": jnp.max(abs_logp_diff_max),
       "train/logp_mismatch_first_mb": per_microbatch.abs_logp_diff[0] / first_tokens,
       "train/num_loss_tokens": tokens,
       "train/num_prompts": jnp.sum(tokens_per_group > 0).astype(jnp.float32),
@@ -253,6 +269,11 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
           jnp.sum(valid.astype(jnp.float32)), 1.0),
       "train/finite": (jnp.isfinite(totals.loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
   }
+  if config.objective == "cispo":
+    metrics["train/cispo_truncated_frac"] = totals.clipped_high / safe_tokens
+  else:
+    metrics["train/clip_frac_low"] = totals.clipped_low / safe_tokens
+    metrics["train/clip_frac_high"] = totals.clipped_high / safe_tokens
   return grads, metrics
 
 
@@ -262,9 +283,18 @@ def _select_tree(pred, on_true, on_false):
 
 def train_step(graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
                state: TrainState, batch: dict,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
-  """One update (the module docstring); returns (new state, metrics). Pure; jit it."""
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+               learning_rate_schedule: optax.Schedule | None = None):
+  """One update (the module docstring); returns (new state, metrics). Pure; jit it.
+
+  Metrics: those of `accumulate_gradients`, 'train/update_applied' (1 when the state advanced),
+  and, given the optimizer's `learning_rate_schedule` (optimizer.learning_rate_schedule),
+  'train/lr' = learning_rate_schedule(state.step): the learning rate of this update, since
+  state.step counts applied updates as the optimizer's schedule count does.
+  """
   grads, metrics = accumulate_gradients(graphdef, state.params, batch, config, constrain)
+  if learning_rate_schedule is not None:
+    metrics["train/lr"] = jnp.asarray(learning_rate_schedule(state.step), jnp.float32)
   new_params, new_opt_state = optimizer_update(optimizer, grads, state.opt_state, state.params)
   new_state = TrainState(params=new_params, opt_state=new_opt_state, step=state.step + 1)
   if config.skip_nonfinite:
@@ -284,7 +314,8 @@ class TrainStep:
 
   def __init__(self, graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
                *, mesh: Mesh | None = None, state_shardings: TrainState | None = None,
-               rules: Rules = DEFAULT_RULES):
+               rules: Rules = DEFAULT_RULES,
+               learning_rate_schedule: optax.Schedule | None = None):
     if (mesh is None) != (state_shardings is None):
       raise ValueError("TrainStep: pass both mesh and state_shardings, or neither")
     self.config = config
@@ -309,7 +340,8 @@ class TrainStep:
 
     def step(state, batch):
       self.num_traces += 1
-      return train_step(graphdef, optimizer, config, state, batch, constrain)
+      return train_step(graphdef, optimizer, config, state, batch, constrain,
+                        learning_rate_schedule)
 
     self._jitted = jax.jit(step, **jit_kwargs)
 
@@ -337,7 +369,9 @@ class TrainStep:
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
                     config: TrainStepConfig, *, mesh: Mesh | None = None,
                     state_shardings: TrainState | None = None,
-                    rules: Rules = DEFAULT_RULES) -> TrainStep:
-  """The jitted step `step(state, batch) -> (state, metrics)` (state donated)."""
+                    rules: Rules = DEFAULT_RULES,
+                    learning_rate_schedule: optax.Schedule | None = None) -> TrainStep:
+  """The jitted step `step(state, batch) -> (state, metrics)` (state donated); pass the
+  optimizer's `learning_rate_schedule` to get 'train/lr' in the metrics (see `train_step`)."""
   return TrainStep(graphdef, optimizer, config, mesh=mesh, state_shardings=state_shardings,
-                   rules=rules)
+                   rules=rules, learning_rate_schedule=learning_rate_schedule)
