@@ -3,17 +3,19 @@
 import numpy as np
 import pytest
 
-from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
+from scalerl_jax.pipeline.batching import (build_train_batch, cut_by_length, pick_bucket,
+                                           power_of_two_buckets)
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion
 from scalerl_jax.train.step import validate_batch
 
 
-def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False):
+def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False,
+               finish_reason="stop"):
     return Completion(request_id=None, prompt_tokens=[], tokens=list(tokens),
                       logprobs=list(logprobs), versions=list(versions), sampled=list(sampled),
                       interrupted=interrupted, truncated=truncated, num_think_tokens=0,
-                      num_answer_tokens=0, finish_reason="stop", think_budget=-1)
+                      num_answer_tokens=0, finish_reason=finish_reason, think_budget=-1)
 
 
 def two_groups():
@@ -66,6 +68,41 @@ def test_no_filter_keeps_every_real_row():
     batch, info = build_train_batch(two_groups(), rows=4, length_buckets=(8,), zero_variance="none")
     np.testing.assert_array_equal(batch["sample_valid"], [True] * 4)
     assert info.zero_variance_groups == 0
+
+
+def mixed_endings_group():
+    """Prompt [5]; completion 0 cut by the token limit (truncated, 'length'), completion 1
+    interrupted (forced token 9, sampled False) then answered with a stop token, completion 2 a
+    plain stop. Rewards differ, so no row is zero-variance."""
+    return Group(0, Prompt("p", (5,)), admit_version=0, rewards=[0.0, 1.0, 0.5], completions=[
+        completion([1, 2, 3], [-0.5, -0.5, -0.5], [True] * 3, [0] * 3, truncated=True,
+                   finish_reason="length"),
+        completion([4, 9, 6], [-0.25, 0.0, -0.75], [True, False, True], [0] * 3, interrupted=True),
+        completion([7, 8], [-1.0, -2.0], [True, True], [0, 0])])
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_mask_truncated_drops_only_completions_cut_by_length(mask_truncated):
+    batch, info = build_train_batch([mixed_endings_group()], rows=4, length_buckets=(4,),
+                                    mask_truncated=mask_truncated)
+    truncated_row = [0, 0, 0, 0] if mask_truncated else [0, 1, 1, 1]
+    np.testing.assert_array_equal(batch["loss_mask"], [
+        truncated_row, [0, 1, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["behavior_logp"], [
+        np.multiply(truncated_row, -0.5), [0, -0.25, 0, -0.75], [0, -1.0, -2.0, 0], [0] * 4])
+    # the truncated row stays valid: its reward keeps its place in the group's baseline.
+    np.testing.assert_array_equal(batch["sample_valid"], [True, True, True, False])
+    np.testing.assert_array_equal(batch["tokens"][0], [5, 1, 2, 3])
+    assert info.truncated_masked == (1 if mask_truncated else 0)
+    assert (info.truncated, info.interrupted) == (1, 1)
+    assert info.sampled_tokens == (4 if mask_truncated else 7)
+
+
+def test_cut_by_length():
+    assert cut_by_length(completion([1], [0.0], [True], [0], truncated=True, finish_reason="length"))
+    assert not cut_by_length(completion([1], [0.0], [True], [0], interrupted=True))
+    assert not cut_by_length(completion([1], [0.0], [True], [0], truncated=True,
+                                        finish_reason="answer_budget"))
 
 
 def test_versions_and_lags():

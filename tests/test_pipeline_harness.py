@@ -7,6 +7,7 @@ threads, the buffer, admission, selection, stopping) is the real one. Blocking i
 on the buffer's observable state, not on sleeps, so the orderings asserted here are certain.
 """
 
+import dataclasses
 import os
 import signal
 import threading
@@ -312,3 +313,29 @@ def test_zero_variance_refill_discards_and_counts():
     assert result.counts.discarded >= 3
     assert sum(r.metrics["data/zero_variance_dropped"] for r in records) <= result.counts.discarded
     assert_accounting(result, records)
+
+
+def test_mask_truncated_and_flops_reach_the_batch_and_metrics():
+    """Through the real trainer loop: sample 0 of every group is cut by length, so with
+    mask_truncated its row has no loss token; model FLOP/s = train_step_flops(rows, T) / step_s."""
+
+    class CutFirstSample(ScriptedBatcher):
+        def run_chunk(self):
+            return [dataclasses.replace(c, truncated=True, finish_reason="length")
+                    if c.request_id[1] == 0 else c for c in super().run_chunk()]
+
+    step = CountingStep()
+    flops = lambda rows, length: 1e9 * rows * length
+    pipeline, records = make_pipeline(CutFirstSample(4), step, samples_per_prompt=2, k=1,
+                                      num_steps=2, mask_truncated=True, train_step_flops=flops,
+                                      peak_flops_per_s=1e15)
+    pipeline.run()
+    assert len(step.batches) == 2
+    for batch, record in zip(step.batches, records):
+        assert batch["loss_mask"][0].sum() == 0 and batch["loss_mask"][1].sum() == 1
+        assert list(batch["sample_valid"]) == [True, True]
+        metrics = record.metrics
+        assert metrics["data/truncated_masked"] == 1.0
+        want = 1e9 * 2 * metrics["pipeline/sequence_length"] / metrics["pipeline/step_s"]
+        assert metrics["compute/model_flops_per_s"] == pytest.approx(want)
+        assert metrics["compute/mfu"] == pytest.approx(want / 1e15)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.train import matmul_params, train_flops_per_token, train_step_flops
+from scalerl_jax.train.flops import devices_peak_flops_per_s, peak_bf16_flops_per_s
 
 
 def test_llama31_8b_by_hand():
@@ -36,3 +37,21 @@ def test_matches_xla_cost_analysis_of_a_gradient():
   masked_half = 6 * config.num_layers * config.num_heads * config.head_dim * seq_len * (seq_len - 1)
   want = train_step_flops(config, 1, seq_len) + masked_half
   assert analysis["flops"] == pytest.approx(want, rel=0.02)
+
+
+class _Device:
+  def __init__(self, device_kind):
+    self.device_kind = device_kind
+
+
+def test_peak_flops_by_device_kind():
+  """Data-sheet peaks (dense bf16) for the device_kind strings JAX reports."""
+  assert peak_bf16_flops_per_s("NVIDIA H100 80GB HBM3") == 989e12
+  assert peak_bf16_flops_per_s("NVIDIA H200") == 989e12
+  assert peak_bf16_flops_per_s("NVIDIA H100 PCIe") == 756e12
+  assert peak_bf16_flops_per_s("NVIDIA A100-SXM4-80GB") == 312e12
+  assert peak_bf16_flops_per_s("TPU v5 lite") == 197e12
+  assert peak_bf16_flops_per_s("cpu") is None
+  assert devices_peak_flops_per_s([_Device("NVIDIA H200")] * 4) == 4 * 989e12
+  assert devices_peak_flops_per_s([_Device("NVIDIA H200"), _Device("cpu")]) is None
+  assert devices_peak_flops_per_s(jax.devices("cpu")) is None

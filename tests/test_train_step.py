@@ -17,8 +17,9 @@ from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, accumulate_gradients,
-                               create_train_state, init_train_state, learning_rate_schedule,
-                               make_optimizer, make_train_step, validate_batch)
+                               create_train_state, init_train_state, make_optimizer,
+                               make_train_step, validate_batch)
+from scalerl_jax.train.optimizer import learning_rate_schedule
 
 B, T = 8, 12
 TEMPERATURE = 0.8

@@ -8,6 +8,16 @@ padded to a length bucket T (so a run compiles once per bucket):
   rewards[r], group_ids[r]   = reward of completion j, g
   sample_valid[r]            = the zero-variance filter's verdict ('drop'), or True ('none');
                                rows beyond the groups (when `rows` > G n) are False padding.
+
+Masking truncated completions (`mask_truncated=True`, the recipe's
+`rl.mask_truncated_completions`): a completion cut by the token limit (`cut_by_length`) keeps
+its row, reward and sample_valid, but its loss_mask and behavior_logp rows are all 0, so it sends
+no gradient and leaves every aggregation denominator. Its reward still counts in its group's
+mean and in the batch std of the advantages (and in the zero-variance filter): it is a genuine
+sample of the policy on that prompt, and dropping it would move the baseline of the group's
+other completions towards the rewards of the completions that happened to finish (as TRL's
+`mask_truncated_completions`, which masks after computing advantages). Completions interrupted
+and then answered (a forced end of thinking, then a stop token) are not cut by length and stay.
 """
 
 from __future__ import annotations
@@ -59,11 +69,21 @@ class BatchInfo:
     sampled_tokens: int
     interrupted: int
     truncated: int
+    truncated_masked: int = 0  # completions whose tokens left the loss (`mask_truncated`)
+
+
+def cut_by_length(completion) -> bool:
+    """True for a completion cut by the token limit (max_new_tokens or the cache length): the
+    sampler marks it truncated with finish reason 'length'. An answer-budget end or a stop token
+    (with or without an interruption before it) is not a cut by length."""
+    return bool(completion.truncated) and completion.finish_reason == "length"
 
 
 def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Sequence[int],
-                      zero_variance: str = "drop") -> tuple[dict[str, np.ndarray], BatchInfo]:
-    """The train batch dict (module docstring) and its `BatchInfo`."""
+                      zero_variance: str = "drop",
+                      mask_truncated: bool = False) -> tuple[dict[str, np.ndarray], BatchInfo]:
+    """The train batch dict (module docstring) and its `BatchInfo`; with `mask_truncated`, the
+    completions `cut_by_length` get loss_mask 0 (module docstring)."""
     if zero_variance not in ZERO_VARIANCE_MODES:
         raise ValueError(f"zero_variance={zero_variance!r}: expected one of {ZERO_VARIANCE_MODES}")
     if not groups:
@@ -80,6 +100,7 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
     rewards = np.zeros((rows,), np.float32)
     group_ids = np.arange(rows, dtype=np.int32)  # padding rows: their own (empty) groups
     real = np.zeros((rows,), bool)
+    truncated_masked = 0
     for row, (g_index, j, group, completion) in enumerate(samples):
         prompt = group.prompt.tokens
         start, end = len(prompt), len(prompt) + len(completion.tokens)
@@ -88,6 +109,9 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
             raise ValueError(
                 f"group {group.group_id} completion {j}: tokens/logprobs/sampled lengths "
                 f"{len(completion.tokens)}/{len(completion.logprobs)}/{len(sampled)} differ")
+        if mask_truncated and cut_by_length(completion):
+            sampled = np.zeros_like(sampled)
+            truncated_masked += 1
         tokens[row, :start] = prompt
         tokens[row, start:end] = completion.tokens
         loss_mask[row, start:end] = sampled
@@ -107,7 +131,7 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         completion_tokens=sum(len(c.tokens) for c in completions),
         sampled_tokens=int(loss_mask.sum()),
         interrupted=sum(bool(c.interrupted) for c in completions),
-        truncated=sum(bool(c.truncated) for c in completions))
+        truncated=sum(bool(c.truncated) for c in completions), truncated_masked=truncated_masked)
     batch = {"tokens": tokens, "loss_mask": loss_mask, "behavior_logp": behavior_logp,
              "rewards": rewards, "group_ids": group_ids, "sample_valid": np.asarray(sample_valid, bool)}
     return batch, info

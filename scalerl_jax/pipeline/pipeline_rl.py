@@ -59,6 +59,12 @@ class PipelineConfig:
     on arrival, counted; the batch fills with other groups) or 'none'.
     `admission_slack`: extra pending requests allowed beyond the free slots, so that slots
     freed by the chunk in flight are refilled at once (None: one prompt's worth, n).
+    `mask_truncated`: completions cut by the token limit leave the loss (loss mask 0) but keep
+    their reward in the advantages' statistics (`batching.py`); counted in data/truncated_masked.
+    `train_step_flops(rows, sequence_length)`: model FLOPs of one train step on a padded
+    [rows, sequence_length] batch, e.g. `functools.partial(train.flops.train_step_flops,
+    model_config)`; gives compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of
+    the trainer's devices (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
     """
 
     max_new_tokens: int
@@ -79,6 +85,9 @@ class PipelineConfig:
     first_version: int = 0
     poll_s: float = 0.05
     join_timeout_s: float = 30.0
+    mask_truncated: bool = False
+    train_step_flops: Callable[[int, int], float] | None = None
+    peak_flops_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in ("pipeline", "ppo_off_policy"):
@@ -99,6 +108,9 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.admission_slack={self.admission_slack} must be >= 0")
         if self.poll_s <= 0 or self.join_timeout_s <= 0:
             raise ValueError("PipelineConfig.poll_s and join_timeout_s must be > 0")
+        if self.peak_flops_per_s is not None and not self.peak_flops_per_s > 0:
+            raise ValueError(f"PipelineConfig.peak_flops_per_s={self.peak_flops_per_s} must be > 0 "
+                             "(None when the devices' peak is unknown)")
 
     @property
     def rows(self) -> int:
@@ -399,7 +411,8 @@ class Pipeline:
             counts = self.buffer.counts()
             batch, info = build_train_batch(
                 groups, rows=cfg.rows, length_buckets=self.length_buckets,
-                zero_variance="none" if cfg.zero_variance == "none" else "drop")
+                zero_variance="none" if cfg.zero_variance == "none" else "drop",
+                mask_truncated=cfg.mask_truncated)
             step_start = self.clock()
             self._train_state = None  # the step may donate the state's buffers
             state, train_metrics = self.train_step(state, batch)
@@ -417,7 +430,10 @@ class Pipeline:
                 groups, info, version=version, counts=counts, waits=waits,
                 generator=self._generator_stats.snapshot(), totals=totals,
                 elapsed=max(self.clock() - totals.start, 1e-9),
-                wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s))
+                wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s,
+                step_flops=(None if cfg.train_step_flops is None
+                            else cfg.train_step_flops(cfg.rows, info.sequence_length)),
+                peak_flops_per_s=cfg.peak_flops_per_s))
             metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
             totals.discarded = counts.discarded
             if self.on_step is not None:
@@ -446,15 +462,25 @@ class _Totals:
 
 def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, counts: BufferCounts,
                  waits: WaitTimes, generator: GeneratorStats, totals: _Totals, elapsed: float,
-                 wait_s: float, step_s: float, push_s: float) -> dict[str, float]:
+                 wait_s: float, step_s: float, push_s: float, step_flops: float | None = None,
+                 peak_flops_per_s: float | None = None) -> dict[str, float]:
     """The pipeline's per-step metrics. Lag of a completion = `version` (the params the step ran
     on) - version of its first token; versions spanned = last - first token version + 1; idle
-    fractions and rates are cumulative over the `elapsed` seconds of the run."""
+    fractions and rates are cumulative over the `elapsed` seconds of the run. Over the batch's
+    completions (every completion of `groups`, whether or not in the loss): train/reward_std is
+    the population std of their rewards, train/completion_len_mean / _max their generated
+    tokens (forced phrase tokens included). data/truncated_masked: completions masked out of
+    the loss as cut by length. Given `step_flops` (model FLOPs of the step, padding included),
+    compute/model_flops_per_s = step_flops / step_s, where step_s is the step's wall time up to
+    its metrics on the host (compilation included on a new length bucket); with
+    `peak_flops_per_s` too, compute/mfu = that / peak_flops_per_s."""
     lag = lags(groups, version)
     firsts = np.asarray([v for g in groups for v in g.first_versions])
     spans = np.asarray([v for g in groups for v in g.last_versions]) - firsts + 1
     blocked = waits.generator_blocked_lag + waits.generator_blocked_full
-    return {
+    rewards = np.concatenate([g.rewards for g in groups])
+    lengths = np.asarray([len(c.tokens) for g in groups for c in g.completions])
+    metrics = {
         "pipeline/version": float(version + 1),
         "pipeline/lag_min": float(lag.min()),
         "pipeline/lag_mean": float(lag.mean()),
@@ -483,4 +509,13 @@ def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, coun
         "sampler/score_s": generator.score_s,
         "data/zero_variance_dropped": float(
             info.zero_variance_groups + counts.discarded - totals.discarded),
+        "data/truncated_masked": float(info.truncated_masked),
+        "train/reward_std": float(rewards.std()),
+        "train/completion_len_mean": float(lengths.mean()),
+        "train/completion_len_max": float(lengths.max()),
     }
+    if step_flops is not None and step_s > 0:
+        metrics["compute/model_flops_per_s"] = step_flops / step_s
+        if peak_flops_per_s is not None:
+            metrics["compute/mfu"] = step_flops / step_s / peak_flops_per_s
+    return metrics

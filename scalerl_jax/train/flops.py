@@ -1,4 +1,4 @@
-"""Model FLOPs of one train step, for MFU (model FLOPs utilization).
+"""Model FLOPs of one train step and peak device FLOP/s, for MFU (model FLOPs utilization).
 
 For a decoder with L layers, width d, h query heads and k KV heads of size e, MLP width f and
 vocabulary V, the weights used in matmuls per token are
@@ -38,3 +38,41 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
 def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
   """Model FLOPs of one step on `batch_size` sequences of `seq_len` tokens."""
   return train_flops_per_token(config, seq_len) * batch_size * seq_len
+
+
+# Peak dense (no sparsity) bf16 matmul FLOP/s of one device, by a substring of JAX's
+# `device.device_kind`, from the vendors' data sheets. The first match wins, so the more specific
+# names come first ("H100 PCIe" before "H100", "TPU v5 lite" before "TPU v5").
+PEAK_BF16_FLOPS_PER_S: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989e12),   # SXM, e.g. 'NVIDIA H100 80GB HBM3'
+    ("H200", 989e12),   # SXM, and GH200
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("TPU v4", 275e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5e", 197e12),
+    ("TPU v5", 459e12),       # v5p
+    ("TPU v6 lite", 918e12),  # v6e (Trillium)
+    ("TPU v6e", 918e12),
+)
+
+
+def peak_bf16_flops_per_s(device_kind: str) -> float | None:
+  """Peak dense bf16 FLOP/s of one device of this `device_kind`; None when unknown (e.g. CPU)."""
+  for name, flops in PEAK_BF16_FLOPS_PER_S:
+    if name in device_kind:
+      return flops
+  return None
+
+
+def devices_peak_flops_per_s(devices) -> float | None:
+  """Summed peak dense bf16 FLOP/s of `devices` (e.g. the trainer's), the denominator of MFU;
+  None when any device's kind is not in `PEAK_BF16_FLOPS_PER_S`."""
+  peaks = [peak_bf16_flops_per_s(device.device_kind) for device in devices]
+  if not peaks or any(peak is None for peak in peaks):
+    return None
+  return float(sum(peaks))
