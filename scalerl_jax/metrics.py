@@ -72,7 +72,9 @@ class MetricsWriter:
 
 def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s: float | None,
                     last_eval: tuple[int, float] | None = None) -> str:
-    """The per-step progress line: step, pass rate, reward, tokens/s, lag, length control, compute, ETA.
+    """The per-step progress line: step, pass rate, reward, loss and policy entropy, response length
+    (mean/max completion tokens), tokens/s, lag, length control, compute, ETA; '-' for a missing
+    number.
 
     The pass rate is this step's held-out evaluation, else `last_eval` = (its step, its pass rate).
     """
@@ -89,7 +91,9 @@ def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s
         pass_rate = f"{last_eval[1]:.3f}@{last_eval[0]}"
     return (
         f"step {step}/{num_steps} | pass {pass_rate} | reward {get('train/reward_mean', '+.3f')}"
-        f" | loss {get('train/loss', '+.4f')} | tok/s {get('sampler/tokens_per_s', '.0f')}"
+        f" | loss {get('train/loss', '+.4f')} ent {get('train/entropy', '.3f')}"
+        f" | len {get('train/completion_len_mean', '.0f')}/{get('train/completion_len_max', '.0f')}"
+        f" | tok/s {get('sampler/tokens_per_s', '.0f')}"
         f" | lag {get('pipeline/lag_mean', '.2f')}/{get('pipeline/lag_max', '.0f')}"
         f" | interrupted {get('sampler/interrupted_frac', '.2f')} truncated {get('sampler/truncated_frac', '.2f')}"
         f" | zv-dropped {get('data/zero_variance_dropped', '.0f')} | dev-h {get('compute/device_hours', '.4f')} | eta {eta}"

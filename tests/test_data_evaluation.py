@@ -82,6 +82,10 @@ def test_evaluate_with_scripted_policy():
     assert m["eval/truncated_frac"] == pytest.approx(1 / 12)
     assert m["eval/format_failure_frac"] == pytest.approx(1 / 12)
     assert m["eval/num_prompts"] == 3 and m["eval/num_samples"] == 12
+    # 11 samples "<think>work</think>\boxed{NN}" of 7 + 4 + 8 + 7 + 2 + 1 = 29 characters (one
+    # token each), and the truncated "<think>work work" of 16.
+    assert m["eval/mean_completion_tokens"] == pytest.approx((11 * 29 + 16) / 12)
+    assert m["eval/max_completion_tokens"] == 29.0
     assert m["eval/pass_rate/difficulty_easy"] == 1.0
     assert m["eval/pass_rate/difficulty_hard"] == pytest.approx(0.125)
     assert result.correct.shape == (3, 4) and result.correct.sum() == 5

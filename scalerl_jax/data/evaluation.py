@@ -9,7 +9,8 @@ Metrics (under ``prefix``, default ``eval``):
 - ``interrupted_frac``, ``truncated_frac``: fractions of samples the sampler interrupted (forced
   end of thinking) or truncated (hit the length limit);
 - ``format_failure_frac`` (no ``</think>`` or no box), ``timeouts`` (verifier time limits hit),
-  ``mean_completion_tokens``, ``num_prompts``, ``num_samples``;
+  ``mean_completion_tokens`` and ``max_completion_tokens`` (generated tokens per sample, forced
+  ones included), ``num_prompts``, ``num_samples``;
 - ``pass_rate/difficulty_<d>`` per difficulty label when difficulties are given.
 """
 
@@ -107,6 +108,7 @@ def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Seque
                                 + scored.counts[rewards_lib.NO_BOX]) / len(completions),
         "timeouts": float(scored.counts[verify_pool.TIMEOUT]),
         "mean_completion_tokens": float(np.mean([len(c.tokens) for c in completions])),
+        "max_completion_tokens": float(max(len(c.tokens) for c in completions)),
         "num_prompts": float(len(prompts)),
         "num_samples": float(len(completions)),
     }
