@@ -163,7 +163,6 @@ class _MicrobatchSums(NamedTuple):
   loss_tokens: jax.Array     # sum m
   entropy: jax.Array         # sum m H
   ratio: jax.Array           # sum m r
-  clipped: jax.Array         # sum m [clipped / truncated]
   clipped_low: jax.Array     # sum m [lower clip active]
   clipped_high: jax.Array    # sum m [upper clip active / cispo truncation]
   abs_logp_diff: jax.Array   # sum m |logp - behavior_logp|
@@ -188,7 +187,6 @@ def _microbatch_loss(graphdef, params, microbatch: dict, config: TrainStepConfig
       loss_tokens=jnp.sum(mask),
       entropy=jnp.sum(mask * entropy),
       ratio=jnp.sum(mask * aux["ratio"]),
-      clipped=jnp.sum(mask * aux["clipped"]),
       clipped_low=jnp.sum(mask * aux["clipped_low"]),
       clipped_high=jnp.sum(mask * aux["clipped_high"]),
       abs_logp_diff=jnp.sum(mask * abs_logp_diff))
@@ -258,7 +256,7 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
       "train/grad_norm": grad_norm,
       "train/entropy": totals.entropy / safe_tokens,
       "train/ratio_mean": totals.ratio / safe_tokens,
-      "train/clip_frac": totals.clipped / safe_tokens,
+      "train/clip_frac": (totals.clipped_low + totals.clipped_high) / safe_tokens,
       "train/logp_mismatch": totals.abs_logp_diff / safe_tokens,
       "train/logp_mismatch_max": jnp.max(abs_logp_diff_max),
       "train/logp_mismatch_first_mb": per_microbatch.abs_logp_diff[0] / first_tokens,
