@@ -88,8 +88,8 @@ def run_config(base_dir: str, **sampler):
     config.model.checkpoint = base_dir
     config.data.prompt_template = PROMPT_TEMPLATE
     config.data.verify_workers = 1
-    config.sampler.update(dict(num_slots=8, chunk_steps=8, max_new_tokens=16, think_budget_min=8,
-                               think_budget_max=10, answer_budget=6, **sampler))
+    config.sampler.update({**dict(num_slots=8, chunk_steps=8, max_new_tokens=16, think_budget_min=8,
+                                  think_budget_max=10, answer_budget=6), **sampler})
     return config
 
 
