@@ -119,3 +119,8 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     os.replace(staging, path)
     logging.info("warm start: wrote %s in %.0fs", path, time.time() - start)
     return path
+
+
+def checkpoint_dir(config: ml_collections.ConfigDict, workdir: str) -> str:
+    """The HF directory `build_warm_start(config, workdir)` writes (whether built yet or not)."""
+    return os.path.join(workdir, "warm_start", _digest(config))

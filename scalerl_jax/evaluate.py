@@ -1,0 +1,372 @@
+"""Evaluate a policy on a local benchmark file with the training sampler and verifier:
+``python -m scalerl_jax.evaluate --checkpoint DIR_OR_RUN --data FILE [--samples 16] [--k 1,4,16]
+[--problem-field problem] [--answer-field answer] [--group-field level] [--out results.json]``.
+
+DIR_OR_RUN is a run directory (its config.json gives the sampling settings, as training used them:
+temperature, top-p/k, max_new_tokens, length control with its interruption phrase and budgets,
+prompt template, chat template use, verifier kind; the params come from its latest checkpoint, or
+``--step``) or a Hugging Face directory (settings from ``--config=FILE`` with ``--config.KEY=VALUE``
+overrides; default ``configs/scalerl_8b.py``, the recipe's settings). FILE is ``.jsonl`` or
+``.parquet``; each row needs the problem and answer fields (non-string answers are taken as
+``str(value)``) and, with ``--group-field``, that field.
+
+Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
+  mean@K = (1/N) sum_i c_i / K   (the paper's metric: mean over prompts of the pass rate)
+  pass@k = (1/N) sum_i [1 - C(K - c_i, k) / C(K, k)]   (unbiased estimator, Chen et al. 2021)
+and both per value of the group field. The JSON output also holds every sample's correctness.
+
+Exit status: 0 on success, 2 on bad input (the message names the file, row, field or flag).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from scalerl_jax import data as data_lib
+from scalerl_jax import policy_source, recipe
+from scalerl_jax.models import load_chat_template, load_tokenizer, make_mesh, param_shardings
+from scalerl_jax.sampler import (Completion, ContinuousBatcher, Engine, EngineConfig, InterruptionConfig,
+                                 Request, interruption_from_tokenizer)
+
+
+class EvaluateError(ValueError):
+    """Bad evaluation input; the message names the file, row, field or flag."""
+
+
+# ------------------------------------------------------------------ sampling set-up (shared with training)
+
+@dataclasses.dataclass(frozen=True)
+class PolicyTokenizer:
+    """The tokenizer of a checkpoint and the special tokens sampling and prompting need.
+
+    `stop_ids`: token ids that end a completion; `bos_token` None when the checkpoint has none.
+    """
+
+    tokenizer: Any
+    bos_token: str | None
+    eos_token: str
+    stop_ids: tuple[int, ...]
+    chat_template: str | None
+
+
+def checkpoint_tokenizer(checkpoint_dir: str) -> PolicyTokenizer:
+    """The tokenizer and special tokens of an HF directory, as the training run reads them today
+    (`data.special_token_ids`: the `<s>`/`</s>` names of our tokenizers; eos is the one stop id).
+    To be replaced by `models.load_checkpoint_tokenizer` (tokenizer_config/generation_config)."""
+    tokenizer = load_tokenizer(checkpoint_dir)
+    ids = data_lib.special_token_ids(tokenizer)
+    return PolicyTokenizer(tokenizer=tokenizer, bos_token=tokenizer.id_to_token(ids["bos"]),
+                           eos_token=tokenizer.id_to_token(ids["eos"]), stop_ids=(ids["eos"],),
+                           chat_template=load_chat_template(checkpoint_dir))
+
+
+def make_prompt_encoder(config: ml_collections.ConfigDict, tok: PolicyTokenizer) -> data_lib.PromptEncoder:
+    """Problems -> prompt tokens: `config.data.prompt_template`, the checkpoint's chat template when
+    `config.data.use_chat_template`, at most `config.data.max_prompt_tokens` tokens."""
+    chat_template = tok.chat_template if config.data.use_chat_template else None
+    if config.data.use_chat_template and chat_template is None:
+        raise EvaluateError("config data.use_chat_template is true but the checkpoint has no chat template")
+    return data_lib.PromptEncoder(tok.tokenizer, data_lib.PromptFormat(
+        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens,
+        chat_template=chat_template, add_bos=tok.bos_token is not None, bos_token=tok.bos_token or "",
+        eos_token=tok.eos_token))
+
+
+def make_interruption(config: ml_collections.ConfigDict, tokenizer: Any) -> InterruptionConfig | None:
+    """The forced interruption of `config.sampler` when `config.rl.length_control` is 'interruption'."""
+    if config.rl.length_control != "interruption":
+        return None
+    s = config.sampler
+    return interruption_from_tokenizer(tokenizer, phrase=s.interruption_phrase, end_think=s.think_end,
+                                       think_budget_min=s.think_budget_min, think_budget_max=s.think_budget_max,
+                                       answer_budget=s.answer_budget)
+
+
+def make_engine_config(config: ml_collections.ConfigDict, tok: PolicyTokenizer) -> EngineConfig:
+    """The sampler engine of `config.sampler`: cache length = max prompt + max new tokens."""
+    s = config.sampler
+    return EngineConfig(num_slots=s.num_slots, max_len=config.data.max_prompt_tokens + s.max_new_tokens,
+                        chunk_size=s.chunk_steps, top_k=s.top_k, top_p=s.top_p,
+                        max_stop_tokens=max(1, len(tok.stop_ids)),
+                        interruption=make_interruption(config, tok.tokenizer))
+
+
+def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:
+    """The verifier of training: exact match on the synthetic task, math-verify otherwise."""
+    return data_lib.RewardConfig(
+        kind="exact" if config.data.dataset == "synthetic" else "math", correct_reward=config.data.reward_correct,
+        incorrect_reward=config.data.reward_incorrect, think_end=config.sampler.think_end)
+
+
+def make_sample_fn(batcher: ContinuousBatcher, config: ml_collections.ConfigDict, stop_ids: Sequence[int], *,
+                   seed_offset: int = 0) -> Callable[[list[list[int]]], list[Completion]]:
+    """`prompts -> completions` (one per prompt, in order) through `batcher` with the run's
+    temperature and budget; request i samples with PRNG stream `seed_offset + i`."""
+
+    def sample(prompts: list[list[int]]) -> list[Completion]:
+        for i, prompt in enumerate(prompts):
+            batcher.add_request(Request(
+                request_id=i, prompt_tokens=list(prompt), max_new_tokens=config.sampler.max_new_tokens,
+                seed=seed_offset + i, temperature=config.sampler.temperature, stop_tokens=tuple(stop_ids)))
+        done = {c.request_id: c for c in batcher.drain()}
+        return [done[i] for i in range(len(prompts))]
+
+    return sample
+
+
+# ------------------------------------------------------------------ benchmark files
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """Problems and gold answers of a file (`groups[i]` the group field's value, or None)."""
+
+    path: str
+    problems: list[str]
+    answers: list[str]
+    groups: list[str] | None
+    rows: list[int]
+
+
+def _records(path: str) -> list[dict]:
+    """The rows of a .jsonl or .parquet file as dicts."""
+    suffix = os.path.splitext(path)[1].lower()
+    if not os.path.isfile(path):
+        raise EvaluateError(f"--data {path!r} does not exist")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if suffix != ".jsonl":
+        raise EvaluateError(f"--data {path!r}: unknown suffix {suffix!r} (expected .jsonl or .parquet)")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for index, line in enumerate(f):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EvaluateError(f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
+            if not isinstance(record, dict):
+                raise EvaluateError(f"{path}: row {index} (line {index + 1}) is not a JSON object")
+            records.append(record)
+    return records
+
+
+def read_benchmark(path: str, *, problem_field: str = "problem", answer_field: str = "answer",
+                   group_field: str | None = None) -> Benchmark:
+    """Reads a benchmark file; a row missing a field (or None there, or an empty problem) is an
+    error naming the file, row and field. Answers and group values are taken as `str(value)`."""
+    records = _records(path)
+    if not records:
+        raise EvaluateError(f"{path}: no rows")
+    fields = [problem_field, answer_field] + ([group_field] if group_field else [])
+    for index, record in enumerate(records):
+        for field in fields:
+            if record.get(field) is None:
+                raise EvaluateError(f"{path}: row {index} has no field {field!r} (fields: {sorted(record)})")
+        if not isinstance(record[problem_field], str) or not record[problem_field].strip():
+            raise EvaluateError(f"{path}: row {index} field {problem_field!r} is not a non-empty string")
+    return Benchmark(path=path, problems=[r[problem_field] for r in records],
+                     answers=[str(r[answer_field]) for r in records],
+                     groups=[str(r[group_field]) for r in records] if group_field else None,
+                     rows=list(range(len(records))))
+
+
+# ------------------------------------------------------------------ metrics
+
+def summarize(correct: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
+    """`mean@K` and `pass@k` for each k of a correctness matrix bool[N, K] (module docstring)."""
+    num_prompts, num_samples = correct.shape
+    num_correct = correct.sum(axis=1)
+    out = {f"mean@{num_samples}": float((num_correct / num_samples).mean())}
+    for k in ks:
+        out[f"pass@{k}"] = float(data_lib.pass_at_k(num_samples, num_correct, k).mean())
+    out["num_prompts"] = num_prompts
+    return out
+
+
+def summarize_groups(correct: np.ndarray, groups: Sequence[str], ks: Sequence[int]) -> dict[str, dict]:
+    """`summarize` over the prompts of each group value (values sorted as strings)."""
+    labels = np.asarray(groups)
+    return {value: summarize(correct[labels == value], ks) for value in sorted(set(groups))}
+
+
+def parse_ks(text: str, num_samples: int) -> list[int]:
+    """The `--k` list ('1,4,16'); each k must lie in [1, --samples]."""
+    try:
+        ks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as e:
+        raise EvaluateError(f"--k {text!r} is not a comma-separated list of integers") from e
+    bad = [k for k in ks if not 1 <= k <= num_samples]
+    if not ks or bad:
+        raise EvaluateError(f"--k {text!r}: every k must be in [1, --samples={num_samples}] (bad: {bad})")
+    return ks
+
+
+# ------------------------------------------------------------------ evaluation
+
+def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigDict, benchmark: Benchmark, *,
+                    num_samples: int, ks: Sequence[int], seed: int = 0, keep_texts: bool = False) -> dict[str, Any]:
+    """Samples `num_samples` completions per problem with the run's sampler on all devices
+    (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
+    (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`)."""
+    tok = checkpoint_tokenizer(policy.checkpoint_dir)
+    encoded = make_prompt_encoder(config, tok).encode(benchmark.problems)
+    if not encoded.tokens:
+        raise EvaluateError(f"{benchmark.path}: every problem is longer than data.max_prompt_tokens="
+                            f"{config.data.max_prompt_tokens}")
+    kept = encoded.source_indices
+    mesh = make_mesh(config.mesh.generator_shape)
+    params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
+    engine = Engine(policy.graphdef, policy.model_config, make_engine_config(config, tok), mesh=mesh)
+    batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
+    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s)
+    texts: list[str] = []
+
+    def decode(tokens: list[int]) -> str:
+        texts.append(tok.tokenizer.decode(tokens))
+        return texts[-1]
+
+    reward_config = make_reward_config(config)
+    try:
+        result = data_lib.evaluate(
+            make_sample_fn(batcher, config, tok.stop_ids), encoded.tokens, [benchmark.answers[i] for i in kept],
+            num_samples=num_samples, decode=decode, pass_at=ks,
+            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool))
+    finally:
+        verify_pool.close()
+    correct = result.correct
+    per_prompt = []
+    for n, row in enumerate(kept):
+        entry = {"row": benchmark.rows[row], "answer": benchmark.answers[row],
+                 "correct": [bool(c) for c in correct[n]]}
+        if benchmark.groups is not None:
+            entry["group"] = benchmark.groups[row]
+        if keep_texts:
+            entry["completions"] = texts[n * num_samples:(n + 1) * num_samples]
+        per_prompt.append(entry)
+    extra = {key.split("/", 1)[1]: value for key, value in result.metrics.items()
+             if key.split("/", 1)[1] in ("interrupted_frac", "truncated_frac", "format_failure_frac", "timeouts",
+                                         "mean_completion_tokens")}
+    report = {
+        "metrics": {**summarize(correct, ks), **extra},
+        "samples_per_prompt": num_samples,
+        "skipped_too_long": [benchmark.rows[i] for i in sorted(set(range(len(benchmark.problems))) - set(kept))],
+        "sampling": {"temperature": config.sampler.temperature, "top_p": config.sampler.top_p,
+                     "top_k": config.sampler.top_k, "max_new_tokens": config.sampler.max_new_tokens,
+                     "length_control": config.rl.length_control, "reward_kind": reward_config.kind,
+                     "prompt_template": config.data.prompt_template,
+                     "use_chat_template": config.data.use_chat_template, "seed": seed},
+        "per_prompt": per_prompt,
+    }
+    if benchmark.groups is not None:
+        report["groups"] = summarize_groups(correct, [benchmark.groups[i] for i in kept], ks)
+    return report
+
+
+def format_table(report: dict[str, Any], group_field: str | None) -> str:
+    """The report's metrics (and per-group metrics) as a plain-text table."""
+    metrics = report["metrics"]
+    keys = [k for k in metrics if k.startswith(("mean@", "pass@"))]
+    lines = [f"{'':>16} {'prompts':>8} " + " ".join(f"{k:>9}" for k in keys)]
+    rows = [("all", metrics)] + [(f"{group_field}={v}", m) for v, m in report.get("groups", {}).items()]
+    for name, values in rows:
+        lines.append(f"{name:>16} {values['num_prompts']:>8} " + " ".join(f"{values[k]:>9.4f}" for k in keys))
+    lines.append(f"interrupted {metrics['interrupted_frac']:.3f}  truncated {metrics['truncated_frac']:.3f}  "
+                 f"format failures {metrics['format_failure_frac']:.3f}  mean tokens "
+                 f"{metrics['mean_completion_tokens']:.1f}  skipped (too long) {len(report['skipped_too_long'])}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ command line
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface (``--config`` and ``--config.KEY=VALUE`` are read by ml_collections)."""
+    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.evaluate", description=__doc__.split("\n\n")[0],
+                                     epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
+                                            "Hugging Face directory (default configs/scalerl_8b.py)")
+    parser.add_argument("--checkpoint", required=True, help="run directory or Hugging Face directory")
+    parser.add_argument("--data", required=True, help="benchmark file (.jsonl or .parquet)")
+    parser.add_argument("--samples", type=int, default=16, help="samples per problem, K of mean@K")
+    parser.add_argument("--k", default="1", help="comma-separated k values of pass@k (each <= --samples)")
+    parser.add_argument("--problem-field", default="problem")
+    parser.add_argument("--answer-field", default="answer")
+    parser.add_argument("--group-field", help="a row field to break the metrics down by (e.g. level)")
+    parser.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
+    parser.add_argument("--seed", type=int, default=0, help="sampler seed")
+    parser.add_argument("--out", help="write the JSON report here")
+    parser.add_argument("--completions", action="store_true", help="include completion texts in the JSON")
+    return parser
+
+
+def _config_from_flags(extra: Sequence[str]) -> ml_collections.ConfigDict | None:
+    """The config of `--config=FILE [--config.KEY=VALUE ...]` in `extra`, or None when absent."""
+    unknown = [a for a in extra if not a.startswith("--config")]
+    if unknown:
+        raise EvaluateError(f"unrecognized arguments: {' '.join(unknown)}")
+    if not extra:
+        return None
+    flag_values = flags.FlagValues()
+    argv = ["evaluate", *extra]
+    config_flags.DEFINE_config_file("config", None, "sampling settings", flag_values=flag_values, lock_config=True,
+                                    sys_argv=argv)
+    try:
+        flag_values(argv)
+    except (flags.Error, ValueError, KeyError, AttributeError) as e:
+        raise EvaluateError(f"--config: {e}") from e
+    if flag_values.config is None:
+        raise EvaluateError("--config.KEY=VALUE overrides need --config=FILE")
+    return flag_values.config
+
+
+def load_policy_and_config(path: str, config: ml_collections.ConfigDict | None, *, step: int | None
+                           ) -> tuple[policy_source.Policy, ml_collections.ConfigDict]:
+    """A run directory with its own config, or an HF directory with `config` (default: the recipe)."""
+    if policy_source.is_run_dir(path):
+        if config is not None:
+            raise EvaluateError(f"--config is for Hugging Face directories; the run {path!r} uses its config.json")
+        run_config = policy_source.load_run_config(path)
+        return policy_source.load_run_policy(path, run_config, step=step), run_config
+    if step is not None:
+        raise EvaluateError(f"--step is for run directories; {path!r} is a Hugging Face directory")
+    config = config or recipe.scalerl_8b()
+    return policy_source.load_hf_policy(path, config, mesh=make_mesh(config.mesh.generator_shape)), config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status (2 on bad input, with the reason on stderr)."""
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        if args.samples < 1:
+            raise EvaluateError(f"--samples must be >= 1, got {args.samples}")
+        ks = parse_ks(args.k, args.samples)
+        config = _config_from_flags(extra)
+        benchmark = read_benchmark(args.data, problem_field=args.problem_field, answer_field=args.answer_field,
+                                   group_field=args.group_field)
+        policy, config = load_policy_and_config(args.checkpoint, config, step=args.step)
+    except (EvaluateError, policy_source.PolicySourceError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = evaluate_policy(policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed,
+                             keep_texts=args.completions)
+    report = {"checkpoint": os.path.abspath(args.checkpoint), "step": policy.step,
+              "data": os.path.abspath(args.data), "group_field": args.group_field, **report}
+    print(format_table(report, args.group_field))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
