@@ -25,7 +25,7 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.models import Transformer, get_preset, save_hf, sequence_logprobs
+from scalerl_jax.models import Transformer, get_preset, load_checkpoint_tokenizer, save_hf, sequence_logprobs
 
 COMPLETE_MARKER = "warm_start_complete.json"
 
@@ -42,7 +42,8 @@ def synthetic_task(config: ml_collections.ConfigDict) -> data_lib.SyntheticTaskC
 
 def _digest(config: ml_collections.ConfigDict) -> str:
     payload = json.dumps({"synthetic": config.synthetic.to_dict(), "warm_start": config.warm_start.to_dict(),
-                          "template": config.data.prompt_template}, sort_keys=True, default=str)
+                          "template": config.data.prompt_template,
+                          "tokenizer_layout": data_lib.TOKENIZER_LAYOUT}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -83,17 +84,20 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     corpus = data_lib.tokenizer_corpus(
         data_lib.generate_splits(task)["sft"], config.data.prompt_template,
         extra_texts=(config.sampler.interruption_phrase,))
-    tokenizer = data_lib.train_tokenizer(corpus, ws.tokenizer_vocab_size, staging)
-    ids = data_lib.special_token_ids(tokenizer)
+    data_lib.train_tokenizer(corpus, ws.tokenizer_vocab_size, staging)
+    # Read back as the RL run reads any checkpoint, so SFT prompts are the RL prompts (bos + text).
+    checkpoint = load_checkpoint_tokenizer(staging)
+    tokenizer = checkpoint.tokenizer
     encoder = data_lib.PromptEncoder(tokenizer, data_lib.PromptFormat(
-        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens))
+        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens),
+        special_tokens=checkpoint.special_tokens)
     sft_rows = with_direct_answers(sft_rows, ws.direct_answer_fraction, np.random.default_rng([ws.seed, 1]))
-    tokens, masks = data_lib.sft_arrays(sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=ids["eos"],
-                                        pad_id=ids["pad"])
+    tokens, masks = data_lib.sft_arrays(sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id,
+                                        pad_id=checkpoint.pad_id)
 
     model_config = get_preset(
         config.model.preset, **ws.model_overrides.to_dict(), vocab_size=tokenizer.get_vocab_size(),
-        bos_token_id=ids["bos"], eos_token_id=ids["eos"], fp32_head=config.model.fp32_head)
+        bos_token_id=checkpoint.bos_id, eos_token_id=checkpoint.eos_id, fp32_head=config.model.fp32_head)
     model = Transformer(model_config, rngs=nnx.Rngs(ws.seed))
     warmup = min(ws.warmup_steps, ws.steps // 2)
     schedule = optax.warmup_cosine_decay_schedule(0.0, ws.lr, warmup, max(ws.steps, warmup + 1), ws.lr * 0.1)

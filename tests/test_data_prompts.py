@@ -7,6 +7,7 @@ import pytest
 
 from scalerl_jax.data import prompts, synthetic
 from scalerl_jax.data.tokenizer import train_tokenizer
+from tokenizers import Tokenizer
 
 # A ChatML template in the style of Qwen2's tokenizer_config.json (system turn optional).
 CHATML = (
@@ -31,11 +32,18 @@ LLAMA_LIKE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer_dir(tmp_path_factory):
     problems = synthetic.generate_splits(synthetic.SyntheticTaskConfig(
         split_sizes=(("train", 64),)))["train"]
     corpus = synthetic.tokenizer_corpus(problems, "Compute {problem}.")
-    return train_tokenizer(corpus, 290, str(tmp_path_factory.mktemp("tok")))
+    path = str(tmp_path_factory.mktemp("tok"))
+    train_tokenizer(corpus, 290, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
 
 
 def test_format_problem():
@@ -44,14 +52,14 @@ def test_format_problem():
         prompts.format_problem("1+2", "no placeholder")
 
 
-def test_plain_template_prepends_bos(tokenizer):
+def test_plain_template_encodes_as_the_tokenizer_call(tokenizer, tokenizer_dir):
+    """Without a chat template the post-processor of tokenizer.json adds bos, as in transformers."""
+    transformers = pytest.importorskip("transformers")
     encoder = prompts.PromptEncoder(tokenizer, prompts.PromptFormat(template="Compute {problem}."))
     ids = encoder.encode_unchecked("12+7")
     assert ids[0] == tokenizer.token_to_id("<s>") == 1
     assert tokenizer.decode(ids[1:]) == "Compute 12+7."
-    no_bos = prompts.PromptEncoder(
-        tokenizer, prompts.PromptFormat(template="Compute {problem}.", add_bos=False))
-    assert no_bos.encode_unchecked("12+7") == ids[1:]
+    assert ids == transformers.AutoTokenizer.from_pretrained(tokenizer_dir)("Compute 12+7.")["input_ids"]
 
 
 @pytest.mark.parametrize("chat_template", [CHATML, LLAMA_LIKE])
@@ -62,7 +70,8 @@ def test_chat_template_matches_transformers(tokenizer, chat_template, system_mes
                                               eos_token="</s>")
     fmt = prompts.PromptFormat(template="Solve {problem}. Answer in \\boxed{}.",
                                chat_template=chat_template, system_message=system_message)
-    encoder = prompts.PromptEncoder(tokenizer, fmt)
+    encoder = prompts.PromptEncoder(tokenizer, fmt,
+                                    special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
     messages = ([{"role": "system", "content": system_message}] if system_message else [])
     messages.append({"role": "user", "content": "Solve 3+4. Answer in \\boxed{}."})
     expected = hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
@@ -71,6 +80,8 @@ def test_chat_template_matches_transformers(tokenizer, chat_template, system_mes
     # With a chat template, bos comes from the template text, not prepended again.
     assert encoder.encode_unchecked("3+4") == tokenizer.encode(expected,
                                                                add_special_tokens=False).ids
+    assert encoder.encode_unchecked("3+4") == hf.apply_chat_template(
+        messages, chat_template=chat_template, add_generation_prompt=True, return_dict=False)
 
 
 def test_over_budget_prompts_are_counted_and_skipped(tokenizer, caplog):
@@ -96,8 +107,8 @@ def test_sft_example():
 def test_bad_format(tokenizer):
     with pytest.raises(ValueError, match="placeholder"):
         prompts.PromptEncoder(tokenizer, prompts.PromptFormat(template="no slot"))
-    with pytest.raises(ValueError, match="bos_token"):
-        prompts.PromptEncoder(tokenizer, prompts.PromptFormat(bos_token="<|begin|>"))
+    with pytest.raises(ValueError, match="system_message needs a chat_template"):
+        prompts.PromptEncoder(tokenizer, prompts.PromptFormat(system_message="Be brief."))
 
 
 def test_build_prompt_set_aligns_answers_and_labels(tokenizer):
@@ -122,8 +133,30 @@ def test_sft_arrays(tokenizer):
     # bos + "1+2=" is 5 tokens; the completion and eos follow, then padding.
     completion = tokenizer.encode(rows[0]["solution"], add_special_tokens=False).ids
     n = len(completion)
-    assert tokens[0, :5].tolist() == [1] + tokenizer.encode("1+2=").ids
+    assert tokens[0, :5].tolist() == [1] + tokenizer.encode("1+2=", add_special_tokens=False).ids
     assert tokens[0, 5:5 + n].tolist() == completion and tokens[0, 5 + n] == 2
     assert mask[0].tolist() == [0.0] * 5 + [1.0] * (n + 1) + [0.0] * (24 - 6 - n)
     with pytest.raises(ValueError, match="row 0"):
         prompts.sft_arrays(rows, encoder, tokenizer, max_len=8, eos_id=2, pad_id=0)
+
+
+# Uses transformers' extra template globals: strftime_now and the {% generation %} block.
+DATED = (
+    "{{ bos_token }}Today is {{ strftime_now('%d %b %Y') }}.\n"
+    "{% for message in messages %}{% generation %}{{ message['content'] }}{% endgeneration %}"
+    "{{ eos_token }}{% endfor %}"
+    "{% if tools is none and documents is none %}[no tools]{% endif %}"
+)
+
+
+def test_transformers_template_globals(tokenizer):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
+                                              eos_token="</s>")
+    encoder = prompts.PromptEncoder(
+        tokenizer, prompts.PromptFormat(template="{problem}", chat_template=DATED),
+        special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    expected = hf.apply_chat_template([{"role": "user", "content": "1+2"}], chat_template=DATED,
+                                      tokenize=False, add_generation_prompt=True)
+    assert encoder.text("1+2") == expected
+    assert expected.endswith("1+2</s>[no tools]")

@@ -29,3 +29,21 @@ def test_fraction_of_answer_only_demonstrations():
 def test_fraction_outside_unit_interval_is_refused():
     with pytest.raises(ValueError, match="direct_answer_fraction"):
         with_direct_answers(ROWS, 1.5, np.random.default_rng(0))
+
+
+def test_warm_start_tokenizer_is_read_like_a_checkpoint(tmp_path):
+    """train_tokenizer writes a Llama-3-style directory; transformers reads the same tokens and ids."""
+    transformers = pytest.importorskip("transformers")
+    from scalerl_jax.models import load_checkpoint_tokenizer
+    corpus = [row["problem"] + " " + row["solution"] for row in ROWS[:200]]
+    data_lib.train_tokenizer(corpus, 280, str(tmp_path))
+    loaded = load_checkpoint_tokenizer(str(tmp_path))
+    token_id = loaded.tokenizer.token_to_id
+    assert (loaded.bos_token, loaded.eos_token, loaded.pad_token) == ("<s>", "</s>", "<pad>")
+    assert (loaded.bos_id, loaded.eos_id, loaded.pad_id) == (token_id("<s>"), token_id("</s>"), token_id("<pad>"))
+    assert loaded.stop_ids == (token_id("</s>"),) and loaded.chat_template is None
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    encoder = data_lib.PromptEncoder(loaded.tokenizer, data_lib.PromptFormat(template="{problem}="))
+    # The SFT prompt is bos + text, exactly as the RL run (and transformers) encodes it.
+    assert encoder.encode_unchecked("12+7") == reference("12+7=")["input_ids"] == (
+        [loaded.bos_id] + loaded.tokenizer.encode("12+7=", add_special_tokens=False).ids)

@@ -17,7 +17,7 @@ from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, default_pool, e
 from scalerl_jax.data.synthetic import (SYNTHETIC_TEMPLATE, THINK_END, THINK_START,
                                         ArithmeticProblem, Level, SyntheticTaskConfig,
                                         direct_answer, generate_splits, tokenizer_corpus)
-from scalerl_jax.data.tokenizer import special_token_ids, train_tokenizer
+from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, special_token_ids, train_tokenizer
 from scalerl_jax.data.verify_pool import VerifyPool
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "SYNTHETIC_TEMPLATE",
     "THINK_END",
     "THINK_START",
+    "TOKENIZER_LAYOUT",
     "ArithmeticProblem",
     "AssembledBatch",
     "BatchAssembler",

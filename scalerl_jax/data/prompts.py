@@ -1,10 +1,17 @@
 """Prompt formatting and encoding: a template string or a chat template, under a token budget.
 
 The user turn is ``template`` with the literal ``{problem}`` replaced by the problem (plain
-replacement, so the template may contain LaTeX braces such as ``\\boxed{}``). Without a chat
-template the prompt text is that user turn and the bos id is prepended when ``add_bos``; with a
-chat template (the jinja string of a ``tokenizer_config.json``) the text is the template rendered
-for one user message with the generation prompt, and bos comes from the template itself.
+replacement, so the template may contain LaTeX braces such as ``\\boxed{}``). Prompts are encoded
+exactly as Hugging Face transformers (5.x) encodes them:
+
+- without a chat template, as ``tokenizer(text)``: ``encode(text, add_special_tokens=True)``, so
+  the ``tokenizer.json`` post-processor adds what the checkpoint adds (bos for Llama 3, nothing
+  for Qwen);
+- with a chat template, as ``apply_chat_template([system?, user], add_generation_prompt=True,
+  tokenize=True)``: the template is rendered in transformers' jinja environment with the
+  checkpoint's named special tokens, ``tools=None`` and ``documents=None``, and the text is
+  encoded with ``add_special_tokens=False`` (the template writes bos itself).
+
 Prompts longer than ``max_prompt_tokens`` are skipped, counted and reported with a warning:
 never truncated.
 """
@@ -12,10 +19,13 @@ never truncated.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import numpy as np
 from absl import logging
@@ -46,53 +56,77 @@ def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
                       sort_keys=sort_keys)
 
 
-def compile_chat_template(chat_template: str) -> jinja2.Template:
-    """Compiles a chat template in a sandbox with the conventions of Hugging Face templates.
+def _strftime_now(format_string: str) -> str:
+    """The local time now, formatted (templates such as Llama 3.2's print today's date)."""
+    return datetime.datetime.now().strftime(format_string)
 
-    ``trim_blocks`` and ``lstrip_blocks`` are on, ``loopcontrols`` is enabled, and
-    ``raise_exception`` and a non-escaping ``tojson`` are available, as in ``transformers``' own
-    rendering, so a template gives the same text here as there. ``strftime_now`` is deliberately
-    not defined: templates that use it when defined (Llama 3.x) fall back to their fixed date,
-    keeping prompts reproducible.
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body unchanged.
+
+    Training templates mark assistant text with it (transformers uses the marks for assistant
+    masks); prompts never need the marks, only the text.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+def compile_chat_template(chat_template: str) -> jinja2.Template:
+    """Compiles a chat template in the jinja environment transformers renders chat templates in.
+
+    An immutable sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``; globals
+    ``raise_exception`` and ``strftime_now`` (the current local time, so a template that prints
+    today's date does so here too); a ``tojson`` filter that does not HTML-escape; and the
+    ``{% generation %}`` block tag.
     """
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    environment.globals["raise_exception"] = _raise_template_exception
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_template_exception
+    environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(chat_template)
 
 
-def render_chat(chat_template: jinja2.Template, user_message: str, *, bos_token: str,
-                eos_token: str, system_message: str | None = None) -> str:
-    """The chat template rendered for ``[system?, user]`` with ``add_generation_prompt=True``."""
+def render_chat(chat_template: jinja2.Template, user_message: str, *,
+                special_tokens: Mapping[str, str], system_message: str | None = None) -> str:
+    """The chat template rendered for ``[system?, user]`` with ``add_generation_prompt=True``.
+
+    The variables are those of transformers' ``apply_chat_template``: ``messages``, ``tools`` and
+    ``documents`` (None), ``add_generation_prompt``, and the named special tokens
+    (``special_tokens``, e.g. ``{'bos_token': '<|begin_of_text|>', 'eos_token': '<|eot_id|>'}``).
+    """
     messages = []
     if system_message is not None:
         messages.append({"role": "system", "content": system_message})
     messages.append({"role": "user", "content": user_message})
-    return chat_template.render(messages=messages, add_generation_prompt=True,
-                                bos_token=bos_token, eos_token=eos_token)
+    return chat_template.render(**special_tokens, messages=messages, tools=None, documents=None,
+                                add_generation_prompt=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptFormat:
-    """How problems become prompt tokens.
+    """How problems become prompt text.
 
     Attributes:
       template: user-turn template containing ``{problem}``.
-      chat_template: optional jinja chat template (from ``tokenizer_config.json``).
+      chat_template: optional jinja chat template (the checkpoint's, e.g.
+        ``CheckpointTokenizer.chat_template``); None encodes the user turn as plain text.
       system_message: optional system turn (chat template only).
-      add_bos: prepend ``bos_token``'s id when there is no chat template.
-      bos_token, eos_token: token strings (given to the chat template; bos id looked up).
       max_prompt_tokens: prompts with more tokens are skipped and counted.
     """
 
     template: str = DEFAULT_TEMPLATE
     chat_template: str | None = None
     system_message: str | None = None
-    add_bos: bool = True
-    bos_token: str = "<s>"
-    eos_token: str = "</s>"
     max_prompt_tokens: int = 2048
 
 
@@ -106,37 +140,43 @@ class EncodedPrompts:
 
 
 class PromptEncoder:
-    """Formats and encodes problems with a ``tokenizers.Tokenizer`` under ``PromptFormat``."""
+    """Formats and encodes problems as transformers does (see the module docstring).
 
-    def __init__(self, tokenizer: Tokenizer, prompt_format: PromptFormat):
+    Args:
+      tokenizer: the checkpoint's ``tokenizers.Tokenizer`` (``tokenizer.json``, post-processor
+        included).
+      prompt_format: the template, chat template, system message and budget.
+      special_tokens: the checkpoint's named special tokens given to the chat template
+        (``CheckpointTokenizer.special_tokens``); unused without a chat template.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_format: PromptFormat, *,
+                 special_tokens: Mapping[str, str] | None = None):
         format_problem("", prompt_format.template)  # validates the placeholder early
         if prompt_format.max_prompt_tokens < 1:
             raise ValueError(
                 f"max_prompt_tokens must be >= 1, got {prompt_format.max_prompt_tokens}")
+        if prompt_format.system_message is not None and prompt_format.chat_template is None:
+            raise ValueError("PromptFormat.system_message needs a chat_template")
         self._tokenizer = tokenizer
         self._format = prompt_format
+        self._special_tokens = dict(special_tokens or {})
         self._chat = (compile_chat_template(prompt_format.chat_template)
                       if prompt_format.chat_template is not None else None)
-        self._bos_id = None
-        if self._chat is None and prompt_format.add_bos:
-            self._bos_id = tokenizer.token_to_id(prompt_format.bos_token)
-            if self._bos_id is None:
-                raise ValueError(f"PromptFormat.bos_token {prompt_format.bos_token!r} is not in "
-                                 "the tokenizer's vocabulary")
 
     def text(self, problem: str) -> str:
-        """The prompt text of ``problem`` (without a plain-template bos)."""
+        """The prompt text of ``problem`` (before the tokenizer's post-processor)."""
         user_message = format_problem(problem, self._format.template)
         if self._chat is None:
             return user_message
-        return render_chat(self._chat, user_message, bos_token=self._format.bos_token,
-                           eos_token=self._format.eos_token,
+        return render_chat(self._chat, user_message, special_tokens=self._special_tokens,
                            system_message=self._format.system_message)
 
     def encode_unchecked(self, problem: str) -> list[int]:
         """Prompt token ids of ``problem`` whatever their length."""
-        ids = self._tokenizer.encode(self.text(problem), add_special_tokens=False).ids
-        return ([self._bos_id] if self._bos_id is not None else []) + list(ids)
+        add_special_tokens = self._chat is None
+        return list(self._tokenizer.encode(self.text(problem),
+                                           add_special_tokens=add_special_tokens).ids)
 
     def encode(self, problems: Sequence[str]) -> EncodedPrompts:
         """Encodes ``problems``, skipping (and counting, with a warning) those over the budget."""

@@ -10,9 +10,14 @@ Layout of the vocabulary (ids are fixed by construction):
   and survives decoding, so the reward's ``</think>`` check sees it.
 
 Digits are split one per token before BPE (as Llama and Qwen do), so arithmetic sees aligned
-digits. Encoding adds no bos/eos by itself; callers add them explicitly (``prompts.py``).
-``train_tokenizer`` writes ``tokenizer.json`` plus a ``tokenizer_config.json`` that names the
-special tokens, so Hugging Face ``AutoTokenizer`` can load the same directory.
+digits. ``train_tokenizer`` writes the directory as a Llama 3 base checkpoint ships it, so the
+tiny run reads it through the same door (``models.load_checkpoint_tokenizer``) as a real one:
+
+- ``tokenizer.json`` whose post-processor prepends bos (``encode(text)`` gives ``[bos] + ids``;
+  ``add_special_tokens=False`` gives the bare ids);
+- ``tokenizer_config.json`` naming ``bos_token``, ``eos_token`` and ``pad_token``, with the
+  ``added_tokens_decoder`` of every added token (no chat template: a base model);
+- ``generation_config.json`` with ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import json
 import os
 from collections.abc import Iterable
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from scalerl_jax.data.synthetic import THINK_END, THINK_START
 
@@ -32,6 +37,10 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
 THINK_TOKENS = (THINK_START, THINK_END)
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+# Version of the files `train_tokenizer` writes; part of the warm start's cache key, so a directory
+# written in an older layout (no bos post-processor, no generation_config.json) is rebuilt.
+TOKENIZER_LAYOUT = 2
 
 
 def _strip_think_tags(text: str) -> str:
@@ -40,7 +49,7 @@ def _strip_think_tags(text: str) -> str:
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokenizer:
-    """Trains a byte-level BPE on ``texts`` and writes ``path/tokenizer.json`` (+ config).
+    """Trains a byte-level BPE on ``texts`` and writes it to ``path`` as a checkpoint's tokenizer.
 
     Args:
       texts: training corpus (e.g. ``synthetic.tokenizer_corpus``).
@@ -70,19 +79,30 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokeniz
     )
     tokenizer.train_from_iterator((_strip_think_tags(t) for t in texts), trainer=trainer)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, ids[BOS_TOKEN])])
     os.makedirs(path, exist_ok=True)
     tokenizer.save(os.path.join(path, TOKENIZER_FILE))
+    added_tokens_decoder = {
+        str(token_id): {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
+                        "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
+        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())}
     tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "pad_token": PAD_TOKEN,
+        "added_tokens_decoder": added_tokens_decoder,
         "bos_token": BOS_TOKEN,
         "eos_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
+        "pad_token": PAD_TOKEN,
         "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    with open(os.path.join(path, TOKENIZER_CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2)
+    generation_config = {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN],
+                         "pad_token_id": ids[PAD_TOKEN]}
+    for name, content in ((TOKENIZER_CONFIG_FILE, tokenizer_config),
+                          (GENERATION_CONFIG_FILE, generation_config)):
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2)
     return tokenizer
 
 

@@ -24,9 +24,10 @@ import tokenizers
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
+from numpy.typing import DTypeLike
 
-from scalerl_jax.models import sharding
-from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models import hf_tokenizer, sharding
+from scalerl_jax.models.config import DTYPES, ModelConfig
 from scalerl_jax.models.transformer import Transformer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -129,9 +130,11 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     return theta, {k: float(merged[k]) for k in keys}
 
 
-def config_from_hf(hf: dict[str, Any], *, dtype: str | None = None, fp32_head: bool = True,
+def config_from_hf(hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_head: bool = True,
                    **overrides: Any) -> ModelConfig:
-    """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3)."""
+    """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3); `dtype` is any
+    dtype-like (see `dtype_name`), default the checkpoint's."""
+    dtype = dtype_name(dtype)
     family = hf.get("model_type")
     if family not in _ARCHITECTURES:
         raise ValueError(f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}")
@@ -212,8 +215,7 @@ def _weight_files(path: str) -> list[str]:
         raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
     index = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        weight_map = hf_tokenizer.read_json(index).get("weight_map")
         if not weight_map:
             raise ValueError(f"{index}: no 'weight_map'")
         files = sorted(set(weight_map.values()))
@@ -248,7 +250,7 @@ def _index_tensors(files: list[str]) -> tuple[dict[str, _Source], list[str], int
     extra: list[str] = []
     ignored = 0
     for file in files:
-        with safetensors.safe_open(file, framework="np") as f:
+        with _safe_open(file) as f:
             names = list(f.keys())
         for name in names:
             if name in sources:
@@ -327,7 +329,8 @@ def _read_param(target: _Target, shape: tuple[int, ...], dtype: np.dtype, needed
     layer_shape = shape[1:] if target.stacked else shape
     for i, layer in enumerate(target.layers):
         hf_name, transform = needed[(target.layer_path, layer)]
-        tensor = open_file(sources[hf_name].file).get_tensor(hf_name)
+        file = sources[hf_name].file
+        tensor = _get_tensor(open_file(file), file, hf_name)
         expected = hf_shape(layer_shape, transform)
         if tuple(tensor.shape) != expected:
             raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects {expected} "
@@ -341,32 +344,72 @@ def _read_param(target: _Target, shape: tuple[int, ...], dtype: np.dtype, needed
 
 
 @contextlib.contextmanager
+def _safe_open(file: str) -> Iterator[Any]:
+    """`safetensors.safe_open(file)` whose errors (corrupt or truncated file) name the file."""
+    try:
+        handle = safetensors.safe_open(file, framework="np")
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+    with handle as f:
+        yield f
+
+
+def _get_tensor(handle: Any, file: str, name: str) -> np.ndarray:
+    """Tensor `name` of an open safetensors file; errors name the file and tensor."""
+    try:
+        return handle.get_tensor(name)
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
+
+
+@contextlib.contextmanager
 def _open_files() -> Iterator[Callable[[str], Any]]:
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
 
         def open_file(file: str) -> Any:
             if file not in handles:
-                handles[file] = stack.enter_context(safetensors.safe_open(file, framework="np"))
+                handles[file] = stack.enter_context(_safe_open(file))
             return handles[file]
 
         yield open_file
 
 
-def load_hf_config(path: str, *, dtype: str | None = None, fp32_head: bool = True, **overrides: Any) -> ModelConfig:
-    """ModelConfig from `path/config.json`."""
+def dtype_name(dtype: DTypeLike | None) -> str | None:
+    """The ModelConfig name ('float32', 'bfloat16', 'float16') of a dtype-like, None for None.
+
+    Accepts names ("bfloat16"), numpy / jax scalar types (`np.float32`, `jnp.bfloat16`) and
+    `np.dtype`s; anything else, or another dtype, is a ValueError naming the value.
+    """
+    if dtype is None:
+        return None
+    try:
+        name = np.dtype(jax.numpy.dtype(dtype)).name
+    except TypeError as e:
+        raise ValueError(f"dtype={dtype!r} is not a dtype; expected one of {DTYPES}") from e
+    if name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} ({name}) is not supported; expected one of {DTYPES}")
+    return name
+
+
+def load_hf_config(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True,
+                   **overrides: Any) -> ModelConfig:
+    """ModelConfig from `path/config.json` (`dtype`: any dtype-like, see `dtype_name`)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} does not exist")
-    with open(config_file) as f:
-        return config_from_hf(json.load(f), dtype=dtype, fp32_head=fp32_head, **overrides)
+    hf = hf_tokenizer.read_json(config_file)
+    if not isinstance(hf, dict):
+        raise ValueError(f"{config_file}: expected a JSON object, got {type(hf).__name__}")
+    return config_from_hf(hf, dtype=dtype, fp32_head=fp32_head, **overrides)
 
 
-def load_hf(path: str, *, dtype: str | None = None, fp32_head: bool = True, mesh: Mesh | None = None,
+def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True, mesh: Mesh | None = None,
             rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides: Any) -> Transformer:
     """A `Transformer` with the weights of the local HF checkpoint directory `path`.
 
-    dtype: body/param dtype (default: the checkpoint's `torch_dtype`, else float32). fp32_head
+    dtype: body/param dtype, any dtype-like ("bfloat16", `jnp.bfloat16`, `np.float32`, an `np.dtype`;
+    default: the checkpoint's `torch_dtype`, else float32). fp32_head
     keeps the unembedding in float32. With `mesh`, each parameter is placed on its
     `param_shardings(..., mesh, rules)` sharding as it is read; otherwise on the default device.
     `config_overrides` set other ModelConfig fields (scan_layers, remat_policy, attention_impl...).
@@ -464,35 +507,13 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None,
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizer
+# Tokenizer (see `hf_tokenizer`)
 # ----------------------------------------------------------------------------------------------
 
 def load_tokenizer(path: str) -> tokenizers.Tokenizer:
-    """`tokenizers.Tokenizer` from `path/tokenizer.json` (see `load_chat_template` for the template)."""
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist")
-    return tokenizers.Tokenizer.from_file(file)
+    """`tokenizers.Tokenizer` from `path/tokenizer.json`; `load_checkpoint_tokenizer` also reads the
+    special tokens, stop ids and chat template."""
+    return hf_tokenizer.load_tokenizer_file(path)
 
 
-def load_chat_template(path: str) -> str | None:
-    """The chat template (jinja string) of a checkpoint directory, or None.
-
-    Looked up in `chat_template.jinja`, then `tokenizer_config.json['chat_template']` (a string, or
-    a list of {name, template} from which 'default' is taken).
-    """
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.exists(jinja):
-        with open(jinja) as f:
-            return f.read()
-    config_file = os.path.join(path, "tokenizer_config.json")
-    if not os.path.exists(config_file):
-        return None
-    with open(config_file) as f:
-        template = json.load(f).get("chat_template")
-    if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template}
-        if "default" not in named:
-            raise ValueError(f"{config_file}: chat_template list has no 'default' entry (names {sorted(named)})")
-        return named["default"]
-    return template
+load_chat_template = hf_tokenizer.load_chat_template
