@@ -11,18 +11,24 @@ Start-up: seconds from creating a 1-worker pool to the answer of its first item 
 imports, first item), median of --repeats fresh pools. Each repeat scores fresh answers, so
 the workers' parse caches do not help.
 
-  .venv/bin/python benchmarks/bench_rewards.py [--workers 2] [--repeats 3]
+  .venv/bin/python benchmarks/bench_rewards.py [--workers 2] [--repeats 3] [--chunk_items 16]
+
+It imports scalerl_jax from the checkout it lives in (not an installed copy).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
+import sys
 import time
 
-from scalerl_jax.data.rewards import RewardConfig, score_completions
-from scalerl_jax.data.verify_pool import VerifyPool
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scalerl_jax.data.rewards import RewardConfig, score_completions  # noqa: E402
+from scalerl_jax.data.verify_pool import VerifyPool  # noqa: E402
 
 
 def latex_pair(i: int) -> tuple[str, str]:
@@ -73,9 +79,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk_items", type=int, default=16)
     args = parser.parse_args()
     print(f"worker start-up to first answer: {startup_seconds(args.repeats):.3f} s")
-    with VerifyPool(args.workers, time_limit_s=30.0) as pool:
+    with VerifyPool(args.workers, time_limit_s=30.0, chunk_items=args.chunk_items) as pool:
         score_completions(["<think></think>\\boxed{x}"], ["x"], RewardConfig(), pool=pool)  # warm
         runs = [workloads(seed) for seed in range(args.repeats)]  # fresh answers per repeat
         for name in runs[0]:

@@ -44,12 +44,9 @@ from collections.abc import Sequence
 from absl import logging
 
 from scalerl_jax.data import answers
-from scalerl_jax.data.answers import CRASH, CUSTOM, EQUAL, ERROR, NOT_EQUAL, TIMEOUT, UNPARSABLE
+from scalerl_jax.data.answers import CRASH, CUSTOM, ERROR, TIMEOUT
 
 _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_worker.py")
-
-# Outcomes decided by math-verify or by the pool itself.
-STATUSES = (EQUAL, NOT_EQUAL, UNPARSABLE, TIMEOUT, ERROR, CRASH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +140,7 @@ class PoolStats:
 
 
 class VerifyPool:
-    """``score(items, ...) -> [ItemResult]``: scores (completion, gold, problem) items in workers."""
+    """``score(items, ...) -> [ItemResult]``: scores (completion, gold, problem) in workers."""
 
     def __init__(self, num_workers: int = 2, *, time_limit_s: float = 5.0,
                  soft_timeout_s: int | None = None, startup_timeout_s: float = 120.0,
