@@ -13,6 +13,8 @@ from scalerl_jax.data import rewards
 from scalerl_jax.data.rewards import RewardConfig, extract_answer, last_boxed, math_reward
 from scalerl_jax.data.verify_pool import TIMEOUT, VerifyPool
 
+THINK = {"kind": "math", "answer_format": "think", "think_end": "</think>"}
+
 
 def _answer(pred: str) -> str:
     return f"<think>Let me work it out.</think>The final answer is \\boxed{{{pred}}}."
@@ -100,6 +102,10 @@ def test_batch_scoring_counts_outcomes(pool):
     assert scored.counts[rewards.NO_BOX] == 3
     assert scored.counts["unparsable"] == 1
     assert sum(scored.counts.values()) == len(VERIFIER_TABLE)
+    # The extracted answers, for the table's first rows and its format failures.
+    assert scored.predictions[:3] == ["0.5", "\\dfrac{1}{2}", "\\tfrac12"]
+    no_answer = [i for i, o in enumerate(scored.outcomes) if o in ("no_think_end", "no_box")]
+    assert [scored.predictions[i] for i in no_answer] == [None] * 4
 
 
 def test_adversarial_answer_times_out_without_hanging(pool):
@@ -120,16 +126,18 @@ def test_adversarial_answer_times_out_without_hanging(pool):
     assert result["outcome"].rewards.tolist() == [-1.0, 1.0]
     assert result["timeouts"] == 1
     # The pool still works after replacing the timed-out worker.
-    assert pool.verify([("2", "4/2")]) == ["equal"]
+    assert math_reward(_answer("4/2"), "2", pool=pool) == 1.0
 
 
 def test_hard_limit_kills_a_worker_that_does_not_stop():
     # math-verify's own timeout is set far above the hard limit, so this item (which runs for
     # at least 3 s: see the adversarial test) can only end by the pool killing its worker.
     with VerifyPool(1, time_limit_s=1.0, soft_timeout_s=60) as pool:
-        assert pool.verify([("1", "9^{9^{9^{9}}}")]) == [TIMEOUT]
+        [result] = pool.score([(_answer("9^{9^{9^{9}}}"), "1", "")], **THINK)
+        assert result.status == TIMEOUT and result.prediction is None
         assert pool.stats().kills == 1 and pool.stats().timeouts == 1
-        assert pool.verify([("\\frac{1}{2}", "0.5")]) == ["equal"]
+        assert [r.status for r in pool.score([(_answer("0.5"), "\\frac{1}{2}", "")], **THINK)] == [
+            "equal"]
 
 
 def _worker_processes() -> set:
@@ -139,11 +147,15 @@ def _worker_processes() -> set:
 def test_pool_from_many_threads_and_close():
     others = _worker_processes()  # e.g. the module fixture's pool
     pool = VerifyPool(2, time_limit_s=5.0)
-    pairs = [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]
-    expected = ["equal", "not_equal", "equal", "equal"]
+    items = [(_answer(pred), gold, "") for gold, pred in
+             [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]]
+    expected = ["equal", "fast_not_equal", "equal", "equal"]
     results = [None] * 4
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, pool.verify(pairs)))
-               for i in range(4)]
+
+    def score(i):
+        results[i] = [r.status for r in pool.score(items, **THINK)]
+
+    threads = [threading.Thread(target=score, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     for t in threads:
@@ -155,7 +167,7 @@ def test_pool_from_many_threads_and_close():
     psutil.wait_procs(workers, timeout=10)
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     with pytest.raises(RuntimeError, match="closed"):
-        pool.verify(pairs)
+        pool.score(items, **THINK)
 
 
 def test_last_boxed_brace_matching():
@@ -171,7 +183,7 @@ def test_last_boxed_brace_matching():
     assert extract_answer("<think></think>1") == (None, rewards.NO_BOX)
 
 
-def test_exact_kind_needs_no_pool():
+def test_exact_kind():
     config = RewardConfig(kind="exact")
     scored = rewards.score_completions(
         [_answer("51"), _answer("051"), _answer("50"), _answer("x"), "<think>51"],
@@ -185,5 +197,13 @@ def test_bad_inputs():
         rewards.score_completions(["a", "b"], ["1"], RewardConfig())
     with pytest.raises(ValueError, match="item 0"):
         rewards.score_completions([b"bytes"], ["1"], RewardConfig(kind="exact"))
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="1 problems for 2 completions"):
+        rewards.score_completions(["a", "b"], ["1", "2"], RewardConfig(), problems=["p"])
+    with pytest.raises(ValueError, match="RewardConfig.kind"):
         RewardConfig(kind="fuzzy")
+    with pytest.raises(ValueError, match="RewardConfig.answer_format"):
+        RewardConfig(answer_format="boxed")
+    with pytest.raises(ValueError, match="RewardConfig.think_end"):
+        RewardConfig(think_end="")
+    with pytest.raises(ValueError, match="RewardConfig.reward_fn must look like"):
+        RewardConfig(reward_fn="module.function")

@@ -1,90 +1,49 @@
-"""Verifiable rewards: answer extraction, integer fast path, math-verify in a process pool.
+"""Verifiable rewards: every completion is scored in a ``VerifyPool`` worker under a time limit.
 
-Scoring one completion against a gold answer:
+Scoring one completion against a gold answer (``answers.score_item``, run in the worker):
 
-1. The answer part is the text after the first ``</think>``; no ``</think>`` is a format failure.
+1. The answer part: ``answer_format='think'``: the text after the first ``think_end`` (default
+   ``</think>``; none is a format failure); ``'plain'`` (base models without a think phase): the
+   whole completion.
 2. The prediction is the content of the last complete (brace-matched) ``\\boxed{...}`` of the
    answer part; no complete box is a format failure.
 3. If gold and prediction are both plain integers (``[+-]?digits``, surrounding whitespace and
    ``$`` ignored), they are compared as integers: no math-verify call.
-4. Otherwise (kind ``'math'``) math-verify decides in a ``VerifyPool`` worker with a time limit;
-   kind ``'exact'`` (the synthetic task) compares the stripped strings instead.
+4. Otherwise kind ``'math'`` asks math-verify; kind ``'exact'`` (the synthetic task) compares the
+   stripped strings.
 
-Correct gets ``correct_reward`` (+1), everything else ``incorrect_reward`` (-1); every outcome is
-counted by category, so format failures and timeouts show up in the metrics.
+Correct gets ``correct_reward`` (+1), everything else (wrong, format failure, unparsable, verifier
+error, timeout, crash) ``incorrect_reward`` (-1). With a custom ``reward_fn`` its value is the
+reward instead (timeouts, errors and crashes still get ``incorrect_reward``), and an item counts
+as correct when its reward is > 0. Every outcome is counted by category, so format failures and
+timeouts show up in the metrics.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import re
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
-from scalerl_jax.data import verify_pool
+from scalerl_jax.data import answers, verify_pool
+from scalerl_jax.data.answers import (CORRECT_OUTCOMES, CUSTOM, FAST_EQUAL, FAST_NOT_EQUAL,
+                                      NO_BOX, NO_THINK_END, OUTCOMES, as_integer, last_boxed)
 from scalerl_jax.data.synthetic import THINK_END
 
-BOX_COMMAND = "\\boxed"
-
-# Outcome categories of one scored completion.
-NO_THINK_END = "no_think_end"
-NO_BOX = "no_box"
-FAST_EQUAL = "fast_equal"
-FAST_NOT_EQUAL = "fast_not_equal"
-OUTCOMES = (NO_THINK_END, NO_BOX, FAST_EQUAL, FAST_NOT_EQUAL) + verify_pool.STATUSES
-CORRECT_OUTCOMES = frozenset({FAST_EQUAL, verify_pool.EQUAL})
-
-_INTEGER = re.compile(r"^[+-]?\d+$")
+__all__ = ["CORRECT_OUTCOMES", "CUSTOM", "FAST_EQUAL", "FAST_NOT_EQUAL", "NO_BOX",
+           "NO_THINK_END", "OUTCOMES", "RewardConfig", "ScoredBatch", "as_integer",
+           "check_reward_fn", "default_pool", "extract_answer", "last_boxed", "math_reward",
+           "score_completions"]
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` in ``text`` whose braces close, or None.
-
-    Braces are matched by depth counting (``\\{`` and ``\\}`` are escaped literals and do not
-    count), so ``\\boxed{\\frac{1}{2}}`` gives ``\\frac{1}{2}``. A box left open (a truncated
-    answer) is skipped in favour of the last closed one before it.
-    """
-    start = text.rfind(BOX_COMMAND + "{")
-    while start != -1:
-        content_start = start + len(BOX_COMMAND) + 1
-        depth, i = 1, content_start
-        while i < len(text):
-            char = text[i]
-            if char == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
-                i += 2
-                continue
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[content_start:i]
-            i += 1
-        start = text.rfind(BOX_COMMAND + "{", 0, start)
-    return None
-
-
-def extract_answer(completion: str, *, think_end: str = THINK_END) -> tuple[str | None, str | None]:
-    """``(prediction, failure)``: the boxed answer after the first ``think_end``, or a failure.
-
-    ``failure`` is ``NO_THINK_END`` or ``NO_BOX`` when ``prediction`` is None.
-    """
-    cut = completion.find(think_end)
-    if cut == -1:
-        return None, NO_THINK_END
-    prediction = last_boxed(completion[cut + len(think_end):])
-    if prediction is None:
-        return None, NO_BOX
-    return prediction, None
-
-
-def as_integer(text: str) -> int | None:
-    """``int(text)`` for a plain integer (whitespace and ``$`` around it ignored), else None."""
-    stripped = text.strip().strip("$").strip()
-    return int(stripped) if _INTEGER.match(stripped) else None
+def extract_answer(completion: str, *, answer_format: str = answers.THINK,
+                   think_end: str = THINK_END) -> tuple[str | None, str | None]:
+    """``(prediction, failure)``: see ``answers.extract_answer`` (here ``think_end`` defaults to
+    the tokenizer's ``THINK_END``)."""
+    return answers.extract_answer(completion, answer_format=answer_format, think_end=think_end)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,71 +54,97 @@ class RewardConfig:
       kind: ``'math'`` (math-verify after the integer fast path) or ``'exact'`` (integer or
         stripped-string equality only: the synthetic task).
       correct_reward, incorrect_reward: reward values (paper: +1 / -1).
-      think_end: the tag that ends the thinking part.
+      think_end: the tag that ends the thinking part (the sampler's interruption uses the same).
+      answer_format: ``'think'`` (the answer follows ``think_end``) or ``'plain'`` (the last box
+        anywhere; base models without a think phase).
+      reward_fn: ``'package.module:function'``, a custom reward ``(completion, gold, problem) ->
+        float`` that replaces ``kind``'s rule; correct means reward > 0. The ``VerifyPool`` must
+        be started with the same ``reward_fn``.
     """
 
     kind: str = "math"
     correct_reward: float = 1.0
     incorrect_reward: float = -1.0
     think_end: str = THINK_END
+    answer_format: str = answers.THINK
+    reward_fn: str | None = None
 
     def __post_init__(self):
-        if self.kind not in ("math", "exact"):
-            raise ValueError(f"RewardConfig.kind must be 'math' or 'exact', got {self.kind!r}")
+        if self.kind not in answers.KINDS:
+            raise ValueError(f"RewardConfig.kind must be one of {answers.KINDS}, got {self.kind!r}")
+        if self.answer_format not in answers.ANSWER_FORMATS:
+            raise ValueError(f"RewardConfig.answer_format must be one of "
+                             f"{answers.ANSWER_FORMATS}, got {self.answer_format!r}")
+        if not isinstance(self.think_end, str) or not self.think_end:
+            raise ValueError(f"RewardConfig.think_end must be a non-empty string, "
+                             f"got {self.think_end!r}")
+        if self.reward_fn is not None:
+            try:
+                answers.check_reward_fn_spec(self.reward_fn)
+            except ValueError as e:
+                raise ValueError(f"RewardConfig.{e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoredBatch:
-    """Rewards and outcomes of a batch; ``counts`` has every category of ``OUTCOMES``."""
+    """Rewards and outcomes of a batch; ``counts`` has every category of ``OUTCOMES``.
+
+    ``predictions[i]`` is the extracted answer (the last box's content) or None where there is
+    none (format failure) or the worker did not answer (timeout, crash).
+    """
 
     rewards: np.ndarray  # float32[N]
     correct: np.ndarray  # bool[N]
     outcomes: list[str]
     counts: dict[str, int]
-
-
-def _fast_outcome(prediction: str, gold: str, kind: str) -> str | None:
-    """Outcome decided without math-verify, or None when math-verify must decide."""
-    pred_int, gold_int = as_integer(prediction), as_integer(gold)
-    if pred_int is not None and gold_int is not None:
-        return FAST_EQUAL if pred_int == gold_int else FAST_NOT_EQUAL
-    if kind == "exact":
-        return FAST_EQUAL if prediction.strip() == gold.strip() else FAST_NOT_EQUAL
-    return None
+    predictions: list[str | None]
 
 
 def score_completions(completions: Sequence[str], golds: Sequence[str], config: RewardConfig, *,
-                      pool: verify_pool.VerifyPool | None = None) -> ScoredBatch:
-    """Scores ``completions[i]`` against ``golds[i]`` (see the module docstring).
+                      pool: verify_pool.VerifyPool | None = None,
+                      problems: Sequence[str] | None = None) -> ScoredBatch:
+    """Scores ``completions[i]`` against ``golds[i]`` (see the module docstring) in ``pool``.
 
-    ``pool`` is needed only for kind ``'math'`` items the fast path cannot decide; when None,
-    the shared ``default_pool()`` is used.
+    ``pool`` defaults to the shared ``default_pool()`` (no custom reward function). ``problems``
+    (the problem text of each item) is passed to a custom reward function and required with one.
     """
     if len(completions) != len(golds):
         raise ValueError(f"score_completions: {len(completions)} completions but "
                          f"{len(golds)} golds")
-    outcomes: list[str | None] = []
-    to_verify: list[tuple[int, tuple[str, str]]] = []
-    for index, (completion, gold) in enumerate(zip(completions, golds)):
-        if not isinstance(completion, str) or not isinstance(gold, str):
-            raise ValueError(f"score_completions: item {index} is not a pair of strings "
-                             f"({type(completion).__name__}, {type(gold).__name__})")
-        prediction, failure = extract_answer(completion, think_end=config.think_end)
-        if failure is not None:
-            outcomes.append(failure)
-            continue
-        fast = _fast_outcome(prediction, gold, config.kind)
-        outcomes.append(fast)
-        if fast is None:
-            to_verify.append((index, (gold, prediction)))
-    if to_verify:
-        statuses = (pool or default_pool()).verify([pair for _, pair in to_verify])
-        for (index, _), status in zip(to_verify, statuses):
-            outcomes[index] = status
-    correct = np.array([o in CORRECT_OUTCOMES for o in outcomes], dtype=bool)
-    rewards = np.where(correct, config.correct_reward, config.incorrect_reward).astype(np.float32)
+    if config.reward_fn is not None and problems is None:
+        raise ValueError(f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} needs "
+                         "the problems")
+    if problems is not None and len(problems) != len(completions):
+        raise ValueError(f"score_completions: {len(problems)} problems for {len(completions)} "
+                         "completions")
+    problems = problems if problems is not None else [""] * len(completions)
+    for index, item in enumerate(zip(completions, golds, problems)):
+        if not all(isinstance(field, str) for field in item):
+            raise ValueError(f"score_completions: item {index} is not a (completion, gold, "
+                             f"problem) of strings ({', '.join(type(f).__name__ for f in item)})")
+    if pool is None and config.reward_fn is None:
+        pool = default_pool()
+    if pool is None or pool.reward_fn != config.reward_fn:
+        raise ValueError(f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} but the "
+                         f"VerifyPool has reward_fn={getattr(pool, 'reward_fn', None)!r}")
+    results = pool.score(list(zip(completions, golds, problems)), kind=config.kind,
+                         answer_format=config.answer_format, think_end=config.think_end)
+    outcomes = [r.status for r in results]
+    correct = np.array([r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward > 0)
+                        for r in results], dtype=bool)
+    rewards = np.array([r.reward if r.status == CUSTOM
+                        else config.correct_reward if ok else config.incorrect_reward
+                        for r, ok in zip(results, correct)], dtype=np.float32)
     counts = {name: outcomes.count(name) for name in OUTCOMES}
-    return ScoredBatch(rewards=rewards, correct=correct, outcomes=list(outcomes), counts=counts)
+    return ScoredBatch(rewards=rewards, correct=correct, outcomes=outcomes, counts=counts,
+                       predictions=[r.prediction for r in results])
+
+
+def check_reward_fn(spec: str, *, time_limit_s: float = 5.0) -> None:
+    """Imports the custom reward function ``spec`` in a worker and calls it once on a test item;
+    ValueError naming the spec and what went wrong (module not found, no such attribute, not
+    callable, raised, hung past ``time_limit_s``, returned a non-number or a non-finite one)."""
+    verify_pool.VerifyPool(1, time_limit_s=time_limit_s, reward_fn=spec).close()
 
 
 _default_pool: verify_pool.VerifyPool | None = None
@@ -184,11 +169,14 @@ def default_pool() -> verify_pool.VerifyPool:
 
 
 def math_reward(completion: str, gold: str, *, pool: verify_pool.VerifyPool | None = None,
-                correct_reward: float = 1.0, incorrect_reward: float = -1.0) -> float:
+                correct_reward: float = 1.0, incorrect_reward: float = -1.0,
+                answer_format: str = answers.THINK, think_end: str = THINK_END) -> float:
     """+1 if the last ``\\boxed{}`` after ``</think>`` is equivalent to ``gold``, else -1.
 
-    No ``</think>``, no box, unparsable, verifier error or timeout all give ``incorrect_reward``.
+    ``answer_format='plain'`` takes the last ``\\boxed{}`` anywhere instead. No ``</think>``,
+    no box, unparsable, verifier error or timeout all give ``incorrect_reward``.
     """
     config = RewardConfig(kind="math", correct_reward=correct_reward,
-                          incorrect_reward=incorrect_reward)
+                          incorrect_reward=incorrect_reward, answer_format=answer_format,
+                          think_end=think_end)
     return float(score_completions([completion], [gold], config, pool=pool).rewards[0])
