@@ -6,7 +6,9 @@ on held-out points, the power-law comparison, reliability), the computes at whic
 curves cross, and optionally writes a plot (``--plot out.png``).
 
 Exit status: 0 when every run was fitted, 1 when some run could not be fitted (its row says
-why), 2 on unreadable input (the message names the file and line).
+why), 2 on bad input: unreadable metrics (the message names the file and line), a numeric flag
+out of range (argparse names the flag and the allowed range), or a plot path that cannot be
+written (checked before fitting).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
+from matplotlib.backend_bases import FigureCanvasBase
 
 from scalerl_jax.scaling import (
     PAPER_A_RUN_TO_RUN,
@@ -41,11 +46,48 @@ from scalerl_jax.scaling.plot import DEFAULT_EXTEND, format_compute, unit_label
 LEADER_PROBE_FACTOR = 1.01  # which curve leads is read 1% past a crossing
 
 
-def _pair(text: str) -> tuple[float, float]:
+def _checked(kind: type, accept: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
+    """An argparse `type`: `kind(text)` when it is finite and `accept`s, else an error naming `allowed`."""
+    noun = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} {allowed}, got {text!r}") from None
+        if not (math.isfinite(value) and accept(value)):
+            raise argparse.ArgumentTypeError(f"expected {noun} {allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _a_range(text: str) -> tuple[float, float]:
+    """`LO,HI` with 0 <= LO <= HI <= 1."""
     parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}")
-    return float(parts[0]), float(parts[1])
+    try:
+        low, high = (float(part) for part in parts) if len(parts) == 2 else (math.nan, math.nan)
+    except ValueError:
+        low = high = math.nan
+    if not 0.0 <= low <= high <= 1.0:  # False for NaN
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 0 <= LO <= HI <= 1, got {text!r}")
+    return low, high
+
+
+def plot_path_problem(path: str) -> str | None:
+    """Why the figure cannot be written to `path` (missing or read-only directory, unknown format), or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if not os.path.isdir(directory):
+        return f"directory {directory} does not exist"
+    if os.path.isdir(path):
+        return "it is a directory"
+    if not os.access(directory, os.W_OK):
+        return f"directory {directory} is not writable"
+    if suffix and suffix not in formats:
+        return f"unknown image format {suffix!r} (one of {', '.join(sorted(formats))})"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,30 +97,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--names", help="comma-separated run names (default: directory names)")
     parser.add_argument(
         "--fit-start",
-        type=float,
+        type=_checked(float, lambda x: x >= 0, ">= 0"),
         help="first fitted compute (default: 1,500 GPU-hours; other units: 0.09375 x largest fitted compute)",
     )
     parser.add_argument(
-        "--fit-end", type=float, help="last fitted compute; later points are held out and scored"
+        "--fit-end", type=_checked(float, lambda x: x > 0, "> 0"), help="last fitted compute; later points are held out and scored"
     )
     parser.add_argument("--method", choices=METHODS, default="grid")
     parser.add_argument(
         "--unit",
         help="compute unit (default: as logged, else device_hours); 'gpu_hours' selects the paper's grids",
     )
-    parser.add_argument("--r0", type=float, help="start pass rate (default: the one at the smallest compute)")
+    parser.add_argument("--r0", type=_checked(float, lambda x: 0 <= x <= 1, "in [0, 1]"), help="start pass rate (default: the one at the smallest compute)")
     parser.add_argument(
-        "--a-range", type=_pair, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)"
+        "--a-range", type=_a_range, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)"
     )
     parser.add_argument(
-        "--bootstrap", type=int, default=200, help="bootstrap resamples for the A interval (0: none)"
+        "--bootstrap", type=_checked(int, lambda x: x >= 0, ">= 0"), default=200, help="bootstrap resamples for the A interval (0: none)"
     )
-    parser.add_argument("--level", type=float, default=0.95, help="bootstrap interval level")
-    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    parser.add_argument(
+        "--level", type=_checked(float, lambda x: 0 < x < 1, "in (0, 1)"), default=0.95,
+        help="bootstrap percentile interval level, e.g. 0.95",
+    )
+    parser.add_argument("--seed", type=_checked(int, lambda x: x >= 0, ">= 0"), default=0, help="bootstrap seed")
     parser.add_argument("--plot", help="write the figure here (e.g. out.png)")
     parser.add_argument("--title", help="figure title")
     parser.add_argument(
-        "--extend", type=float, default=DEFAULT_EXTEND, help="plot up to this factor x the largest compute"
+        "--extend", type=_checked(float, lambda x: x >= 1, ">= 1"), default=DEFAULT_EXTEND, help="plot up to this factor x the largest compute"
     )
     parser.add_argument(
         "--allow-partial-last-line", action="store_true", help="skip a half-written last line (live runs)"
@@ -219,7 +264,13 @@ def crossing_lines(reports: Sequence[RunReport], extend: float) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (module docstring)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fit_start is not None and args.fit_end is not None and args.fit_end <= args.fit_start:
+        parser.error(f"--fit-end {args.fit_end} must exceed --fit-start {args.fit_start}")
+    if args.plot and (problem := plot_path_problem(args.plot)):
+        print(f"error: cannot write the plot to {args.plot}: {problem}", file=sys.stderr)
+        return 2
     names = args.names.split(",") if args.names else None
     try:
         runs = read_runs(
@@ -254,7 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             PlotSeries(r.run.name, r.run.compute, r.run.pass_rate, fit=r.fit, interval=r.interval)
             for r in reports
         ]
-        path = plot_scaling(series, args.plot, unit=units.pop(), title=args.title, extend=args.extend)
+        try:
+            path = plot_scaling(series, args.plot, unit=units.pop(), title=args.title, extend=args.extend)
+        except OSError as error:
+            print(f"error: cannot write the plot to {args.plot}: {error.strerror or error}", file=sys.stderr)
+            return 2
         print(f"wrote {path}")
     return 0 if all(r.fit is not None for r in reports) else 1
 

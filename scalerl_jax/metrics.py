@@ -1,17 +1,22 @@
 """Run metrics: one JSON object per step in `WORKDIR/metrics.jsonl`, TensorBoard events in
 `WORKDIR/tb`, and the one-line progress report a person watches.
 
-Resuming from a checkpoint truncates `metrics.jsonl` back to the byte offset recorded with that
-checkpoint, so the steps replayed after a crash are logged once, not twice.
+Resuming from a checkpoint cuts `metrics.jsonl` back to the byte offset recorded with that
+checkpoint, so the steps replayed after a crash are logged once, not twice. The cut never extends
+the file (a crash may have lost its tail) and never keeps a damaged row: it lands at the end of the
+last complete row (a line ending in a newline that parses as a JSON object) at or before the
+offset. What was dropped is logged and kept in `MetricsWriter.resume_report`.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from typing import Any, Mapping
 
 import numpy as np
+from absl import logging
 from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
@@ -35,19 +40,101 @@ def tensorboard_tag(key: str) -> str:
     return key.replace("@", "_at_")
 
 
+@dataclasses.dataclass(frozen=True)
+class ResumeReport:
+    """What resuming at a checkpoint's metrics offset kept and dropped from `metrics.jsonl`.
+
+    kept_rows/kept_bytes: the complete rows kept (the file's new length is kept_bytes).
+    replayed_steps: steps of complete rows after the offset, logged after the checkpoint was
+      written; dropped because the resumed run logs them again.
+    damaged_bytes: dropped bytes that were no complete row (a torn write, zero-filled blocks).
+    lost_bytes: offset - kept_bytes, bytes the checkpoint counted that are not kept (lost with the
+      file's tail or damaged); 0 after a clean stop or crash.
+    """
+
+    offset: int
+    kept_rows: int
+    kept_bytes: int
+    replayed_steps: tuple[int, ...]
+    damaged_bytes: int
+    lost_bytes: int
+
+    @property
+    def clean(self) -> bool:
+        """True when every row the checkpoint counted was kept and nothing damaged was found."""
+        return self.damaged_bytes == 0 and self.lost_bytes == 0
+
+
+def _complete_row(line: bytes) -> dict | None:
+    """The JSON object of one newline-terminated line, or None when it is no complete row."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        row = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def plan_resume_cut(data: bytes, offset: int) -> ResumeReport:
+    """Where to cut `data` (a metrics.jsonl) for a resume at byte `offset`: the end of the longest run
+    of complete rows from the start that ends at or before `offset`; the rest is classified."""
+    lines = data.splitlines(keepends=True)
+    cut = kept_rows = 0
+    for line in lines:
+        if cut + len(line) > offset or _complete_row(line) is None:
+            break
+        cut += len(line)
+        kept_rows += 1
+    replayed, damaged = [], 0
+    for line in data[cut:].splitlines(keepends=True):
+        row = _complete_row(line)
+        if row is not None and isinstance(row.get("step"), int):
+            replayed.append(row["step"])
+        else:
+            damaged += len(line)
+    return ResumeReport(offset=offset, kept_rows=kept_rows, kept_bytes=cut, replayed_steps=tuple(replayed),
+                        damaged_bytes=damaged, lost_bytes=offset - cut)
+
+
 class MetricsWriter:
-    """Appends step metrics to JSONL and TensorBoard; `offset()` marks a resumable position."""
+    """Appends step metrics to JSONL and TensorBoard; `offset()` marks a resumable position.
+
+    With `resume_offset` (the offset saved with the checkpoint being resumed), the existing file is
+    cut as the module docstring says and `resume_report` tells what was dropped; without it, an
+    existing file is replaced and `resume_report` is None.
+    """
 
     def __init__(self, workdir: str, *, resume_offset: int | None = None):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, METRICS_FILE)
-        if resume_offset is not None and os.path.exists(self.path):
-            with open(self.path, "r+b") as f:
-                f.truncate(resume_offset)
-        elif resume_offset is None and os.path.exists(self.path):
+        self.resume_report: ResumeReport | None = None
+        if resume_offset is not None:
+            self.resume_report = self._cut_for_resume(resume_offset)
+        elif os.path.exists(self.path):
             os.remove(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def _cut_for_resume(self, offset: int) -> ResumeReport:
+        if offset < 0:
+            raise ValueError(f"{self.path}: resume offset must be >= 0, got {offset}")
+        data = b""
+        if os.path.exists(self.path):
+            with open(self.path, "rb") as f:
+                data = f.read()
+        report = plan_resume_cut(data, offset)
+        if len(data) != report.kept_bytes:
+            with open(self.path, "r+b") as f:
+                f.truncate(report.kept_bytes)
+        if report.replayed_steps:
+            logging.info("%s: dropped %d row(s) logged after the checkpoint (steps %d-%d, replayed)",
+                         self.path, len(report.replayed_steps), report.replayed_steps[0], report.replayed_steps[-1])
+        if not report.clean:
+            logging.warning("%s: the checkpoint counted %d bytes; kept %d complete rows (%d bytes), dropped %d "
+                            "damaged bytes; %d counted bytes are lost", self.path, offset, report.kept_rows,
+                            report.kept_bytes, report.damaged_bytes, report.lost_bytes)
+        return report
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Writes one line `{"step": step, **metrics}` and the numeric values to TensorBoard."""
@@ -61,8 +148,10 @@ class MetricsWriter:
                 self._tb.add_scalar(tensorboard_tag(key), value, global_step=int(step))
 
     def offset(self) -> int:
-        """Byte length of the JSONL file so far (flushed); saved with every checkpoint."""
+        """Byte length of the JSONL file so far, flushed and fsynced: a checkpoint that records it
+        never counts rows that are not on disk."""
         self._file.flush()
+        os.fsync(self._file.fileno())
         return self._file.tell()
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Metrics JSONL with resume truncation, and orbax checkpoints that round-trip exactly."""
+"""Metrics JSONL with resume truncation, and orbax checkpoints that round-trip exactly (faults: test_faults)."""
 import json
 import math
 import os
@@ -37,7 +37,7 @@ def test_checkpoint_round_trip_and_incomplete_is_ignored(tmp_path):
     checkpointer = RunCheckpointer(str(tmp_path), keep=2)
     state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(3)}
     run_state = {"version": 3, "pool": {"history": [[1, 2], [3, 4]]}, "metrics_offset": 17}
-    checkpointer.save(3, state, run_state)
+    checkpointer.save(3, state, run_state, config={"checkpoint.keep": 2})
     # A save killed midway leaves only orbax's temporary directory behind.
     os.makedirs(tmp_path / "checkpoints" / "7.orbax-checkpoint-tmp-1")
     reopened = RunCheckpointer(str(tmp_path), keep=2)
@@ -46,3 +46,4 @@ def test_checkpoint_round_trip_and_incomplete_is_ignored(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(6.0).reshape(2, 3))
     assert int(restored["step"]) == 3 and restored_run == run_state
     assert math.isclose(float(restored["w"][1, 2]), 5.0)
+    assert reopened.saved_config() == {"checkpoint.keep": 2}
