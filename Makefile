@@ -10,10 +10,9 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 .PHONY: demo test
-# Two fake CPU devices: the generator and the trainer get one each, as on a cluster.
+# The tiny config splits the CPU into two devices itself (mesh.cpu_devices): one generates, one trains.
 demo: $(VENV)/.installed
-	XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
-	$(PY) -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny
+	JAX_PLATFORMS=cpu $(PY) -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

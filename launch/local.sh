@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One host, one process, every local accelerator (or N fake CPU devices with CPU_DEVICES=N).
 # Usage: launch/local.sh configs/tiny.py runs/tiny [--config.overrides...]
+# On GPUs, install with the CUDA plugin first: .venv/bin/pip install -e '.[cuda]'.
 set -euo pipefail
 CONFIG=${1:?usage: launch/local.sh CONFIG WORKDIR [overrides...]}
 WORKDIR=${2:?usage: launch/local.sh CONFIG WORKDIR [overrides...]}

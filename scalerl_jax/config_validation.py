@@ -1,7 +1,16 @@
-"""Checks a run config before anything heavy starts; every error names the offending key."""
+"""Checks a run config before anything heavy starts.
+
+Every check appends problems to one list instead of stopping at the first, so a person sees
+everything that is wrong at once: `validate` raises one `ConfigError` whose message has a line
+per problem, each naming the key, its value and what is expected. Numbers are checked with
+comparisons that are False for NaN (`low <= x`), so NaN and infinity never slip through a
+bound written as `x <= 0`.
+"""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from typing import Any, Iterable
 
@@ -9,8 +18,10 @@ import ml_collections
 
 from scalerl_jax import recipe
 
-# Sections only some configs carry (the tiny run's warm start and synthetic task).
+# Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
+# sections whose keys the user names (extra evaluation sets).
 OPTIONAL_SECTIONS = ("warm_start", "synthetic")
+OPEN_SECTIONS = ("eval.extra",)
 
 CHOICES = {
     "rl.objective": ("cispo", "dapo", "grpo", "gspo"),
@@ -19,23 +30,111 @@ CHOICES = {
     "rl.length_control": ("interruption", "length_penalty", "none"),
     "schedule.kind": ("pipeline", "ppo_off_policy"),
     "data.dataset": ("polaris_53k", "synthetic", "jsonl"),
+    "data.answer_format": ("think", "plain"),
     "model.dtype": ("float32", "bfloat16"),
     "nan_policy": ("skip", "stop"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
 }
-POSITIVE_INTS = (
-    "num_steps", "batch.prompts_per_step", "batch.generations_per_prompt", "batch.microbatches",
-    "sampler.num_slots", "sampler.chunk_steps", "sampler.max_new_tokens", "sampler.answer_budget",
-    "schedule.k", "eval.every", "eval.num_prompts",
-    "eval.samples_per_prompt", "checkpoint.every", "checkpoint.keep", "data.max_prompt_tokens",
-    "model.logprob_chunk",
+BOOLS = (
+    "model.fp32_head", "model.scan_layers", "data.use_chat_template", "rl.zero_variance_filter",
+    "rl.refill_zero_variance", "rl.no_positive_resampling", "rl.mask_truncated_completions",
+    "mesh.require_accelerator",
+)
+STRINGS = (
+    "model.preset", "model.checkpoint", "model.remat_policy", "data.path", "data.data_dir",
+    "data.problem_field", "data.answer_field", "data.prompt_template", "data.reward_fn",
+    "sampler.interruption_phrase", "sampler.think_end", "logging.wandb_project",
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A numeric range: `low` <(=) x <(=) `high` (None: unbounded), optionally integers only."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    integer: bool = False
+
+    def admits(self, value: Any) -> bool:
+        """True when `value` is a finite number (an int if `integer`) inside the range."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and not (value > self.low if self.low_open else value >= self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a finite number"
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        return kind + (" " + " and ".join(parts) if parts else "")
+
+
+COUNT = Bound(1, integer=True)
+NON_NEGATIVE_INT = Bound(0, integer=True)
+POSITIVE = Bound(0, low_open=True)
+NON_NEGATIVE = Bound(0)
+PROBABILITY = Bound(0, 1)
+BETA = Bound(0, 1, high_open=True)
+FINITE = Bound()
+
+NUMBERS: dict[str, Bound] = {
+    "seed": NON_NEGATIVE_INT, "num_steps": COUNT, "log_every": COUNT,
+    "model.logprob_chunk": COUNT,
+    "data.heldout_size": COUNT, "data.heldout_seed": NON_NEGATIVE_INT, "data.max_prompt_tokens": COUNT,
+    "data.reward_correct": FINITE, "data.reward_incorrect": FINITE, "data.verify_timeout_s": POSITIVE,
+    "data.verify_workers": COUNT,
+    "batch.prompts_per_step": COUNT, "batch.generations_per_prompt": Bound(2, integer=True),
+    "batch.microbatches": COUNT,
+    "rl.eps_max": POSITIVE, "rl.eps_low": BETA, "rl.eps_high": NON_NEGATIVE,
+    "rl.positive_pass_rate": Bound(0, 1, low_open=True),
+    "rl.length_penalty_max": COUNT, "rl.length_penalty_cache": COUNT,
+    "sampler.temperature": POSITIVE, "sampler.top_p": Bound(0, 1, low_open=True),
+    "sampler.top_k": NON_NEGATIVE_INT, "sampler.num_slots": COUNT, "sampler.chunk_steps": COUNT,
+    "sampler.max_new_tokens": COUNT, "sampler.think_budget_min": COUNT, "sampler.think_budget_max": COUNT,
+    "sampler.answer_budget": COUNT,
+    "schedule.k": COUNT, "schedule.queue_groups": NON_NEGATIVE_INT,
+    "optimizer.lr": POSITIVE, "optimizer.warmup_steps": NON_NEGATIVE_INT, "optimizer.b1": BETA,
+    "optimizer.b2": BETA, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
+    "optimizer.max_grad_norm": NON_NEGATIVE,
+    "mesh.generator_fraction": Bound(0, 1, low_open=True, high_open=True), "mesh.cpu_devices": NON_NEGATIVE_INT,
+    "eval.every": COUNT, "eval.num_prompts": COUNT, "eval.samples_per_prompt": COUNT,
+    "eval.samples_logged": NON_NEGATIVE_INT,
+    "checkpoint.every": COUNT, "checkpoint.keep": COUNT,
+}
+OPTIONAL_NUMBERS: dict[str, Bound] = {
+    "warm_start.seed": NON_NEGATIVE_INT, "warm_start.steps": COUNT, "warm_start.batch_size": COUNT,
+    "warm_start.lr": POSITIVE, "warm_start.warmup_steps": NON_NEGATIVE_INT,
+    "warm_start.weight_decay": NON_NEGATIVE, "warm_start.direct_answer_fraction": PROBABILITY,
+    "warm_start.max_len": COUNT, "warm_start.tokenizer_vocab_size": Bound(259, integer=True),
+    "warm_start.log_every": COUNT,
+    "synthetic.seed": NON_NEGATIVE_INT, "synthetic.heldout_size": COUNT, "synthetic.sft_size": COUNT,
+    "synthetic.train_size": COUNT,
+}
+
+
 class ConfigError(ValueError):
-    """A config value that cannot run; the message starts with the key."""
+    """Config values that cannot run; `problems` holds one line per problem, each naming its key."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} config problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
 
 
-def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
+def _get(config: Any, dotted: str) -> Any:
     node: Any = config
     for part in dotted.split("."):
         if part not in node:
@@ -47,77 +146,102 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
 def _flat_keys(config: Any, prefix: str = "") -> Iterable[str]:
     for key, value in config.items():
         path = f"{prefix}{key}"
-        if isinstance(value, (ml_collections.ConfigDict, dict)):
+        if isinstance(value, (ml_collections.ConfigDict, dict)) and path not in OPEN_SECTIONS:
             yield from _flat_keys(value, path + ".")
         else:
             yield path
 
 
-def check_known_keys(config: ml_collections.ConfigDict) -> None:
+def check_known_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Every key must be one the baseline recipe defines (or lie in an optional section)."""
     known = set(_flat_keys(recipe.scalerl_8b()))
-    for key in _flat_keys(config):
-        if key in known or key.split(".")[0] in OPTIONAL_SECTIONS:
-            continue
-        raise ConfigError(f"config key `{key}` is unknown (not in scalerl_jax/recipe.py's baseline)")
-    for key in known:
-        _get(config, key)
+    problems = [f"config key `{key}` is unknown (not in scalerl_jax/recipe.py's baseline)"
+                for key in _flat_keys(config)
+                if key not in known and key.split(".")[0] not in OPTIONAL_SECTIONS]
+    present = set(_flat_keys(config))
+    problems += [f"config key `{key}` is missing" for key in sorted(known - present)]
+    return problems
 
 
-def check_values(config: ml_collections.ConfigDict) -> None:
-    """Enumerations, positive sizes, budgets that fit and batches that divide."""
+def _check_number(key: str, value: Any, bound: Bound) -> list[str]:
+    if bound.admits(value):
+        return []
+    return [f"config key `{key}` = {value!r}; expected {bound.describe()}"]
+
+
+def check_values(config: ml_collections.ConfigDict) -> list[str]:
+    """Enumerations, booleans, strings, finite numbers in range, ordered budgets, dividing batches."""
+    problems: list[str] = []
+    flat = set(_flat_keys(config))
     for key, allowed in CHOICES.items():
-        value = _get(config, key)
-        if value not in allowed:
-            raise ConfigError(f"config key `{key}` = {value!r}; expected one of {allowed}")
-    for key in POSITIVE_INTS:
-        value = _get(config, key)
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"config key `{key}` = {value!r}; expected a positive integer")
-    s, b = config.sampler, config.batch
-    if not 0 < s.think_budget_min <= s.think_budget_max <= s.max_new_tokens:
-        raise ConfigError(
-            "config keys `sampler.think_budget_min` <= `sampler.think_budget_max` <= "
-            f"`sampler.max_new_tokens` must hold, got {s.think_budget_min}, {s.think_budget_max}, {s.max_new_tokens}"
-        )
-    if s.temperature <= 0:
-        raise ConfigError(f"config key `sampler.temperature` = {s.temperature}; sampling needs > 0")
-    if not 0 < s.top_p <= 1:
-        raise ConfigError(f"config key `sampler.top_p` = {s.top_p}; expected 0 < top_p <= 1")
-    if b.generations_per_prompt < 2:
-        raise ConfigError("config key `batch.generations_per_prompt` must be >= 2 (advantages are per-prompt differences)")
+        if key in flat and _get(config, key) not in allowed:
+            problems.append(f"config key `{key}` = {_get(config, key)!r}; expected one of {allowed}")
+    for key in BOOLS:
+        if key in flat and not isinstance(_get(config, key), bool):
+            problems.append(f"config key `{key}` = {_get(config, key)!r}; expected True or False")
+    for key in STRINGS:
+        if key in flat and not isinstance(_get(config, key), str):
+            problems.append(f"config key `{key}` = {_get(config, key)!r}; expected a string")
+    for key, bound in {**NUMBERS, **OPTIONAL_NUMBERS}.items():
+        if key in flat:
+            problems += _check_number(key, _get(config, key), bound)
+    if problems:  # the relations below assume well-typed values
+        return problems
+    s, b, rl = config.sampler, config.batch, config.rl
+    if not s.think_budget_min <= s.think_budget_max <= s.max_new_tokens:
+        problems.append(
+            "config keys `sampler.think_budget_min` <= `sampler.think_budget_max` <= `sampler.max_new_tokens` "
+            f"must hold, got {s.think_budget_min}, {s.think_budget_max}, {s.max_new_tokens}")
+    if s.answer_budget > s.max_new_tokens:
+        problems.append(f"config key `sampler.answer_budget` = {s.answer_budget} exceeds "
+                        f"`sampler.max_new_tokens` = {s.max_new_tokens}")
+    if rl.length_penalty_cache > rl.length_penalty_max:
+        problems.append(f"config key `rl.length_penalty_cache` = {rl.length_penalty_cache} exceeds "
+                        f"`rl.length_penalty_max` = {rl.length_penalty_max}")
+    if config.data.reward_correct <= config.data.reward_incorrect:
+        problems.append(f"config keys `data.reward_correct` = {config.data.reward_correct} must exceed "
+                        f"`data.reward_incorrect` = {config.data.reward_incorrect}")
     if (b.prompts_per_step * b.generations_per_prompt) % b.microbatches:
-        raise ConfigError(
+        problems.append(
             f"config key `batch.microbatches` = {b.microbatches} must divide the batch's "
-            f"{b.prompts_per_step * b.generations_per_prompt} sequences (`batch.prompts_per_step` x `batch.generations_per_prompt`)"
-        )
-    if not isinstance(config.schedule.queue_groups, int) or config.schedule.queue_groups < 0:
-        raise ConfigError(f"config key `schedule.queue_groups` = {config.schedule.queue_groups!r}; expected an int >= 0 (0: automatic)")
-    if not 0 < config.mesh.generator_fraction < 1:
-        raise ConfigError(f"config key `mesh.generator_fraction` = {config.mesh.generator_fraction}; expected in (0, 1)")
-    if not 0 < config.rl.positive_pass_rate <= 1:
-        raise ConfigError(f"config key `rl.positive_pass_rate` = {config.rl.positive_pass_rate}; expected in (0, 1]")
-    if config.optimizer.lr <= 0 or config.optimizer.eps <= 0:
-        raise ConfigError("config keys `optimizer.lr` and `optimizer.eps` must be > 0")
+            f"{b.prompts_per_step * b.generations_per_prompt} sequences (`batch.prompts_per_step` x "
+            "`batch.generations_per_prompt`)")
+    if "{problem}" not in config.data.prompt_template:
+        problems.append(f"config key `data.prompt_template` = {config.data.prompt_template!r} has no "
+                        "{problem} placeholder")
+    if config.data.reward_fn and ":" not in config.data.reward_fn:
+        problems.append(f"config key `data.reward_fn` = {config.data.reward_fn!r}; expected "
+                        "'package.module:function'")
     a_range = tuple(config.eval.fit_a_range)
-    if len(a_range) != 2 or not 0 <= a_range[0] < a_range[1] <= 1:
-        raise ConfigError(f"config key `eval.fit_a_range` = {a_range!r}; expected (low, high) with 0 <= low < high <= 1")
+    if len(a_range) != 2 or not all(PROBABILITY.admits(x) for x in a_range) or not a_range[0] < a_range[1]:
+        problems.append(f"config key `eval.fit_a_range` = {a_range!r}; expected (low, high) with "
+                        "0 <= low < high <= 1")
+    for name, path in config.eval.extra.items():
+        if not isinstance(path, str) or not path:
+            problems.append(f"config key `eval.extra.{name}` = {path!r}; expected a path to a jsonl or "
+                            "parquet file")
+    if "warm_start" in config and config.warm_start.max_len < 2:
+        problems.append(f"config key `warm_start.max_len` = {config.warm_start.max_len}; expected >= 2")
+    return problems
 
 
-def check_paths(config: ml_collections.ConfigDict) -> None:
+def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     """Local inputs exist (nothing is downloaded at run time)."""
+    problems = []
     if config.data.dataset in ("polaris_53k", "jsonl") and not os.path.isfile(config.data.path):
-        raise ConfigError(
+        problems.append(
             f"config key `data.path` = {config.data.path!r}: set it to a local jsonl file "
-            "(for polaris_53k: polaris-data-53K.jsonl with fields problem, answer, difficulty)"
-        )
+            "(for polaris_53k: polaris-data-53K.jsonl with fields problem, answer, difficulty)")
     if "warm_start" not in config:
         checkpoint = config.model.checkpoint
         if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
-            raise ConfigError(
+            problems.append(
                 f"config key `model.checkpoint` = {checkpoint!r}: set it to a local Hugging Face "
-                "directory holding config.json, *.safetensors and tokenizer.json"
-            )
+                "directory holding config.json, *.safetensors and tokenizer.json")
+    for name, path in config.eval.extra.items():
+        if isinstance(path, str) and path and not os.path.isfile(path):
+            problems.append(f"config key `eval.extra.{name}` = {path!r}: no such file")
+    return problems
 
 
 def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
@@ -135,13 +259,22 @@ def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
         raise ConfigError(
             f"config keys `batch.*`: {rows_per_microbatch} sequences per microbatch do not divide "
             f"over {trainers} trainer devices (`mesh.generator_fraction` = {config.mesh.generator_fraction} "
-            f"of {num_devices} devices)"
-        )
+            f"of {num_devices} devices)")
     return generators, trainers
 
 
-# Keys a resumed run may change: how long it runs and how often it evaluates and saves.
-RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep")
+def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
+    """A recipe meant for accelerators (`mesh.require_accelerator`) refuses the CPU backend."""
+    if platform == "cpu" and config.mesh.require_accelerator:
+        raise ConfigError(
+            "config key `mesh.require_accelerator` = True, but JAX found only the CPU backend. This "
+            "recipe is meant for GPUs: install the CUDA plugin (pip install -e '.[cuda]', see README) "
+            "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway")
+
+
+# Keys a resumed run may change: how long it runs and how often it evaluates, saves and logs.
+RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep", "log_every",
+                     "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:
@@ -149,36 +282,61 @@ def config_json(config: ml_collections.ConfigDict) -> dict:
     return json.loads(json.dumps(config.to_dict(), sort_keys=True, default=str))
 
 
-def check_resume(config: ml_collections.ConfigDict, workdir: str) -> None:
+def flat_config(config: Any) -> dict[str, Any]:
+    """`{dotted_key: value}` of a config or its JSON form (the fingerprint stored in checkpoints)."""
+    as_json = config_json(config) if isinstance(config, ml_collections.ConfigDict) else config
+    return {key: _get(as_json, key) for key in _flat_keys(as_json)}
+
+
+def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Keys (other than `RESUMABLE_CHANGES`) whose flat values differ, as '`key` (old -> new)'."""
+    keys = sorted(k for k in set(saved) | set(new)
+                  if saved.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    return [f"`{k}` ({saved.get(k)!r} -> {new.get(k)!r})" for k in keys]
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: str,
+                 saved_fingerprint: dict[str, Any] | None = None) -> None:
     """A workdir holding checkpoints is resumed only with the config it was started with.
 
-    Raises ConfigError naming the keys that differ from `WORKDIR/config.json` (other than
-    `RESUMABLE_CHANGES`), instead of silently continuing another run's checkpoints.
+    Compares with `WORKDIR/config.json`, or, when that file is missing or malformed, with
+    `saved_fingerprint` (the flat config stored in the newest checkpoint). Raises ConfigError
+    naming the keys that differ (other than `RESUMABLE_CHANGES`).
     """
     saved_path = os.path.join(workdir, "config.json")
     checkpoints = os.path.join(workdir, "checkpoints")
-    if not (os.path.isfile(saved_path) and os.path.isdir(checkpoints) and os.listdir(checkpoints)):
+    if not (os.path.isdir(checkpoints) and os.listdir(checkpoints)):
         return
-    with open(saved_path) as f:
-        saved = json.load(f)
-    new = config_json(config)
-    old_flat = {key: _get(saved, key) for key in _flat_keys(saved)}
-    new_flat = {key: _get(new, key) for key in _flat_keys(new)}
-    changed = sorted(k for k in set(old_flat) | set(new_flat)
-                     if old_flat.get(k) != new_flat.get(k) and k not in RESUMABLE_CHANGES)
+    saved, source = None, saved_path
+    if os.path.isfile(saved_path):
+        try:
+            with open(saved_path) as f:
+                saved = flat_config(json.load(f))
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            if saved_fingerprint is None:
+                raise ConfigError(f"{saved_path} is malformed ({e}) and no checkpoint carries the "
+                                  "run's config: cannot check that this config matches the run") from e
+    if saved is None:
+        if saved_fingerprint is None:
+            raise ConfigError(f"workdir {workdir!r} holds checkpoints but neither {saved_path} nor a "
+                              "checkpoint records the run's config: refusing to resume blind")
+        saved, source = saved_fingerprint, "the config stored in its newest checkpoint"
+    changed = changed_keys(saved, flat_config(config))
     if changed:
         raise ConfigError(
-            f"workdir {workdir!r} holds checkpoints of a run with a different config; changed keys: "
-            f"{', '.join(f'`{k}` ({old_flat.get(k)!r} -> {new_flat.get(k)!r})' for k in changed[:8])}"
-            f"{' ...' if len(changed) > 8 else ''}. Use a new --workdir, or the config of that run "
-            f"(only {', '.join(RESUMABLE_CHANGES)} may change on resume)")
+            f"workdir {workdir!r} holds checkpoints of a run with a different config ({source}); "
+            f"changed keys: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Use a new "
+            f"--workdir, or the config of that run (only {', '.join(RESUMABLE_CHANGES)} may change on resume)")
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, check_files: bool = True) -> None:
-    """All checks; raises ConfigError naming the first bad key."""
-    check_known_keys(config)
-    check_values(config)
-    if check_files:
-        check_paths(config)
+    """All checks; raises one ConfigError listing every problem found."""
+    problems = check_known_keys(config)
+    if not problems:
+        problems += check_values(config)
+        if check_files:
+            problems += check_paths(config)
+    if problems:
+        raise ConfigError(problems)
     if num_devices is not None:
         check_devices(config, num_devices)

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,94 +35,15 @@ from ml_collections import config_flags
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
-from scalerl_jax.models import load_chat_template, load_tokenizer, make_mesh, param_shardings
-from scalerl_jax.sampler import (Completion, ContinuousBatcher, Engine, EngineConfig, InterruptionConfig,
-                                 Request, interruption_from_tokenizer)
+from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
+from scalerl_jax.sampler import ContinuousBatcher, Engine
+from scalerl_jax.sampling_setup import (check_think_end, make_engine_config, make_prompt_encoder, make_reward_config,
+                                        make_sample_fn)
 
 
 class EvaluateError(ValueError):
     """Bad evaluation input; the message names the file, row, field or flag."""
-
-
-# ------------------------------------------------------------------ sampling set-up (shared with training)
-
-@dataclasses.dataclass(frozen=True)
-class PolicyTokenizer:
-    """The tokenizer of a checkpoint and the special tokens sampling and prompting need.
-
-    `stop_ids`: token ids that end a completion; `bos_token` None when the checkpoint has none.
-    """
-
-    tokenizer: Any
-    bos_token: str | None
-    eos_token: str
-    stop_ids: tuple[int, ...]
-    chat_template: str | None
-
-
-def checkpoint_tokenizer(checkpoint_dir: str) -> PolicyTokenizer:
-    """The tokenizer and special tokens of an HF directory, as the training run reads them today
-    (`data.special_token_ids`: the `<s>`/`</s>` names of our tokenizers; eos is the one stop id).
-    To be replaced by `models.load_checkpoint_tokenizer` (tokenizer_config/generation_config)."""
-    tokenizer = load_tokenizer(checkpoint_dir)
-    ids = data_lib.special_token_ids(tokenizer)
-    return PolicyTokenizer(tokenizer=tokenizer, bos_token=tokenizer.id_to_token(ids["bos"]),
-                           eos_token=tokenizer.id_to_token(ids["eos"]), stop_ids=(ids["eos"],),
-                           chat_template=load_chat_template(checkpoint_dir))
-
-
-def make_prompt_encoder(config: ml_collections.ConfigDict, tok: PolicyTokenizer) -> data_lib.PromptEncoder:
-    """Problems -> prompt tokens: `config.data.prompt_template`, the checkpoint's chat template when
-    `config.data.use_chat_template`, at most `config.data.max_prompt_tokens` tokens."""
-    chat_template = tok.chat_template if config.data.use_chat_template else None
-    if config.data.use_chat_template and chat_template is None:
-        raise EvaluateError("config data.use_chat_template is true but the checkpoint has no chat template")
-    return data_lib.PromptEncoder(tok.tokenizer, data_lib.PromptFormat(
-        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens,
-        chat_template=chat_template, add_bos=tok.bos_token is not None, bos_token=tok.bos_token or "",
-        eos_token=tok.eos_token))
-
-
-def make_interruption(config: ml_collections.ConfigDict, tokenizer: Any) -> InterruptionConfig | None:
-    """The forced interruption of `config.sampler` when `config.rl.length_control` is 'interruption'."""
-    if config.rl.length_control != "interruption":
-        return None
-    s = config.sampler
-    return interruption_from_tokenizer(tokenizer, phrase=s.interruption_phrase, end_think=s.think_end,
-                                       think_budget_min=s.think_budget_min, think_budget_max=s.think_budget_max,
-                                       answer_budget=s.answer_budget)
-
-
-def make_engine_config(config: ml_collections.ConfigDict, tok: PolicyTokenizer) -> EngineConfig:
-    """The sampler engine of `config.sampler`: cache length = max prompt + max new tokens."""
-    s = config.sampler
-    return EngineConfig(num_slots=s.num_slots, max_len=config.data.max_prompt_tokens + s.max_new_tokens,
-                        chunk_size=s.chunk_steps, top_k=s.top_k, top_p=s.top_p,
-                        max_stop_tokens=max(1, len(tok.stop_ids)),
-                        interruption=make_interruption(config, tok.tokenizer))
-
-
-def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:
-    """The verifier of training: exact match on the synthetic task, math-verify otherwise."""
-    return data_lib.RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math", correct_reward=config.data.reward_correct,
-        incorrect_reward=config.data.reward_incorrect, think_end=config.sampler.think_end)
-
-
-def make_sample_fn(batcher: ContinuousBatcher, config: ml_collections.ConfigDict, stop_ids: Sequence[int], *,
-                   seed_offset: int = 0) -> Callable[[list[list[int]]], list[Completion]]:
-    """`prompts -> completions` (one per prompt, in order) through `batcher` with the run's
-    temperature and budget; request i samples with PRNG stream `seed_offset + i`."""
-
-    def sample(prompts: list[list[int]]) -> list[Completion]:
-        for i, prompt in enumerate(prompts):
-            batcher.add_request(Request(
-                request_id=i, prompt_tokens=list(prompt), max_new_tokens=config.sampler.max_new_tokens,
-                seed=seed_offset + i, temperature=config.sampler.temperature, stop_tokens=tuple(stop_ids)))
-        done = {c.request_id: c for c in batcher.drain()}
-        return [done[i] for i in range(len(prompts))]
-
-    return sample
 
 
 # ------------------------------------------------------------------ benchmark files
@@ -219,8 +140,9 @@ def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigD
     """Samples `num_samples` completions per problem with the run's sampler on all devices
     (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
     (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`)."""
-    tok = checkpoint_tokenizer(policy.checkpoint_dir)
-    encoded = make_prompt_encoder(config, tok).encode(benchmark.problems)
+    tok = load_checkpoint_tokenizer(policy.checkpoint_dir)
+    check_think_end(config, tok, policy.checkpoint_dir)
+    encoded = make_prompt_encoder(config, tok, policy.checkpoint_dir).encode(benchmark.problems)
     if not encoded.tokens:
         raise EvaluateError(f"{benchmark.path}: every problem is longer than data.max_prompt_tokens="
                             f"{config.data.max_prompt_tokens}")
@@ -229,19 +151,22 @@ def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigD
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, make_engine_config(config, tok), mesh=mesh)
     batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
-    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s)
+    reward_config = make_reward_config(config)
+    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
+                                      reward_fn=reward_config.reward_fn)
     texts: list[str] = []
+    problems = [benchmark.problems[i] for i in kept for _ in range(num_samples)]
 
     def decode(tokens: list[int]) -> str:
         texts.append(tok.tokenizer.decode(tokens))
         return texts[-1]
 
-    reward_config = make_reward_config(config)
     try:
         result = data_lib.evaluate(
             make_sample_fn(batcher, config, tok.stop_ids), encoded.tokens, [benchmark.answers[i] for i in kept],
             num_samples=num_samples, decode=decode, pass_at=ks,
-            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool))
+            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool,
+                                                              problems=problems))
     finally:
         verify_pool.close()
     correct = result.correct
@@ -353,11 +278,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         benchmark = read_benchmark(args.data, problem_field=args.problem_field, answer_field=args.answer_field,
                                    group_field=args.group_field)
         policy, config = load_policy_and_config(args.checkpoint, config, step=args.step)
-    except (EvaluateError, policy_source.PolicySourceError, FileNotFoundError) as e:
+        report = evaluate_policy(policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed,
+                                 keep_texts=args.completions)
+    except (EvaluateError, ConfigError, policy_source.PolicySourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = evaluate_policy(policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed,
-                             keep_texts=args.completions)
     report = {"checkpoint": os.path.abspath(args.checkpoint), "step": policy.step,
               "data": os.path.abspath(args.data), "group_field": args.group_field, **report}
     print(format_table(report, args.group_field))

@@ -2,44 +2,82 @@
 
 Builds everything from one ml_collections config (validated first), then runs the PipelineRL-k
 or PPO-off-policy-k loop: data -> sampler -> pipeline queue -> train step -> new params ->
-sampler. Writes `DIR/config.json`, `DIR/metrics.jsonl`, TensorBoard events in `DIR/tb`, orbax
-checkpoints in `DIR/checkpoints` (resumed from automatically), and at the end a sigmoid fit of
-the run's own pass-rate curve (`DIR/scaling.png`).
+sampler. Writes `DIR/config.json`, `DIR/metrics.jsonl`, `DIR/samples.jsonl`, TensorBoard events
+in `DIR/tb`, orbax checkpoints in `DIR/checkpoints` (resumed from automatically), and at the end
+a sigmoid fit of the run's own pass-rate curve (`DIR/scaling.png`).
+
+Start-up order matters: the config is checked before JAX starts, so that on the CPU backend the
+host can be split into `mesh.cpu_devices` devices (which must happen before the backend exists),
+and a recipe meant for accelerators stops at once when only the CPU is there. A config problem
+prints one message listing every problem and exits with status 2, without a traceback; the run's
+own refusals (a workdir locked by another run, no usable checkpoint, a checkpoint that cannot be
+written, a file or directory that cannot be read or written) print one line naming what and where
+and exit with status 1 (`--verbosity=1` logs the traceback too).
 """
 from __future__ import annotations
 
-import json
 import os
+import sys
 import time
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from scalerl_jax.config_validation import check_resume, config_json, validate
+from scalerl_jax.config_validation import ConfigError, check_backend, check_devices, validate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, checkpoints and artifacts.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+EXIT_CONFIG_ERROR = 2
+EXIT_RUN_ERROR = 1
+FORCED_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def split_host_devices(cpu_devices: int) -> None:
+    """On the CPU backend, present the host as `cpu_devices` devices (generator and trainer sets).
+
+    Must run before JAX initializes its backends. An explicit `--xla_force_host_platform_device_count`
+    in XLA_FLAGS wins (tests and users who set it keep their choice); 0 leaves JAX's default.
+    """
+    if cpu_devices and FORCED_DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def start(config) -> None:
+    """Validates the config, starts JAX (distributed when asked) and checks the backend fits."""
+    validate(config)
+    split_host_devices(config.mesh.cpu_devices)
+    if os.environ.get("SCALERL_DISTRIBUTED") == "1":
+        jax.distributed.initialize()
+    check_backend(config, jax.default_backend())
+    check_devices(config, len(jax.devices()))
+
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if os.environ.get("SCALERL_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
     config, workdir = _CONFIG.value, _WORKDIR.value
-    validate(config, num_devices=len(jax.devices()))
-    check_resume(config, workdir)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        json.dump(config_json(config), f, indent=2, sort_keys=True)
-    from scalerl_jax.runner import run  # heavy imports after the config is known to be good
+    try:
+        start(config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    from scalerl_jax.runner import RUN_ERRORS, run  # heavy imports after the config is known to be good
 
-    start = time.time()
-    summary = run(config, workdir)
-    logging.info("run finished in %.1f min: %s", (time.time() - start) / 60, summary)
+    started = time.time()
+    try:
+        summary = run(config, workdir)
+    except ConfigError as e:  # found once the checkpoint, tokenizer or data are read
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    except (*RUN_ERRORS, OSError) as e:  # OSError: a file or directory that cannot be read or written
+        logging.debug("run stopped", exc_info=True)  # the traceback, with --verbosity=1
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_RUN_ERROR)
+    logging.info("run finished in %.1f min: %s", (time.time() - started) / 60, summary)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ INTERRUPTION_PHRASE = (
 )
 # Sequences per microbatch in the 8B configs: one per trainer GPU of the paper's 16.
 ROWS_PER_MICROBATCH = 16
+# `{problem}` is replaced literally (data.prompts.format_problem), so LaTeX braces stay as written.
 DEFAULT_PROMPT_TEMPLATE = (
-    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 )
 
 
@@ -47,6 +48,11 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.data.heldout_seed = 0
     c.data.prompt_template = DEFAULT_PROMPT_TEMPLATE
     c.data.use_chat_template = True
+    # 'think': the answer is the last \boxed{} after sampler.think_end, and forced interruption
+    # applies; 'plain' (base models without a think phase): the last \boxed{} anywhere, no
+    # interruption. One key for the sampler's length control and the reward's extraction.
+    c.data.answer_format = "think"
+    c.data.reward_fn = ""  # 'package.module:function' (completion, gold, problem) -> float; '' = math-verify
     c.data.max_prompt_tokens = 2_048
     c.data.reward_correct = 1.0
     c.data.reward_incorrect = -1.0
@@ -72,6 +78,7 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.rl.length_control = "interruption"  # 'interruption' | 'length_penalty' | 'none'
     c.rl.length_penalty_max = 14_336
     c.rl.length_penalty_cache = 2_048
+    c.rl.mask_truncated_completions = False  # completions cut by the token limit leave the loss
 
     c.sampler = ml_collections.ConfigDict()
     c.sampler.temperature = 1.0
@@ -104,12 +111,22 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.mesh.generator_fraction = 0.8  # paper: 64 generator GPUs, 16 trainer GPUs
     c.mesh.trainer_shape = (1, -1, 1)  # (data, fsdp, tensor); -1 means the rest
     c.mesh.generator_shape = (-1, 1, 1)
+    c.mesh.require_accelerator = True  # refuse to start on the CPU backend (set False to allow it)
+    c.mesh.cpu_devices = 0  # on the CPU backend: split the host into this many devices (0: leave as is)
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 100
     c.eval.num_prompts = 1_000
     c.eval.samples_per_prompt = 16
     c.eval.fit_a_range = (0.45, 0.8)  # the sigmoid fit's grid over the asymptote A (the paper's)
+    c.eval.samples_logged = 4  # prompts per evaluation written with their completions to samples.jsonl
+    # Extra evaluation sets, logged as eval_<name>/...: {'aime24': '/data/aime24.jsonl', ...}
+    # (jsonl or parquet with data.problem_field / data.answer_field).
+    c.eval.extra = ml_collections.ConfigDict()
+
+    c.logging = ml_collections.ConfigDict()
+    c.logging.wandb_project = ""  # '' = off; else Weights & Biases (offline unless wandb_mode='online')
+    c.logging.wandb_mode = "offline"
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 100
@@ -335,6 +352,8 @@ def tiny() -> ml_collections.ConfigDict:
     c.mesh.generator_fraction = 0.5
     c.mesh.trainer_shape = (1, -1, 1)
     c.mesh.generator_shape = (-1, 1, 1)
+    c.mesh.require_accelerator = False
+    c.mesh.cpu_devices = 2  # one generator device, one trainer device, as on a cluster
 
     c.eval.every = 10
     c.eval.num_prompts = 128

@@ -1,15 +1,24 @@
-"""Builds a run from a validated config and drives it: policy, data, sampler, train step,
-pipeline, evaluation, metrics, checkpoints, and the final scaling fit.
+"""The composition root: builds a run from a validated config and drives it.
 
-Threads: the pipeline's generator and trainer threads; `on_step` (metrics, evaluation,
-checkpoints) runs in the trainer thread between steps, while the train state is not donated.
+`run(config, workdir)` holds the workdir's lock, checks that a resumed workdir gets its own
+config back, then wires the builders below: the policy's checkpoint and tokenizer, the task's
+prompts, the device meshes, the trainer, the sampler engine, the scorer, the evaluator, and the
+step reporter that writes metrics and checkpoints; the pipeline (`pipeline/`) runs them.
+
+Threads: the pipeline's generator and trainer threads; `StepReporter.on_step` (metrics,
+evaluation, checkpoints) runs in the trainer thread between steps, while the train state is not
+donated.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import json
 import os
+import signal
 import time
-from typing import Any
+from typing import Any, Iterator, Sequence
 
 import jax
 import ml_collections
@@ -19,67 +28,191 @@ from flax import nnx
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import fit as fit_cli
+from scalerl_jax.config_validation import ConfigError, check_resume, config_json, flat_config
+from scalerl_jax.console import quiet_library_logs
+from scalerl_jax.data.rows import read_rows
 from scalerl_jax.metrics import MetricsWriter, format_progress
-from scalerl_jax.models import (load_chat_template, load_hf, load_tokenizer, make_mesh, param_shardings,
-                                split_devices)
+from scalerl_jax.models import (CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh,
+                                param_shardings, split_devices)
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, StepRecord
 from scalerl_jax.rl import length_penalty
-from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
-from scalerl_jax.sampler.engine import interruption_from_tokenizer
+from scalerl_jax.sampler import ContinuousBatcher, Engine
+from scalerl_jax.sampling_setup import (check_think_end, interrupts, make_engine_config, make_prompt_encoder,
+                                       make_reward_config, make_sample_fn, max_sequence_length)
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer,
                                make_train_step)
-from scalerl_jax.train.checkpoint import RunCheckpointer
+from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
+from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
+from scalerl_jax.train.optimizer import learning_rate_schedule
 from scalerl_jax.warm_start import build_warm_start, synthetic_task
+from scalerl_jax.workdir_lock import WorkdirLockedError, hold_workdir
+
+SAMPLES_FILE = "samples.jsonl"
+# Failures that end a run with one line naming what and where (no traceback): another run holds
+# the workdir, no usable checkpoint, a checkpoint that cannot be written.
+RUN_ERRORS = (WorkdirLockedError, CheckpointError)
 
 
-@dataclasses.dataclass
+# ---------------------------------------------------------------------------------------------
+# Policy and task
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PolicySource:
+    """The Hugging Face directory the run starts from, its tokenizer and its prompt encoder."""
+
+    checkpoint_dir: str
+    tokens: CheckpointTokenizer
+    encoder: data_lib.PromptEncoder
+
+
+def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> PolicySource:
+    """The warm-started tiny policy (built if needed) or `model.checkpoint`, with its tokenizer."""
+    checkpoint_dir = build_warm_start(config, workdir) if "warm_start" in config else config.model.checkpoint
+    tokens = load_checkpoint_tokenizer(checkpoint_dir)
+    check_think_end(config, tokens, checkpoint_dir)
+    return PolicySource(checkpoint_dir, tokens, make_prompt_encoder(config, tokens, checkpoint_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Encoded prompts of one evaluation set, with what scoring and the samples file need."""
+
+    name: str
+    problems: list[str]
+    prompts: list[list[int]]
+    golds: list[str]
+    labels: list[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskData:
-    """Encoded train and held-out prompts with their gold answers."""
+    """Encoded train prompts with their problems and gold answers, and the evaluation sets."""
 
+    train_problems: list[str]
     train_prompts: list[list[int]]
     train_golds: list[str]
-    heldout_prompts: list[list[int]]
-    heldout_golds: list[str]
-    heldout_labels: list[str]
+    eval_sets: list[EvalSet]
     num_too_long: int
 
 
-def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
-    """Builds the configured TFDS dataset and encodes its train / held-out splits."""
+def _encode_rows(rows: list[dict], encoder: data_lib.PromptEncoder, name: str,
+                 label_field: str | None) -> tuple[EvalSet, int]:
+    prompt_set = data_lib.build_prompt_set(rows, encoder, label_field=label_field)
+    problems = [rows[i]["problem"] for i in prompt_set.source_indices]
+    labels = prompt_set.labels if label_field else None
+    return EvalSet(name, problems, prompt_set.tokens, prompt_set.answers, labels), prompt_set.num_too_long
+
+
+def _dataset_builder(config: ml_collections.ConfigDict, workdir: str):
+    """The configured TFDS builder (prepared) and the label field of its held-out rows."""
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     if config.data.dataset == "synthetic":
-        builder = data_lib.build_synthetic(data_dir, synthetic_task(config))
-        train_split, heldout_split, label = "train", "heldout", "level"
-    elif config.data.dataset == "polaris_53k":
-        builder = data_lib.build_polaris(data_dir, os.path.dirname(os.path.abspath(config.data.path)),
-                                         heldout_size=config.data.heldout_size, seed=config.data.heldout_seed)
-        train_split, heldout_split, label = "train", "heldout", "difficulty"
-    else:
-        builder = data_lib.build_local_file(
-            data_dir, config.data.path, problem_field=config.data.problem_field,
-            answer_field=config.data.answer_field, heldout_size=config.data.heldout_size,
-            seed=config.data.heldout_seed)
-        train_split, heldout_split, label = "train", "heldout", "difficulty"
-    train_rows = data_lib.read_split(builder, train_split)
-    heldout_rows = data_lib.read_split(builder, heldout_split)[: config.eval.num_prompts]
-    train = encoder.encode([r["problem"] for r in train_rows])
-    heldout = encoder.encode([r["problem"] for r in heldout_rows])
-    return TaskData(
-        train_prompts=train.tokens, train_golds=[train_rows[i]["answer"] for i in train.source_indices],
-        heldout_prompts=heldout.tokens, heldout_golds=[heldout_rows[i]["answer"] for i in heldout.source_indices],
-        heldout_labels=[str(heldout_rows[i].get(label, "")) for i in heldout.source_indices],
-        num_too_long=train.num_too_long + heldout.num_too_long)
+        return data_lib.build_synthetic(data_dir, synthetic_task(config)), "level"
+    if config.data.dataset == "polaris_53k":
+        return data_lib.build_polaris(data_dir, os.path.dirname(os.path.abspath(config.data.path)),
+                                      heldout_size=config.data.heldout_size, seed=config.data.heldout_seed), "difficulty"
+    return data_lib.build_local_file(
+        data_dir, config.data.path, problem_field=config.data.problem_field, answer_field=config.data.answer_field,
+        heldout_size=config.data.heldout_size, seed=config.data.heldout_seed), "difficulty"
 
 
-def make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, golds):
+def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
+    """Builds the configured TFDS dataset, encodes train / held-out splits and the extra eval sets."""
+    builder, label = _dataset_builder(config, workdir)
+    train_rows = data_lib.read_split(builder, "train")
+    heldout_rows = data_lib.read_split(builder, "heldout")[: config.eval.num_prompts]
+    heldout_rows = [dict(row, **{label: row.get(label, "")}) for row in heldout_rows]
+    train, train_too_long = _encode_rows(train_rows, encoder, "train", None)
+    heldout, heldout_too_long = _encode_rows(heldout_rows, encoder, "eval", label)
+    if not train.prompts:
+        raise ConfigError(
+            f"config key `data.max_prompt_tokens` = {config.data.max_prompt_tokens}: all {len(train_rows)} "
+            "training prompts are longer (after the prompt template); raise it or shorten the template")
+    extra_sets, extra_too_long = [], 0
+    for name, path in sorted(config.eval.extra.items()):
+        rows = [row.fields for row in read_rows(
+            path, {"problem": config.data.problem_field, "answer": config.data.answer_field})]
+        eval_set, too_long = _encode_rows(rows, encoder, f"eval_{name}", None)
+        extra_sets.append(eval_set)
+        extra_too_long += too_long
+    return TaskData(train.problems, train.prompts, train.golds, [heldout, *extra_sets],
+                    train_too_long + heldout_too_long + extra_too_long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, trainer, sampler, scorer
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+    """Disjoint generator and trainer device sets and their meshes."""
+
+    generator_devices: list[jax.Device]
+    trainer_devices: list[jax.Device]
+    generator: jax.sharding.Mesh
+    trainer: jax.sharding.Mesh
+
+    @property
+    def num_devices(self) -> int:
+        return len(set(self.generator_devices) | set(self.trainer_devices))
+
+
+def build_meshes(config: ml_collections.ConfigDict) -> Meshes:
+    generator_devices, trainer_devices = split_devices(jax.devices(), config.mesh.generator_fraction)
+    return Meshes(generator_devices, trainer_devices,
+                  make_mesh(config.mesh.generator_shape, devices=generator_devices),
+                  make_mesh(config.mesh.trainer_shape, devices=trainer_devices))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The policy's graph, its train state on the trainer mesh, and the jitted train step."""
+
+    graphdef: Any
+    model_config: Any
+    state: Any
+    step_fn: Any
+
+
+def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: jax.sharding.Mesh) -> Trainer:
+    """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
+    model = load_hf(checkpoint_dir, dtype=config.model.dtype, fp32_head=config.model.fp32_head, mesh=mesh,
+                    scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    graphdef, params = nnx.split(model)
+    o = config.optimizer
+    optimizer_config = OptimizerConfig(
+        learning_rate=o.lr, warmup_steps=o.warmup_steps, b1=o.b1, b2=o.b2, eps=o.eps,
+        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm or None)
+    optimizer = make_optimizer(optimizer_config)
+    state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
+    step_fn = make_train_step(graphdef, optimizer, TrainStepConfig(
+        objective=config.rl.objective, aggregation=config.rl.aggregation,
+        advantage_normalization=config.rl.advantage_normalization, eps_low=config.rl.eps_low,
+        eps_high=config.rl.eps_high, eps_max=config.rl.eps_max, num_microbatches=config.batch.microbatches,
+        temperature=config.sampler.temperature, logprob_chunk_size=config.model.logprob_chunk,
+        skip_nonfinite=config.nan_policy == "skip"), mesh=mesh, state_shardings=state_shardings,
+        learning_rate_schedule=learning_rate_schedule(optimizer_config))
+    return Trainer(graphdef, model.config, state, step_fn)
+
+
+def build_engine(config: ml_collections.ConfigDict, trainer: Trainer, tokens: CheckpointTokenizer,
+                 mesh: jax.sharding.Mesh) -> Engine:
+    """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
+    return Engine(trainer.graphdef, trainer.model_config, make_engine_config(config, tokens), mesh=mesh)
+
+
+def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, reward_config, verify_pool,
+                   pool: data_lib.PromptPool, task: TaskData):
     """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history."""
     length_shaping = config.rl.length_control == "length_penalty"
 
     def reward_fn(prompt: Prompt, completions) -> list[float]:
-        texts = [tokenizer.decode(list(c.tokens)) for c in completions]
-        scored = data_lib.score_completions(texts, [golds[prompt.key]] * len(texts), reward_config, pool=verify_pool)
+        texts = [tokens.tokenizer.decode(list(c.tokens)) for c in completions]
+        scored = data_lib.score_completions(texts, [task.train_golds[prompt.key]] * len(texts), reward_config,
+                                            pool=verify_pool, problems=[task.train_problems[prompt.key]] * len(texts))
         rewards = np.asarray(scored.rewards, np.float32)
         if length_shaping:
             lengths = np.asarray([len(c.tokens) for c in completions], np.float32)
@@ -92,185 +225,280 @@ def make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, golds):
     return reward_fn
 
 
+# ---------------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------------
+
+class Evaluator:
+    """Every evaluation set through one batcher (its own slots' worth of requests at a time).
+
+    `__call__(params, version)` returns the metrics of all sets (held-out under `eval/`, extras
+    under `eval_<name>/`) and appends, for the first `eval.samples_logged` held-out prompts, every
+    sample (rendered prompt, completion, extracted answer, gold, reward, finish reason) to
+    `WORKDIR/samples.jsonl`.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict, task: TaskData, source: PolicySource,
+                 batcher: ContinuousBatcher, reward_config, verify_pool, samples_path: str):
+        self._config, self._task, self._source = config, task, source
+        self._batcher, self._reward_config, self._pool = batcher, reward_config, verify_pool
+        self._samples_path = samples_path
+
+    def __call__(self, params, version: int) -> dict[str, float]:
+        self._batcher.update_params(params, version)
+        metrics: dict[str, float] = {}
+        for eval_set in self._task.eval_sets:
+            metrics.update(self._evaluate(eval_set, version))
+        return metrics
+
+    def _evaluate(self, eval_set: EvalSet, version: int) -> dict[str, float]:
+        config, samples = self._config, self._config.eval.samples_per_prompt
+        problems = [p for p in eval_set.problems for _ in range(samples)]
+        captured: dict[str, Any] = {}
+
+        sample_fn = make_sample_fn(self._batcher, config, self._source.tokens.stop_ids, seed_offset=version << 20)
+
+        def sample(prompts):
+            captured["completions"] = sample_fn(prompts)
+            return captured["completions"]
+
+        def score(texts, golds):
+            captured["texts"] = texts
+            captured["scored"] = data_lib.score_completions(texts, golds, self._reward_config, pool=self._pool,
+                                                            problems=problems)
+            return captured["scored"]
+
+        result = data_lib.evaluate(
+            sample, eval_set.prompts, eval_set.golds, num_samples=samples,
+            decode=lambda t: self._source.tokens.tokenizer.decode(t), reward_fn=score,
+            difficulties=eval_set.labels, prefix=eval_set.name)
+        if eval_set.name == "eval":
+            self._write_samples(eval_set, version, captured)
+        return result.metrics
+
+    def _write_samples(self, eval_set: EvalSet, version: int, captured: dict[str, Any]) -> None:
+        samples, logged = self._config.eval.samples_per_prompt, self._config.eval.samples_logged
+        scored = captured["scored"]
+        with open(self._samples_path, "a", encoding="utf-8") as f:
+            for index in range(min(logged, len(eval_set.prompts)) * samples):
+                completion = captured["completions"][index]
+                problem = eval_set.problems[index // samples]
+                f.write(json.dumps({
+                    "step": version, "set": eval_set.name, "prompt_index": index // samples,
+                    "sample": index % samples, "prompt": self._source.encoder.text(problem),
+                    "completion": captured["texts"][index], "extracted_answer": scored.predictions[index],
+                    "gold": eval_set.golds[index // samples], "reward": float(scored.rewards[index]),
+                    "outcome": scored.outcomes[index], "finish_reason": completion.finish_reason,
+                    "last_token": completion.tokens[-1] if completion.tokens else None,
+                    "num_tokens": len(completion.tokens)}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-step reporting: metrics, evaluation, checkpoints
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class RunState:
+    """Host-side state saved with every checkpoint beside the train state."""
+
+    pool: data_lib.PromptPool
+    meter: ComputeMeter
+    nonfinite_steps: int = 0
+
+
+class StepReporter:
+    """`on_step(record)`: metrics row and progress line, evaluation and checkpoints of one step."""
+
+    def __init__(self, config, task: TaskData, run_state: RunState, writers: Sequence[Any], evaluator: Evaluator,
+                 checkpointer: RunCheckpointer, state: Any, fingerprint: dict):
+        self._config, self._task, self._run_state = config, task, run_state
+        self._writers, self._evaluator, self._checkpointer = writers, evaluator, checkpointer
+        self.state = state  # the newest trained state, pushed to the sampler or not
+        self._fingerprint = fingerprint
+        self._step_times: list[float] = []
+        self.last_eval: tuple[int, float] | None = None
+
+    def write(self, version: int, metrics: dict) -> None:
+        for writer in self._writers:
+            writer.write(version, metrics)
+
+    def evaluate(self, version: int) -> dict[str, float]:
+        metrics = self._evaluator(self.state.params, version)
+        self.last_eval = (version, metrics["eval/pass_rate"])
+        return metrics
+
+    def checkpoint(self, version: int) -> None:
+        rs = self._run_state
+        self._checkpointer.save(version, self.state, {
+            "version": version, "pool": rs.pool.state_dict(), "meter": rs.meter.state_dict(),
+            "metrics_offset": self._writers[0].offset(), "nonfinite_steps": rs.nonfinite_steps},
+            config=self._fingerprint)
+
+    def on_step(self, record: StepRecord) -> None:
+        config, rs = self._config, self._run_state
+        version = record.version + 1
+        self.state = record.train_state
+        metrics = dict(record.metrics)
+        finite = bool(metrics.get("train/finite", 1.0))
+        rs.nonfinite_steps += int(not finite)
+        rewards = np.concatenate([g.rewards for g in record.groups])
+        rs.meter.add_tokens(generated=sum(g.num_generated_tokens for g in record.groups),
+                            trained=int(metrics.get("train/num_loss_tokens", 0)))
+        metrics.update({"train/reward_mean": float(rewards.mean()), "train/pass_rate": float((rewards > 0).mean()),
+                        "train/nonfinite_steps": rs.nonfinite_steps, "data/prompts_too_long": self._task.num_too_long,
+                        **rs.pool.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
+        if not finite:
+            if config.nan_policy == "stop":
+                self.write(version, metrics)  # the failing step's row stays on record
+                raise FloatingPointError(f"non-finite loss or gradient at step {version}; the last "
+                                         "checkpoint is intact; set nan_policy='skip' to skip such steps")
+            logging.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", version,
+                            rs.nonfinite_steps)
+        if version % config.eval.every == 0 or version == config.num_steps:
+            metrics.update(self.evaluate(version))
+            metrics.update(rs.meter.metrics())
+        self.write(version, metrics)
+        self._step_times.append(time.time())
+        eta = None
+        if len(self._step_times) > 1:
+            eta = (self._step_times[-1] - self._step_times[0]) / (len(self._step_times) - 1) * (config.num_steps - version)
+        logging.info(format_progress(version, config.num_steps, metrics, eta, self.last_eval))
+        aligned = config.schedule.kind != "ppo_off_policy" or version % config.schedule.k == 0
+        if version % config.checkpoint.every == 0 and aligned:
+            self.checkpoint(version)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def preserved_signal_handlers() -> Iterator[None]:
+    """Restores the SIGINT / SIGTERM handlers found on entry (the caller keeps its Ctrl-C)."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Runs the configured job to `num_steps` (or a stop); returns a summary dict."""
+    """Runs the configured job to `num_steps` (or a stop); returns a summary dict.
+
+    Holds `WORKDIR/run.lock` for the run's life, refuses a workdir whose checkpoints belong to
+    another config, and restores the caller's signal handlers on the way out.
+    """
+    quiet_library_logs()
+    os.makedirs(workdir, exist_ok=True)
+    with preserved_signal_handlers(), hold_workdir(workdir):
+        checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep)
+        try:
+            check_resume(config, workdir, saved_fingerprint=checkpointer.saved_config())
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                json.dump(config_json(config), f, indent=2, sort_keys=True)
+            return _run(config, workdir, checkpointer)
+        finally:
+            checkpointer.close()
+
+
+def check_custom_reward(config: ml_collections.ConfigDict) -> None:
+    """Imports `data.reward_fn` and calls it once on a dummy item in a worker, before any heavy work."""
+    if config.data.reward_fn:
+        try:
+            data_lib.check_reward_fn(config.data.reward_fn, time_limit_s=config.data.verify_timeout_s)
+        except ValueError as e:
+            raise ConfigError(f"config key `data.reward_fn` = {config.data.reward_fn!r}: {e}") from e
+
+
+def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheckpointer) -> dict[str, Any]:
     run_start = time.time()
-    checkpoint_dir = build_warm_start(config, workdir) if "warm_start" in config else config.model.checkpoint
-    tokenizer = load_tokenizer(checkpoint_dir)
-    ids = data_lib.special_token_ids(tokenizer)
-    encoder = data_lib.PromptEncoder(tokenizer, data_lib.PromptFormat(
-        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens,
-        chat_template=load_chat_template(checkpoint_dir) if config.data.use_chat_template else None))
-    task = load_task(config, workdir, encoder)
+    check_custom_reward(config)
+    source = build_policy_source(config, workdir)
+    task = load_task(config, workdir, source.encoder)
+    meshes = build_meshes(config)
+    trainer = build_trainer(config, source.checkpoint_dir, meshes.trainer)
 
-    generator_devices, trainer_devices = split_devices(jax.devices(), config.mesh.generator_fraction)
-    trainer_mesh = make_mesh(config.mesh.trainer_shape, devices=trainer_devices)
-    generator_mesh = make_mesh(config.mesh.generator_shape, devices=generator_devices)
-    model = load_hf(checkpoint_dir, dtype=config.model.dtype, fp32_head=config.model.fp32_head,
-                    mesh=trainer_mesh, scan_layers=config.model.scan_layers,
-                    remat_policy=config.model.remat_policy)
-    graphdef, params = nnx.split(model)
-    model_config = model.config
-    optimizer = make_optimizer(OptimizerConfig(
-        learning_rate=config.optimizer.lr, warmup_steps=config.optimizer.warmup_steps, b1=config.optimizer.b1,
-        b2=config.optimizer.b2, eps=config.optimizer.eps, weight_decay=config.optimizer.weight_decay,
-        max_grad_norm=config.optimizer.max_grad_norm or None))
-    train_state, state_shardings = init_train_state(params, optimizer, mesh=trainer_mesh)
-    del params, model
-    step_fn = make_train_step(graphdef, optimizer, TrainStepConfig(
-        objective=config.rl.objective, aggregation=config.rl.aggregation,
-        advantage_normalization=config.rl.advantage_normalization, eps_low=config.rl.eps_low,
-        eps_high=config.rl.eps_high, eps_max=config.rl.eps_max, num_microbatches=config.batch.microbatches,
-        temperature=config.sampler.temperature, logprob_chunk_size=config.model.logprob_chunk,
-        skip_nonfinite=config.nan_policy == "skip"), mesh=trainer_mesh, state_shardings=state_shardings)
-
-    # Resume from the newest complete checkpoint, if any.
-    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep)
-    pool = data_lib.PromptPool(len(task.train_prompts), seed=config.seed,
-                               npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None)
-    meter = ComputeMeter()
-    counters = {"nonfinite_steps": 0}
+    run_state = RunState(
+        pool=data_lib.PromptPool(len(task.train_prompts), seed=config.seed,
+                                 npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None),
+        meter=ComputeMeter())
     start_step, metrics_offset = 0, None
-    latest = checkpointer.latest_step()
-    if latest is not None:
-        train_state, run_state = checkpointer.restore(latest, train_state)
-        start_step, metrics_offset = int(run_state["version"]), int(run_state["metrics_offset"])
-        pool.load_state_dict(run_state["pool"])
-        meter.load_state_dict(run_state["meter"])
-        counters["nonfinite_steps"] = int(run_state["nonfinite_steps"])
-        logging.info("resumed from checkpoint step %d", latest)
-    writer = MetricsWriter(workdir, resume_offset=metrics_offset)
+    restored = checkpointer.restore_latest(trainer.state)
+    if restored is not None:
+        trainer.state, saved = restored.train_state, restored.run_state
+        start_step, metrics_offset = int(saved["version"]), int(saved["metrics_offset"])
+        run_state.pool.load_state_dict(saved["pool"])
+        run_state.meter.load_state_dict(saved["meter"])
+        run_state.nonfinite_steps = int(saved["nonfinite_steps"])
+        logging.info("resumed from checkpoint step %d", restored.step)
 
-    max_len = config.data.max_prompt_tokens + config.sampler.max_new_tokens
-    interruption = None
-    if config.rl.length_control == "interruption":
-        interruption = interruption_from_tokenizer(
-            tokenizer, phrase=config.sampler.interruption_phrase, end_think=config.sampler.think_end,
-            think_budget_min=config.sampler.think_budget_min, think_budget_max=config.sampler.think_budget_max,
-            answer_budget=config.sampler.answer_budget)
-    engine_config = EngineConfig(num_slots=config.sampler.num_slots, max_len=max_len,
-                                 chunk_size=config.sampler.chunk_steps, top_k=config.sampler.top_k,
-                                 top_p=config.sampler.top_p, max_stop_tokens=1, interruption=interruption)
-    engine = Engine(graphdef, model_config, engine_config, mesh=generator_mesh)
-    generator_shardings = param_shardings(train_state.params, generator_mesh)
+    engine = build_engine(config, trainer, source.tokens, meshes.generator)
+    generator_shardings = param_shardings(trainer.state.params, meshes.generator)
 
     def on_generator(params):
         return jax.device_put(params, generator_shardings, may_alias=False)
 
-    batcher = ContinuousBatcher(engine, on_generator(train_state.params), version=start_step, seed=config.seed)
-    eval_batcher = ContinuousBatcher(engine, on_generator(train_state.params), version=start_step,
+    batcher = ContinuousBatcher(engine, on_generator(trainer.state.params), version=start_step, seed=config.seed)
+    eval_batcher = ContinuousBatcher(engine, on_generator(trainer.state.params), version=start_step,
                                      seed=config.seed + 1)
-
-    reward_config = data_lib.RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math",
-        correct_reward=config.data.reward_correct, incorrect_reward=config.data.reward_incorrect)
-    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s)
-    reward_fn = make_reward_fn(config, tokenizer, reward_config, verify_pool, pool, task.train_golds)
+    reward_config = make_reward_config(config)
+    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
+                                      reward_fn=reward_config.reward_fn)
+    writers = [MetricsWriter(workdir, resume_offset=metrics_offset)]
+    if config.logging.wandb_project:
+        from scalerl_jax.wandb_sink import WandbSink  # optional extra
+        writers.append(WandbSink(project=config.logging.wandb_project, mode=config.logging.wandb_mode,
+                                 workdir=workdir, config=config_json(config)))
+    evaluator = Evaluator(config, task, source, eval_batcher, reward_config, verify_pool,
+                          os.path.join(workdir, SAMPLES_FILE))
+    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, trainer.state,
+                            flat_config(config))
 
     def prompt_source() -> Prompt:
-        index = pool.next_prompts(1)[0]
+        index = run_state.pool.next_prompts(1)[0]
         return Prompt(index, tuple(task.train_prompts[index]))
 
-    def evaluate(params, version: int) -> dict[str, float]:
-        eval_batcher.update_params(params, version)
-
-        def sample(prompts):
-            for i, p in enumerate(prompts):
-                eval_batcher.add_request(eval_request(i, p, config, ids["eos"], version))
-            done = {c.request_id: c for c in eval_batcher.drain()}
-            return [done[i] for i in range(len(prompts))]
-
-        result = data_lib.evaluate(
-            sample, task.heldout_prompts, task.heldout_golds, num_samples=config.eval.samples_per_prompt,
-            decode=lambda t: tokenizer.decode(t),
-            reward_fn=lambda texts, golds: data_lib.score_completions(texts, golds, reward_config, pool=verify_pool),
-            difficulties=task.heldout_labels)
-        return result.metrics
-
-    latest_state = {"state": train_state}  # the newest trained state, pushed to the sampler or not
-
-    step_times: list[float] = []
-    last_eval: list[tuple[int, float]] = []  # (step, held-out pass rate) of the latest evaluation
-    meter.start(len(set(generator_devices) | set(trainer_devices)))
-    if start_step == 0:
-        initial = evaluate(train_state.params, 0)
-        writer.write(0, {**initial, **meter.metrics(), "compute/unit": "device_hours"})
-        last_eval.append((0, initial["eval/pass_rate"]))
-        logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
-
-    def checkpoint(version: int) -> None:
-        checkpointer.save(version, latest_state["state"], {
-            "version": version, "pool": pool.state_dict(), "meter": meter.state_dict(),
-            "metrics_offset": writer.offset(), "nonfinite_steps": counters["nonfinite_steps"]})
-
-    def on_step(record: StepRecord) -> None:
-        version = record.version + 1
-        latest_state["state"] = record.train_state
-        metrics = dict(record.metrics)
-        finite = bool(metrics.get("train/finite", 1.0))
-        counters["nonfinite_steps"] += int(not finite)
-        rewards = np.concatenate([g.rewards for g in record.groups])
-        tokens = sum(g.num_generated_tokens for g in record.groups)
-        meter.add_tokens(generated=tokens, trained=int(metrics.get("train/num_loss_tokens", 0)))
-        metrics.update({"train/reward_mean": float(rewards.mean()),
-                        "train/pass_rate": float((rewards > 0).mean()),
-                        "train/nonfinite_steps": counters["nonfinite_steps"],
-                        "data/prompts_too_long": task.num_too_long, **pool.metrics(), **meter.metrics(),
-                        "compute/unit": "device_hours"})
-        if not finite:
-            if config.nan_policy == "stop":
-                writer.write(version, metrics)  # the failing step's row stays on record
-                raise FloatingPointError(f"non-finite loss or gradient at step {version}; the last "
-                                         "checkpoint is intact; set nan_policy='skip' to skip such steps")
-            logging.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", version,
-                            counters["nonfinite_steps"])
-        if version % config.eval.every == 0 or version == config.num_steps:
-            metrics.update(evaluate(latest_state["state"].params, version))
-            metrics.update(meter.metrics())
-            last_eval[:] = [(version, metrics["eval/pass_rate"])]
-        writer.write(version, metrics)
-        step_times.append(time.time())
-        eta = None
-        if len(step_times) > 1:
-            eta = (step_times[-1] - step_times[0]) / (len(step_times) - 1) * (config.num_steps - version)
-        logging.info(format_progress(version, config.num_steps, metrics, eta, *last_eval))
-        aligned = config.schedule.kind != "ppo_off_policy" or version % config.schedule.k == 0
-        if version % config.checkpoint.every == 0 and aligned:
-            checkpoint(version)
-
-    pipeline = Pipeline(
-        PipelineConfig(
-            max_new_tokens=config.sampler.max_new_tokens, max_seq_len=max_len, schedule=config.schedule.kind,
-            k=config.schedule.k, prompts_per_step=config.batch.prompts_per_step,
-            samples_per_prompt=config.batch.generations_per_prompt,
-            num_steps=max(0, config.num_steps - start_step),
-            capacity=config.schedule.queue_groups or None,
-            zero_variance=("refill" if config.rl.refill_zero_variance
-                           else "drop" if config.rl.zero_variance_filter else "none"),
-            temperature=config.sampler.temperature, stop_tokens=(ids["eos"],),
-            interrupt=interruption is not None, min_length_bucket=min(32, max_len),
-            seed=config.seed, first_version=start_step),
-        batcher=batcher, prompt_source=prompt_source, reward_fn=reward_fn, train_step=step_fn,
-        train_state=train_state, on_step=on_step)
+    run_state.meter.start(meshes.num_devices)
     try:
+        if start_step == 0:
+            initial = reporter.evaluate(0)
+            reporter.write(0, {**initial, **run_state.meter.metrics(), "compute/unit": "device_hours"})
+            logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
+        pipeline = Pipeline(
+            build_pipeline_config(config, source.tokens, trainer, meshes, start_step), batcher=batcher,
+            prompt_source=prompt_source,
+            reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
+            train_step=trainer.step_fn, train_state=trainer.state, on_step=reporter.on_step)
         result = pipeline.run()
+        reporter.state = result.train_state
+        if result.version > start_step and result.version % config.checkpoint.every != 0:
+            reporter.checkpoint(result.version)
     finally:
-        meter.stop()
+        run_state.meter.stop()
         verify_pool.close()
-    latest_state["state"] = result.train_state
-    if result.version > start_step and result.version % config.checkpoint.every != 0:
-        checkpoint(result.version)
-    writer.close()
-    checkpointer.close()
+        for writer in writers:
+            writer.close()
     summary = {"steps": result.version, "stop_reason": result.stop_reason,
-               "queued_groups_at_stop": len(result.queued_group_ids),
-               "minutes": (time.time() - run_start) / 60}
+               "queued_groups_at_stop": len(result.queued_group_ids), "minutes": (time.time() - run_start) / 60}
     low, high = config.eval.fit_a_range
     fit_cli.main([workdir, "--a-range", f"{low},{high}", "--plot", os.path.join(workdir, "scaling.png")])
     return summary
 
 
-def eval_request(index: int, prompt, config, eos_id: int, version: int) -> Request:
-    """An evaluation request: the run's sampling temperature and length control, a fresh seed per step."""
-    return Request(request_id=index, prompt_tokens=list(prompt), max_new_tokens=config.sampler.max_new_tokens,
-                   seed=(version << 20) + index, temperature=config.sampler.temperature, stop_tokens=(eos_id,))
+def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, trainer: Trainer,
+                          meshes: Meshes, start_step: int) -> PipelineConfig:
+    """Schedule, batch shape, sampling, stopping and the MFU denominators of the pipeline."""
+    return PipelineConfig(
+        max_new_tokens=config.sampler.max_new_tokens, max_seq_len=max_sequence_length(config),
+        schedule=config.schedule.kind, k=config.schedule.k, prompts_per_step=config.batch.prompts_per_step,
+        samples_per_prompt=config.batch.generations_per_prompt, num_steps=max(0, config.num_steps - start_step),
+        capacity=config.schedule.queue_groups or None,
+        zero_variance=("refill" if config.rl.refill_zero_variance
+                       else "drop" if config.rl.zero_variance_filter else "none"),
+        temperature=config.sampler.temperature, stop_tokens=tokens.stop_ids, interrupt=interrupts(config),
+        min_length_bucket=min(32, max_sequence_length(config)), seed=config.seed, first_version=start_step,
+        mask_truncated=config.rl.mask_truncated_completions,
+        train_step_flops=functools.partial(train_step_flops, trainer.model_config),
+        peak_flops_per_s=devices_peak_flops_per_s(meshes.trainer_devices))

@@ -33,7 +33,7 @@ def train_test_tokenizer(path: str):
 
 
 def _llama_config(tokenizer, **overrides) -> transformers.LlamaConfig:
-    ids = data_lib.special_token_ids(tokenizer)
+    ids = {key: tokenizer.token_to_id(token) for key, token in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
     fields = dict(vocab_size=tokenizer.get_vocab_size(), hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=ids["bos"], eos_token_id=ids["eos"],

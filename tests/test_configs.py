@@ -148,3 +148,44 @@ def test_resume_with_a_different_config_names_the_changed_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"`optimizer.lr` \(5e-05 -> 0.0001\)"):
         check_resume(config, str(tmp_path))
     check_resume(config, str(tmp_path / "fresh"))  # no checkpoints there: a new run
+
+
+ALL_CONFIGS = ALL_8B + [("tiny.py", None)]
+# Hand-written renderings of "What is 1+1?" with each family of templates: literal LaTeX braces.
+EXPECTED_PROMPTS = {
+    "8b": "What is 1+1?\n\nPlease reason step by step, and put your final answer within \\boxed{}.",
+    "tiny": "What is 1+1?\nAnswer in \\boxed{}.",
+}
+
+
+@pytest.mark.parametrize("name,arg", ALL_CONFIGS)
+def test_every_config_renders_its_prompt_with_an_empty_box(name, arg):
+    from scalerl_jax.data import format_problem
+
+    config = load_config_file(name, arg)
+    expected = EXPECTED_PROMPTS["tiny" if name == "tiny.py" else "8b"]
+    assert format_problem("What is 1+1?", config.data.prompt_template) == expected
+
+
+def test_ordered_budgets_are_checked():
+    config = recipe.tiny()
+    config.sampler.think_budget_min = 70  # tiny: think_budget_max 68 (hand value from recipe.tiny)
+    with pytest.raises(ConfigError, match="think_budget_min"):
+        validate(config, check_files=False)
+
+
+def test_resume_without_config_json_uses_the_checkpoint_fingerprint(tmp_path):
+    from scalerl_jax.config_validation import flat_config
+
+    config = recipe.tiny()
+    (tmp_path / "checkpoints" / "20").mkdir(parents=True)
+    fingerprint = flat_config(config)
+    check_resume(config, str(tmp_path), saved_fingerprint=fingerprint)  # same config: resumes
+    config.rl.objective = "dapo"
+    with pytest.raises(ConfigError, match=r"`rl.objective` \('cispo' -> 'dapo'\)"):
+        check_resume(config, str(tmp_path), saved_fingerprint=fingerprint)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"`rl.objective`"):
+        check_resume(config, str(tmp_path), saved_fingerprint=fingerprint)
+    with pytest.raises(ConfigError, match="malformed"):
+        check_resume(config, str(tmp_path), saved_fingerprint=None)

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from scalerl_jax.data import synthetic
-from scalerl_jax.data.tokenizer import special_token_ids, train_tokenizer
+from scalerl_jax.data.tokenizer import train_tokenizer
 
 SMALL = synthetic.SyntheticTaskConfig(
     seed=3, split_sizes=(("heldout", 40), ("sft", 120), ("train", 120)))
@@ -90,7 +90,7 @@ def test_tokenizer_round_trip_and_layout(tmp_path):
     corpus = synthetic.tokenizer_corpus(problems, template, [phrase])
     tokenizer = train_tokenizer(corpus, 300, str(tmp_path))
     assert (tmp_path / "tokenizer.json").exists()
-    assert special_token_ids(tokenizer) == {"pad": 0, "bos": 1, "eos": 2}
+    assert [tokenizer.token_to_id(t) for t in ("<pad>", "<s>", "</s>")] == [0, 1, 2]
     think_ids = [tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")]
     assert None not in think_ids
     assert tokenizer.get_vocab_size() <= 302

@@ -30,7 +30,7 @@ ROWS = [{"problem": f"What is {a} + {b}?", "answer": a + b, "level": 1 + i % 2}
 
 def _bigram_transitions(tokenizer, last_prompt_token: int) -> dict[int, tuple[int, ...]]:
     """prompt end -> </think> \\ boxed { -> (3 | 4) -> } -> eos, from the tokenizer's own ids."""
-    eos = data_lib.special_token_ids(tokenizer)["eos"]
+    eos = tokenizer.token_to_id("</s>")  # the name train_tokenizer gives its eos
     three = tokenizer.encode("</think>\\boxed{3}", add_special_tokens=False).ids + [eos]
     four = tokenizer.encode("</think>\\boxed{4}", add_special_tokens=False).ids + [eos]
     assert len(three) == len(four) and sum(a != b for a, b in zip(three, four)) == 1

@@ -23,6 +23,22 @@ Fit CLI (python -m scalerl_jax.fit)
   F2 numeric flags out of range or non-finite: argparse error naming the flag and the allowed range
   F3 --fit-end not above --fit-start: argparse error
   F4 malformed metrics rows (NUL padding, a JSON array): error naming the file and line
+Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.runner, scalerl_jax.main)
+  V1 NaN / inf / out-of-range values (28 cases: lr, eps, betas, temperature, eps_low, workers, ...): named
+  V2 several problems at once: one ConfigError listing every one
+  R1 resume with config.json deleted or malformed and a changed config: refused from the checkpoint's
+     stored config, naming the key, before any work
+  R2 checkpoints with no record of their config at all: refused, never resumed blind
+  R3 every training prompt over data.max_prompt_tokens: error naming the key
+  R4 interruption on a tokenizer without the think-end tag: error naming the keys and the fix
+  R5 data.use_chat_template on a checkpoint without a chat template: error naming the key
+  R6 main on a workdir held by another run: exit 1, one line naming the holder's pid
+  R7 main on a read-only workdir: exit 1, one line naming the path
+  R8 a custom reward that cannot be imported: named at start-up, before any work
+Also covered elsewhere: kill -9 then resume (tests/test_main.py, rows once, PPO losses equal), NaN loss
+policies (tests/test_main.py), unbounded answer extraction (tests/test_rewards_last_boxed.py), custom
+reward timeouts and crashes (tests/test_rewards_custom.py, tests/test_rewards_formats.py), malformed
+config.json / safetensors / tokenizer files (tests/test_checkpoint_tokens.py).
 """
 import contextlib
 import json
@@ -43,6 +59,9 @@ import optax
 import pytest
 
 from scalerl_jax import fit as fit_cli
+from scalerl_jax import recipe, runner, sampling_setup
+from scalerl_jax.config_validation import ConfigError, flat_config, validate
+from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
@@ -415,3 +434,146 @@ def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
     assert fit_cli.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert f"{run / 'metrics.jsonl'} line 8: {what}" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.runner)
+# ----------------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("optimizer.lr", float("nan")), ("optimizer.lr", float("inf")), ("optimizer.lr", -1e-6),
+    ("optimizer.eps", float("nan")), ("optimizer.b1", 2.0), ("optimizer.b2", 1.0),
+    ("optimizer.weight_decay", -0.1), ("optimizer.max_grad_norm", float("nan")),
+    ("sampler.temperature", float("nan")), ("sampler.temperature", 0.0), ("sampler.top_p", 1.5),
+    ("sampler.top_k", -1), ("rl.eps_low", -0.2), ("rl.eps_low", 1.0), ("rl.eps_high", float("inf")),
+    ("rl.eps_max", 0.0), ("rl.positive_pass_rate", 1.5), ("data.verify_workers", 0),
+    ("data.verify_timeout_s", float("nan")), ("data.reward_correct", float("nan")),
+    ("mesh.generator_fraction", float("nan")), ("checkpoint.keep", 0), ("batch.generations_per_prompt", 1),
+    ("warm_start.steps", 0), ("warm_start.direct_answer_fraction", 1.5), ("eval.samples_per_prompt", 0),
+    ("data.answer_format", "boxed"), ("data.reward_fn", "no_colon"),
+]
+
+
+@pytest.mark.parametrize("key,value", BAD_VALUES)
+def test_v1_bad_value_is_refused_naming_the_key(key, value):
+    config = recipe.tiny()
+    *sections, name = key.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    setattr(node, name, value)
+    with pytest.raises(ConfigError, match=re.escape(f"`{key}`")):
+        validate(config, check_files=False)
+
+
+def test_v2_every_problem_is_listed_in_one_error():
+    config = recipe.tiny()
+    config.optimizer.lr = float("nan")
+    config.sampler.top_p = 2.0
+    config.rl.aggregation = "mean"
+    with pytest.raises(ConfigError) as raised:
+        validate(config, check_files=False)
+    assert str(raised.value).startswith("3 config problems:")
+    for key in ("`optimizer.lr` = nan", "`sampler.top_p` = 2.0", "`rl.aggregation` = 'mean'"):
+        assert key in str(raised.value)
+
+
+def workdir_with_checkpoint(workdir, config):
+    """A workdir holding one real checkpoint of `config`'s run (a small train state), no config.json."""
+    state, _ = train_state(1)
+    checkpointer = RunCheckpointer(str(workdir), keep=2)
+    checkpointer.save(1, state, {"version": 1}, config=flat_config(config))
+    checkpointer.close()
+
+
+@pytest.mark.parametrize("config_json_text", [None, "{not json"], ids=["deleted", "malformed"])
+def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerprint(tmp_path, config_json_text):
+    config = recipe.tiny()
+    workdir_with_checkpoint(tmp_path, config)
+    if config_json_text is not None:
+        (tmp_path / "config.json").write_text(config_json_text)
+    changed = recipe.tiny()
+    changed.rl.objective = "dapo"
+    with pytest.raises(ConfigError, match=r"`rl.objective` \('cispo' -> 'dapo'\)"):
+        runner.run(changed, str(tmp_path))
+    assert not (tmp_path / "warm_start").exists()  # refused before any work
+    if config_json_text is not None:
+        assert (tmp_path / "config.json").read_text() == config_json_text  # not overwritten
+
+
+def test_r2_checkpoints_with_no_record_of_their_config_are_not_resumed_blind(tmp_path):
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # e.g. copied from elsewhere without config.json
+    with pytest.raises(CheckpointError, match="(?s)no readable config record.*step 3"):
+        runner.run(recipe.tiny(), str(tmp_path))
+
+
+def test_r3_all_prompts_too_long_names_the_key(tmp_path):
+    from family_checkpoints import make_family_checkpoint
+
+    checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(6)))
+    config = recipe.scalerl_8b()
+    config.update_from_flattened_dict({"model.checkpoint": checkpoint, "data.dataset": "jsonl", "data.path": str(data),
+                                       "data.heldout_size": 2, "data.max_prompt_tokens": 8})
+    tokens = load_checkpoint_tokenizer(checkpoint)
+    encoder = sampling_setup.make_prompt_encoder(config, tokens, checkpoint)
+    with pytest.raises(ConfigError, match=r"`data.max_prompt_tokens` = 8: all 4 training prompts are longer"):
+        runner.load_task(config, str(tmp_path / "run"), encoder)
+
+
+def test_r4_interruption_on_a_tokenizer_without_the_think_end_tag_names_the_keys(tmp_path):
+    from family_checkpoints import make_family_checkpoint
+
+    checkpoint = make_family_checkpoint("llama3.1", str(tmp_path / "llama"))  # no </think> token
+    config = recipe.scalerl_8b()
+    tokens = load_checkpoint_tokenizer(checkpoint)
+    with pytest.raises(ConfigError, match=r"`rl.length_control` = 'interruption'.*answer_format=plain"):
+        sampling_setup.check_think_end(config, tokens, checkpoint)
+    config.data.answer_format = "plain"
+    sampling_setup.check_think_end(config, tokens, checkpoint)  # plain: no interruption, nothing to check
+    qwen3 = make_family_checkpoint("qwen3", str(tmp_path / "qwen3"))  # ships </think>
+    config.data.answer_format = "think"
+    sampling_setup.check_think_end(config, load_checkpoint_tokenizer(qwen3), qwen3)
+
+
+def test_r5_chat_template_asked_for_on_a_checkpoint_without_one(tmp_path):
+    from family_checkpoints import make_family_checkpoint
+
+    checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
+    tokenizer_config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    config = recipe.scalerl_8b()
+    with pytest.raises(ConfigError, match="`data.use_chat_template` = True"):
+        sampling_setup.make_prompt_encoder(config, load_checkpoint_tokenizer(checkpoint), checkpoint)
+
+
+def test_r6_a_locked_workdir_stops_main_with_one_line(tmp_path):
+    with hold_workdir(str(tmp_path)):
+        result = subprocess.run(
+            [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
+            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert f"pid {os.getpid()}" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "warm_start").exists()
+
+
+def test_r7_read_only_workdir_stops_main_with_one_line_naming_the_path(tmp_path):
+    with tiny_tmpfs(tmp_path / "mnt", 64) as mount:
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, timeout=10)
+        result = subprocess.run(
+            [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={mount / 'run'}"],
+            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Read-only file system" in result.stderr and str(mount / "run") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_r8_a_bad_custom_reward_is_named_at_start_up(tmp_path):
+    config = recipe.tiny()
+    config.data.reward_fn = "custom_rewards:no_such_function"
+    with pytest.raises(ConfigError, match=r"`data.reward_fn` = 'custom_rewards:no_such_function'"):
+        runner.run(config, str(tmp_path))
+    assert not (tmp_path / "warm_start").exists()

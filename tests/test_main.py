@@ -83,9 +83,45 @@ def test_tiny_run_really_learns(tmp_path):
 
 
 def test_unknown_config_key_fails_before_anything_heavy(tmp_path):
+    # ml_collections refuses an unknown override while absl parses the flags (before main runs).
     result = run_main(tmp_path, "--config.rl.objectve=dapo", timeout=120)
     assert result.returncode != 0
-    assert "objectve" in result.stderr
+    assert "objectve" in result.stderr and 'Did you mean "objective"' in result.stderr
+
+
+def test_config_errors_are_listed_together_with_exit_code_2(tmp_path):
+    result = run_main(tmp_path, "--config.optimizer.lr=nan", "--config.sampler.top_p=1.5",
+                      "--config.data.verify_workers=0", timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "3 config problems" in result.stderr
+    for key in ("`optimizer.lr` = nan", "`sampler.top_p` = 1.5", "`data.verify_workers` = 0"):
+        assert key in result.stderr
+    assert not os.path.exists(tmp_path / "warm_start")
+
+
+def test_cpu_backend_is_split_into_the_configured_devices_without_xla_flags(tmp_path):
+    # 4 devices x generator_fraction 0.25 -> 1 generator and 3 trainers, which 128 rows do not divide:
+    # the refusal names the device count, proving the host was split before JAX started.
+    env = {k: v for k, v in main_env().items() if k != "XLA_FLAGS"}
+    result = subprocess.run(main_command(tmp_path, "--config.mesh.cpu_devices=4", "--config.mesh.generator_fraction=0.25"),
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "3 trainer devices" in result.stderr and "of 4 devices" in result.stderr
+
+
+def test_accelerator_recipe_refuses_the_cpu_backend(tmp_path):
+    model, data = tmp_path / "model", tmp_path / "polaris.jsonl"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text('{"problem": "1+1", "answer": "2", "difficulty": 1}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "scalerl_jax.main", "--config=configs/scalerl_8b.py", f"--workdir={tmp_path / 'run'}",
+         f"--config.model.checkpoint={model}", f"--config.data.path={data}"],
+        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "mesh.require_accelerator" in result.stderr and "CPU backend" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_missing_dataset_path_names_the_key(tmp_path):

@@ -12,13 +12,13 @@ from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
 from scalerl_jax.data.prompts import (DEFAULT_TEMPLATE, EncodedPrompts, PromptEncoder,
                                       PromptFormat, PromptSet, build_prompt_set, format_problem,
                                       sft_arrays, sft_example)
-from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, default_pool, extract_answer,
+from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, check_reward_fn, default_pool, extract_answer,
                                       last_boxed, math_reward, score_completions)
 from scalerl_jax.data.synthetic import (SYNTHETIC_TEMPLATE, THINK_END, THINK_START,
                                         ArithmeticProblem, Level, SyntheticTaskConfig,
                                         direct_answer, generate_splits, tokenizer_corpus)
-from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, special_token_ids, train_tokenizer
-from scalerl_jax.data.verify_pool import VerifyPool
+from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, train_tokenizer
+from scalerl_jax.data.verify_pool import ItemResult, VerifyPool
 
 __all__ = [
     "FILTER_MODES",
@@ -43,11 +43,13 @@ __all__ = [
     "RewardConfig",
     "ScoredBatch",
     "SyntheticTaskConfig",
+    "ItemResult",
     "VerifyPool",
     "build_local_file",
     "build_polaris",
     "build_prompt_set",
     "build_synthetic",
+    "check_reward_fn",
     "default_pool",
     "direct_answer",
     "evaluate",
@@ -61,7 +63,6 @@ __all__ = [
     "score_completions",
     "sft_arrays",
     "sft_example",
-    "special_token_ids",
     "tokenizer_corpus",
     "train_tokenizer",
     "zero_variance_filter",

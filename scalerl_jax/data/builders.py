@@ -10,8 +10,10 @@ Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_droppe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import io
 import os
 
 import numpy as np
@@ -215,9 +217,18 @@ def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000,
 
 
 def _prepare(builder: tfds.core.DatasetBuilder, manual_dir: str | None = None) -> None:
-    """``download_and_prepare`` without statistics (they would need TensorFlow)."""
-    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-        manual_dir=manual_dir, compute_stats=tfds.download.ComputeStatsMode.SKIP))
+    """``download_and_prepare`` without statistics (they would need TensorFlow), quietly.
+
+    TFDS prints its "Downloading and preparing" banner and progress bars to the console; a run's
+    console is for the run, so they are replaced by one log line here.
+    """
+    if builder.is_prepared():
+        return
+    logging.info("data: building %s into %s", builder.name, builder.data_dir)
+    tfds.disable_progress_bar()
+    with contextlib.redirect_stdout(io.StringIO()):
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+            manual_dir=manual_dir, compute_stats=tfds.download.ComputeStatsMode.SKIP))
 
 
 def _to_python(value):

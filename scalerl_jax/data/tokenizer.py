@@ -104,14 +104,3 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokeniz
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
     return tokenizer
-
-
-def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """``{'pad': id, 'bos': id, 'eos': id}`` looked up by name (ValueError naming a missing one)."""
-    ids = {}
-    for key, token in (("pad", PAD_TOKEN), ("bos", BOS_TOKEN), ("eos", EOS_TOKEN)):
-        token_id = tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"tokenizer has no {key} token {token!r}")
-        ids[key] = token_id
-    return ids
