@@ -184,13 +184,12 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 
 @pytest.fixture(autouse=True)
-def restore_signal_handlers():
-    """An in-process run leaves SIGINT ignored (a library it imports sets SIG_IGN; not yet traced):
-    later tests in this process expect the default handlers."""
+def signal_handlers_are_restored():
+    """An in-process run (runner.run) hands back the caller's SIGINT / SIGTERM handlers, so Ctrl-C
+    keeps working in the caller afterwards (the pipeline installs its own while it runs)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
+    assert {s: signal.getsignal(s) for s in saved} == saved
 
 
 def poison_second_step(monkeypatch):

@@ -76,3 +76,23 @@ def test_main_runs_the_8b_recipe_on_a_shipped_checkpoint(tmp_path, family):
     assert any(s["last_token"] != eos_id for s in stopped)  # generation_config.json's other eos ids too
     assert all(s["finish_reason"] == "length" and s["num_tokens"] == 48 for s in samples if s not in stopped)
     assert "interrupted 0.00" in result.stderr  # plain format: no forced interruption
+
+
+def test_extra_eval_sets_are_loaded_under_their_names(tmp_path):
+    from scalerl_jax import recipe, runner, sampling_setup
+    from scalerl_jax.models import load_checkpoint_tokenizer
+
+    checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
+    data, aime = tmp_path / "problems.jsonl", tmp_path / "aime.jsonl"
+    data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS))
+    aime.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS[:3]))
+    config = recipe.scalerl_8b()
+    config.update_from_flattened_dict({**{k: v for k, v in OVERRIDES.items() if not k.startswith("mesh.")},
+                                       "model.checkpoint": checkpoint, "data.path": str(data)})
+    config.eval.extra = {"aime24": str(aime)}
+    tokens = load_checkpoint_tokenizer(checkpoint)
+    task = runner.load_task(config, str(tmp_path / "run"), sampling_setup.make_prompt_encoder(config, tokens, checkpoint))
+    assert [s.name for s in task.eval_sets] == ["eval", "eval_aime24"]  # metric prefixes
+    extra = task.eval_sets[1]
+    assert extra.golds == [a for _, a in PROBLEMS[:3]] and extra.problems == [p for p, _ in PROBLEMS[:3]]
+    assert len(task.eval_sets[0].prompts) == 4 and len(task.train_prompts) == 4  # heldout_size 4 of 8

@@ -1,0 +1,20 @@
+"""The optional Weights & Biases sink in offline mode: no network, a local run file with the metrics."""
+import glob
+
+import pytest
+
+pytest.importorskip("wandb")
+
+from scalerl_jax.wandb_sink import WandbSink  # noqa: E402
+
+
+def test_offline_run_records_the_numeric_metrics(tmp_path):
+    sink = WandbSink(project="scalerl-test", mode="offline", workdir=str(tmp_path),
+                     config={"rl": {"objective": "cispo"}})
+    sink.write(0, {"eval/pass_rate": 0.25, "compute/unit": "device_hours"})
+    sink.write(1, {"train/loss": -0.5})
+    sink.close()
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(run_file, "rb").read()
+    assert b"eval/pass_rate" in data and b"train/loss" in data
+    assert b"compute/unit" not in data  # strings stay in metrics.jsonl only
