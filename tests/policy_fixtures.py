@@ -17,7 +17,7 @@ from flax import nnx
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
-from scalerl_jax.config_validation import config_json
+from scalerl_jax.config_validation import config_json, flat_config
 from scalerl_jax.models import load_hf
 from scalerl_jax.train import create_train_state
 from scalerl_jax.train.checkpoint import RunCheckpointer
@@ -115,7 +115,8 @@ def make_run_dir(run_dir: str, config, *, step_seeds: dict[int, int]) -> dict[in
     saved = {}
     for step, seed in sorted(step_seeds.items()):
         step_params = perturbed(params, seed) if seed is not None else params
-        checkpointer.save(step, create_train_state(step_params, optimizer), {"version": step})
+        checkpointer.save(step, create_train_state(step_params, optimizer), {"version": step},
+                          config=flat_config(config))
         saved[step] = step_params
     checkpointer.close()
     return saved
