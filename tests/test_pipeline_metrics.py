@@ -1,5 +1,4 @@
 """The pipeline's per-step metrics (pipeline_rl.step_metrics) on a hand-built batch."""
-import numpy as np
 import pytest
 
 from scalerl_jax.pipeline.batching import build_train_batch
