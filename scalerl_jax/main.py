@@ -25,6 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from scalerl_jax.config_validation import ConfigError, check_backend, check_devices, validate
+from scalerl_jax.distributed.launch_env import LaunchEnvError, configure_cpu_collectives, distributed_init_kwargs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.",
                                           lock_config=True)
@@ -47,12 +48,27 @@ def split_host_devices(cpu_devices: int) -> None:
 
 
 def start(config) -> None:
-    """Validates the config, starts JAX (distributed when asked) and checks the backend fits."""
+    """Validates the config, starts JAX (distributed when asked) and checks the backend fits.
+
+    Order: validate -> split the CPU host into devices -> (multi-process) gloo CPU collectives and
+    `jax.distributed.initialize` -> backend and device checks. The first three must precede the
+    backend's start; the checks start it. `SCALERL_DISTRIBUTED=1` makes the run one of N
+    processes, the peers described by `SCALERL_COORDINATOR` / `SCALERL_NUM_PROCESSES` /
+    `SCALERL_PROCESS_ID` or by SLURM (`scalerl_jax.distributed.launch_env`); each process keeps
+    every local device. A malformed launch variable is a config error naming the variable.
+    """
     validate(config)
     split_host_devices(config.mesh.cpu_devices)
-    if os.environ.get("SCALERL_DISTRIBUTED") == "1":
-        jax.distributed.initialize()
+    try:
+        init_kwargs = distributed_init_kwargs(os.environ)
+    except LaunchEnvError as e:
+        raise ConfigError(str(e)) from e
+    if init_kwargs is not None:
+        configure_cpu_collectives(init_kwargs["num_processes"])
+        jax.distributed.initialize(**init_kwargs)
     check_backend(config, jax.default_backend())
+    logging.info("process %d of %d, local devices %s, global device count %d", jax.process_index(),
+                 jax.process_count(), [device.id for device in jax.local_devices()], jax.device_count())
     check_devices(config, len(jax.devices()))
 
 
