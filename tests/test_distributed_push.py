@@ -151,15 +151,21 @@ def test_push_local_reshards_device_to_device_without_aliasing():
     trainer_mesh, generator_mesh = trainer_and_generator_meshes()
     w_source = np.arange(48, dtype=np.float32).reshape(8, 6)
     b_source = (np.arange(4) - 2).astype(jnp.bfloat16)
+    c_source = np.arange(24, dtype=np.float32).reshape(2, 12)
     params = {"w": sharded(w_source, NamedSharding(trainer_mesh, P("x", None))),
-              "b": sharded(b_source, NamedSharding(trainer_mesh, P()))}
-    targets = {"w": NamedSharding(generator_mesh, P("z", "y")), "b": NamedSharding(generator_mesh, P("y"))}
+              "b": sharded(b_source, NamedSharding(trainer_mesh, P())),
+              "c": sharded(c_source, NamedSharding(trainer_mesh, P(None, "x"))),
+              "s": sharded(np.float32(2.5), NamedSharding(trainer_mesh, P()))}
+    targets = {"w": NamedSharding(generator_mesh, P("z", "y")), "b": NamedSharding(generator_mesh, P("y")),
+               "c": NamedSharding(generator_mesh, P("y", None)), "s": NamedSharding(generator_mesh, P())}
     with host_round_trip_guards():
         pushed = weight_push.push_local(params, targets)
     for leaf in jax.tree.leaves(params):
         leaf.delete()  # the trainer's next step donates these
-    assert pushed["w"].sharding == targets["w"] and pushed["b"].sharding == targets["b"]
+    assert all(pushed[name].sharding == targets[name] for name in targets)
     np.testing.assert_array_equal(np.asarray(pushed["w"]), w_source)
+    np.testing.assert_array_equal(np.asarray(pushed["c"]), c_source)
+    assert float(pushed["s"]) == 2.5
     assert pushed["b"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(pushed["b"]).astype(np.float32), [-2, -1, 0, 1])
 
@@ -210,6 +216,9 @@ def test_sender_rejects_params_of_another_structure():
     params = {"v": sharded(np.zeros(4, np.float32), NamedSharding(trainer_mesh, P()))}
     with pytest.raises(ValueError, match="tree structure of generator process 1"):
         sender.offer(params, 0)
+    with pytest.raises(ValueError, match="generator process 2 and 1 have different tree structures"):
+        weight_push.ParamsSender(trainer_mesh, weight_push.start_transfer_server(),
+                                 {1: targets, 2: {"w": targets["w"], "x": targets["w"]}})
 
 
 # --- two real processes -------------------------------------------------------------------------

@@ -22,11 +22,14 @@ so far, ties broken in rotation order starting at position g. With equal slices 
 round robin (generator g starts at trainer g mod n), and unequal leaves (an embedding next to a
 norm scale) still spread memory and bandwidth evenly.
 
-Sender (`ParamsSender.offer`, every trainer process, same order): for each distinct (leaf, slice),
+Sender (`ParamsSender.offer`, every trainer process, same order): each distinct (leaf, slice) is
+made once, for all generators that need it. When every owner of the slice holds all trainer
+shards overlapping it (always so with one trainer process; replicated leaves), the owner cuts it
+from its own shards (pieces copied device to device, placed by a jit; no collective). Otherwise
 one jit over the trainer mesh computes `leaf[slice]` fully replicated on the trainer mesh, so
-every trainer process holds it locally; the owner keeps its local single-device copy and, at the
-end, offers the list of its slices for g under `transfer_uuid(version, g, owner)`. Only one
-replicated slice exists at a time besides what owners keep for pulling.
+every trainer process holds it locally, and the owner keeps its single-device replica. Finally
+each owner offers the list of its slices for g under `transfer_uuid(version, g, owner)`. Only
+one replicated slice exists at a time besides what owners keep for pulling.
 
 Receiver (`ParamsReceiver.pull`, a generator process): pulls its slices from every owner (one
 thread per owner, connections cached), copies each slice device to device onto every local device
@@ -210,6 +213,11 @@ class ParamsSender:
             raise ValueError(f"ParamsSender on process {self._process}: it holds no device of the trainer mesh "
                              f"(trainer processes {self._trainer_processes})")
         self._targets = {g: _flatten_shardings(tree) for g, tree in sorted(generator_shardings.items())}
+        first_g, (_, first_treedef) = next(iter(self._targets.items()))
+        for g, (_, treedef) in self._targets.items():
+            if treedef != first_treedef:
+                raise ValueError(f"ParamsSender on process {self._process}: target shardings of generator process "
+                                 f"{g} and {first_g} have different tree structures")
         self._replicate = _replicated_slicer(trainer_mesh)
         self._plans: dict[int, list[SliceTransfer]] = {}
         self._layout: tuple | None = None
@@ -242,27 +250,31 @@ class ParamsSender:
     def offer(self, params: Any, version: int, *, expire_after_s: float | None = None) -> int:
         """Offer `params` as `version` to every generator process; returns the bytes this process offered.
 
-        Each distinct (leaf, slice) is replicated over the trainer mesh once (shared by every
-        generator that needs it) and its owner keeps a single-device copy until pulled. With
+        Each distinct (leaf, slice) is made once (shared by every generator that needs it) and its
+        owner keeps a single-device copy until pulled: cut from the owner's own shards when every
+        owner of that slice holds all trainer shards overlapping it (always so with one trainer
+        process), else replicated over the trainer mesh by a collective jit. With
         `expire_after_s`, unpulled offers are dropped after that many seconds (a later pull of
         them would block: see the module docstring).
         """
         flat_params = self._flat_params(params)
         plans = self.plans(params)
-        wanted: dict[tuple[int, Bounds], list[int]] = {}  # (leaf, bounds) -> generators this process serves
-        for g, transfers in plans.items():
+        owners_of: dict[tuple[int, Bounds], set[int]] = {}  # (leaf, bounds) -> trainer processes serving it
+        for transfers in plans.values():
             for transfer in transfers:
-                key = (transfer.leaf, transfer.bounds)
-                wanted.setdefault(key, [])
-                if transfer.owner == self._process:
-                    wanted[key].append(g)
+                owners_of.setdefault((transfer.leaf, transfer.bounds), set()).add(transfer.owner)
         local_copies: dict[tuple[int, Bounds], jax.Array] = {}
-        for key in sorted(wanted):  # identical sequence of collective jits on every trainer process
+        for key in sorted(owners_of):  # identical sequence of collective jits on every trainer process
             leaf, bounds = key
-            replicated = self._replicate(flat_params[leaf], bounds)
-            if wanted[key]:
-                local_copies[key] = replicated.addressable_shards[0].data
-            del replicated  # the other replicas are freed now, not at the end of the offer
+            array, owners = flat_params[leaf], owners_of[key]
+            if all(_holds_every_overlap(array, bounds, owner) for owner in owners):
+                if self._process in owners:  # no collective needed: cut from this process's own shards
+                    local_copies[key] = _cut_locally(_local_shards(array), bounds, landing=None)
+            else:
+                replicated = self._replicate(array, bounds)
+                if self._process in owners:
+                    local_copies[key] = replicated.addressable_shards[0].data
+                del replicated  # the other replicas are freed now, not at the end of the offer
         timeout = (None if expire_after_s is None
                    else datetime.datetime.now() + datetime.timedelta(seconds=expire_after_s))
         offered_bytes = 0
@@ -385,14 +397,16 @@ class ParamsReceiver:
 def push_local(params: Any, target_shardings: Any) -> Any:
     """Single-process push: a copy of `params` resharded onto `target_shardings`, device to device.
 
-    Per leaf and distinct target slice: a source shard that is exactly that slice is copied
-    (`may_alias=False`); any other slice is cut by a jit on the leaf's own mesh (replicated there,
-    one slice at a time) and one replica is used. Then each slice is copied onto every target
-    device that holds it. Never shares buffers with `params` (the next train step donates them).
+    Per leaf and distinct target slice T: for each distinct source shard S that overlaps T, the
+    overlap `T ∩ S` is cut on S's device (a jit there, or S itself when S lies inside T), copied to
+    the first target device holding T, and the pieces are placed into T there (one jit); then T is
+    copied to the other target devices holding it. Only the overlapping bytes move, nothing is
+    replicated over the trainer devices, and the result never shares buffers with `params` (the
+    next train step donates them).
 
     Not `jax.device_put(params, target_shardings)`: when a target slice is no source shard (rows
-    to columns, replicated to split), jax 0.10.2 reshards through `x._value`, a host round trip.
-    Every device of both sides must be addressable by this process.
+    to columns, replicated to split), jax 0.10.2 reshards through `x._value`, a host round trip
+    of the whole array, whatever the backend. Every device of both sides must be addressable here.
     """
     leaves, treedef = jax.tree.flatten(params)
     try:
@@ -403,22 +417,84 @@ def push_local(params: Any, target_shardings: Any) -> Any:
                               for position, (leaf, sharding) in enumerate(zip(leaves, shardings))])
 
 
+def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
+    """The intersection of two boxes, or None when empty (scalars: the empty box overlaps itself)."""
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def _relative(box: Bounds, origin: Bounds) -> Bounds:
+    return tuple((start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
+
+
+_cut = jax.jit(_take_slice, static_argnums=1)  # runs where its single-device input lives
+
+
+def _place_pieces_fn(shape: tuple[int, ...], dtype: Any, offsets: tuple[tuple[int, ...], ...],
+                     *pieces: jax.Array) -> jax.Array:
+    out = jax.numpy.zeros(shape, dtype)
+    for offset, piece in zip(offsets, pieces):
+        out = jax.lax.dynamic_update_slice(out, piece, offset)
+    return out
+
+
+_place_pieces = jax.jit(_place_pieces_fn, static_argnums=(0, 1, 2))
+
+
+def _local_shards(array: jax.Array) -> dict[Bounds, list[jax.Array]]:
+    """{bounds: this process's single-device shards of `array` holding exactly that slice}."""
+    shards: dict[Bounds, list[jax.Array]] = {}
+    for shard in array.addressable_shards:
+        shards.setdefault(_bounds_of(shard.index, array.shape), []).append(shard.data)
+    return shards
+
+
+def _holds_every_overlap(array: jax.Array, bounds: Bounds, process: int) -> bool:
+    """Whether `process` holds, for every distinct shard of `array` overlapping `bounds`, a copy."""
+    holders: dict[Bounds, set[int]] = {}
+    for device, index in array.sharding.devices_indices_map(tuple(array.shape)).items():
+        holders.setdefault(_bounds_of(index, array.shape), set()).add(device.process_index)
+    return all(process in processes for shard_bounds, processes in holders.items()
+               if _overlap(bounds, shard_bounds) is not None)
+
+
+def _cut_locally(local_shards: Mapping[Bounds, list[jax.Array]], bounds: Bounds,
+                 landing: jax.Device | None) -> jax.Array:
+    """A new single-device array `leaf[bounds]` on `landing`, from local shards only (no collective).
+
+    For each distinct shard S overlapping the slice T, the overlap is cut on S's device (S itself
+    when it lies inside T), copied to `landing` (None: the device of the first overlapping shard)
+    and the pieces are placed into T there (one jit). Never aliases a shard's buffer.
+    """
+    pieces, offsets = [], []
+    for shard_bounds, copies in local_shards.items():
+        box = _overlap(bounds, shard_bounds)
+        if box is None:
+            continue
+        if landing is None:
+            (landing,) = copies[0].devices()
+        source = next((c for c in copies if c.devices() == {landing}), copies[0])
+        if box == shard_bounds:  # the whole shard: a copy, never an alias of the trainer's buffer
+            piece = jax.device_put(source, landing, may_alias=False)
+        else:
+            piece = jax.device_put(_cut(source, _relative(box, shard_bounds)), landing)
+        pieces.append(piece)
+        offsets.append(tuple(start for start, _ in _relative(box, bounds)))
+    if not pieces:
+        raise ValueError(f"no local shard overlaps slice {_slices_of(bounds)}")
+    if len(pieces) == 1:
+        return pieces[0]
+    size = tuple(stop - start for start, stop in bounds)
+    return _place_pieces(size, pieces[0].dtype, tuple(offsets), *pieces)
+
+
 def _push_leaf_local(leaf: jax.Array, target: Sharding, position: int) -> jax.Array:
     if not (leaf.is_fully_addressable and target.is_fully_addressable):
         raise ValueError(f"push_local on process {jax.process_index()}: params leaf {position} or its target spans "
                          f"devices of other processes; use ParamsSender/ParamsReceiver")
     shape = tuple(leaf.shape)
-    source_shards = {}
-    for shard in leaf.addressable_shards:
-        source_shards.setdefault(_bounds_of(shard.index, shape), shard.data)
     slice_devices = _devices_per_slice(target, shape)
-    fresh_slices = {}
-    for bounds, devices in slice_devices.items():
-        if bounds in source_shards:
-            fresh_slices[bounds] = jax.device_put(source_shards[bounds], devices[0], may_alias=False)
-        else:
-            if not isinstance(leaf.sharding, NamedSharding):
-                raise ValueError(f"push_local: params leaf {position} has a {type(leaf.sharding).__name__}; "
-                                 f"slicing it for the target needs a NamedSharding (its mesh)")
-            fresh_slices[bounds] = _replicated_slicer(leaf.sharding.mesh)(leaf, bounds).addressable_shards[0].data
+    local_shards = _local_shards(leaf)
+    fresh_slices = {bounds: _cut_locally(local_shards, bounds, landing=devices[0])
+                    for bounds, devices in slice_devices.items()}
     return _assemble(shape, target, slice_devices, fresh_slices)
