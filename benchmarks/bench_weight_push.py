@@ -1,18 +1,19 @@
 """CPU speed of the trainer -> generator weight push: two processes vs one, per params version.
 
 Two real processes (jax.distributed, gloo), 4 CPU devices each. Process 1 trains: a small
-Llama-shaped model (bf16, ~80 MB) on the mesh of its devices 0-1, FSDP over `embed`. Process 0
-generates: the same params on the mesh of its devices 0-1 with tensor parallelism (a real
-reshard: every slice the generator needs is cut from several trainer shards).
+Llama-shaped model (bf16, ~80 MB) on the mesh of its devices 0-1, FSDP over `embed` (with
+--trainer_span: on devices 2-3 of process 0 and 0-1 of process 1, so slices need the collective
+path). Process 0 generates: the same params on the mesh of its devices 0-1 with tensor
+parallelism (a real reshard: every slice the generator needs is cut from several trainer shards).
 
 Per version (after one warm-up version that compiles): the trainer offers (`ParamsSender.offer`),
 announces the version in the KV store, the generator pulls (`ParamsReceiver.pull`) until ready.
 push = generator ready - trainer offer start (same host clock). Versions run one after another.
-Then, in the trainer process alone, the single-process baselines onto its devices 2-3 with the
+Then, in process 1 alone, the single-process baselines onto its devices 2-3 with the
 generator layout: `push_local` (device to device) and plain `jax.device_put` (which reshards
 through the host for such layouts). Medians over --repeats versions; ratios against push_local.
 
-  .venv/bin/python benchmarks/bench_weight_push.py [--repeats 5] [--vocab 16000] [--hidden 512]
+  .venv/bin/python benchmarks/bench_weight_push.py [--repeats 5] [--trainer_span] [--vocab 16000] [--hidden 512]
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--trainer_span", action="store_true",
+                        help="trainer mesh over both processes (devices 2-3 of process 0, 0-1 of process 1)")
     parser.add_argument("--role", choices=("generator", "trainer"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -48,7 +51,7 @@ def model_config(args):
 
 
 def worker(args):
-    """One process: initialize jax.distributed, build both meshes, run its side of every version."""
+    """One process: initialize jax.distributed, build the meshes, run its side of every version."""
     import jax
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -64,50 +67,53 @@ def worker(args):
     client = distributed.global_state.client
     config = model_config(args)
     local = [[d for d in jax.devices() if d.process_index == p] for p in (0, 1)]
-    trainer_mesh = make_mesh((1, 2, 1), devices=local[1][:2])
+    trainer_processes = (0, 1) if args.trainer_span else (1,)
+    trainer_devices = local[0][2:] + local[1][:2] if args.trainer_span else local[1][:2]
+    trainer_mesh = make_mesh((1, len(trainer_devices), 1), devices=trainer_devices)
     generator_mesh = make_mesh((1, 1, 2), devices=local[0][:2])
     abstract = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     generator_targets = param_shardings(abstract, generator_mesh)
     server = weight_push.start_transfer_server("127.0.0.1")
     client.key_value_set(f"bench/address/{process}", server.address())
-    versions = range(args.repeats + 1)  # version 0 is the warm-up (compiles)
-    if args.role == "generator":
-        receiver = weight_push.ParamsReceiver(generator_targets, abstract, server,
-                                              {1: client.blocking_key_value_get("bench/address/1", TIMEOUT_MS)})
-        pull_s, ready_at = [], []
-        for version in versions:
-            client.blocking_key_value_get(f"bench/offered/{version}", TIMEOUT_MS)
-            start = time.time()
-            params = receiver.pull(version, timeout_s=TIMEOUT_MS / 1000)
-            jax.block_until_ready(params)
-            ready_at.append(time.time())
-            pull_s.append(ready_at[-1] - start)
-            del params
-            client.key_value_set(f"bench/pulled/{version}", "1")
-        print(json.dumps({"pull_s": pull_s[1:], "ready_at": ready_at[1:]}), flush=True)
-    else:
+    result = {}
+    if process in trainer_processes:
         params = nnx.state(init_transformer(config, mesh=trainer_mesh))
-        nbytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
         sender = weight_push.ParamsSender(trainer_mesh, server, {0: generator_targets})
-        offer_s, offer_at = [], []
-        for version in versions:
+        result.update(bytes=sum(leaf.nbytes for leaf in jax.tree.leaves(params)), offer_s=[], offer_at=[])
+    if process == 0:
+        addresses = {p: client.blocking_key_value_get(f"bench/address/{p}", TIMEOUT_MS) for p in trainer_processes}
+        receiver = weight_push.ParamsReceiver(generator_targets, abstract, server, addresses)
+        result.update(pull_s=[], ready_at=[])
+    for version in range(args.repeats + 1):  # version 0 is the warm-up (compiles)
+        if process in trainer_processes:
             start = time.time()
-            offered = sender.offer(params, version)
-            offer_s.append(time.time() - start)
-            offer_at.append(start)
-            client.key_value_set(f"bench/offered/{version}", "1")
+            sender.offer(params, version)
+            result["offer_s"].append(time.time() - start)
+            result["offer_at"].append(start)
+            client.key_value_set(f"bench/offered/{version}/{process}", "1")
+        if process == 0:
+            for p in trainer_processes:
+                client.blocking_key_value_get(f"bench/offered/{version}/{p}", TIMEOUT_MS)
+            start = time.time()
+            jax.block_until_ready(receiver.pull(version, timeout_s=TIMEOUT_MS / 1000))  # then dropped
+            result["ready_at"].append(time.time())
+            result["pull_s"].append(result["ready_at"][-1] - start)
+            client.key_value_set(f"bench/pulled/{version}", "1")
+        else:
             client.blocking_key_value_get(f"bench/pulled/{version}", TIMEOUT_MS)
+    if process == 1:  # single-process baselines: its devices 0-1 (trainer layout) -> 2-3 (generator layout)
+        local_params = nnx.state(init_transformer(config, mesh=make_mesh((1, 2, 1), devices=local[1][:2])))
         local_targets = param_shardings(abstract, make_mesh((1, 1, 2), devices=local[1][2:]))
-        local_s = {"push_local": [], "jax.device_put": []}
+        result["local_s"] = {}
         for name, push in (("push_local", weight_push.push_local),
                            ("jax.device_put", lambda p, t: jax.device_put(p, t, may_alias=False))):
-            for _ in versions:
+            result["local_s"][name] = []
+            for _ in range(args.repeats + 1):
                 start = time.time()
-                jax.block_until_ready(push(params, local_targets))
-                local_s[name].append(time.time() - start)
-        print(json.dumps({"offer_s": offer_s[1:], "offer_at": offer_at[1:], "bytes": nbytes,
-                          "offered_bytes": offered, "local_s": {k: v[1:] for k, v in local_s.items()}}),
-              flush=True)
+                jax.block_until_ready(push(local_params, local_targets))
+                result["local_s"][name].append(time.time() - start)
+    print(json.dumps({key: value[1:] if isinstance(value, list) else value for key, value in result.items()}),
+          flush=True)
     client.wait_at_barrier("bench/done", TIMEOUT_MS)
 
 
@@ -149,17 +155,20 @@ def main():
                 proc.kill()
                 proc.wait()
     generator, trainer = last_json_line(outputs["generator"], "generator"), last_json_line(outputs["trainer"], "trainer")
-    push_s = [ready - start for ready, start in zip(generator["ready_at"], trainer["offer_at"])]
+    offer_at = [min(starts) for starts in zip(*(r["offer_at"] for r in (generator, trainer) if "offer_at" in r))]
+    push_s = [ready - start for ready, start in zip(generator["ready_at"], offer_at)]
     mb = trainer["bytes"] / 1e6
-    rows = [("2 processes: offer (trainer)", statistics.median(trainer["offer_s"])),
+    local_s = trainer["local_s"]
+    rows = [("2 processes: offer (trainer process 1)", statistics.median(trainer["offer_s"])),
             ("2 processes: pull until ready (generator)", statistics.median(generator["pull_s"])),
             ("2 processes: push = offer start -> ready", statistics.median(push_s)),
-            ("1 process: push_local (device to device)", statistics.median(trainer["local_s"]["push_local"])),
-            ("1 process: jax.device_put reshard", statistics.median(trainer["local_s"]["jax.device_put"]))]
+            ("1 process: push_local (device to device)", statistics.median(local_s["push_local"])),
+            ("1 process: jax.device_put reshard", statistics.median(local_s["jax.device_put"]))]
     baseline = rows[3][1]
-    print(f"params {mb:.1f} MB bf16 ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}); "
-          f"trainer FSDP over 2 devices -> generator tensor-parallel over 2 devices; "
-          f"offered {trainer['offered_bytes'] / 1e6:.1f} MB; median of {args.repeats} versions after 1 warm-up")
+    trainer_where = ("4 devices over both processes" if args.trainer_span else "2 devices of process 1")
+    print(f"params {mb:.1f} MB bf16 ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}); trainer FSDP "
+          f"over {trainer_where} -> generator (process 0) tensor-parallel over 2 devices; "
+          f"median of {args.repeats} versions after 1 warm-up")
     print(f"{'path':44s} {'median s':>9s} {'MB/s':>8s} {'vs push_local':>14s}")
     for name, seconds in rows:
         print(f"{name:44s} {seconds:9.3f} {mb / seconds:8.0f} {seconds / baseline:13.2f}x")

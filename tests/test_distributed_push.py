@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from scalerl_jax.distributed import weight_push
-from scalerl_jax.distributed.weight_push import SliceTransfer, plan, transfer_uuid, unique_slices
+from scalerl_jax.distributed.weight_push import plan, transfer_uuid, unique_slices
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO_ROOT, "tests", "distributed_push_worker.py")

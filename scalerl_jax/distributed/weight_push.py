@@ -240,7 +240,7 @@ class ParamsSender:
         return self._plans
 
     def _flat_params(self, params: Any) -> list[jax.Array]:
-        first_g, (shardings, treedef) = next(iter(self._targets.items()))
+        first_g, (_, treedef) = next(iter(self._targets.items()))
         try:
             return treedef.flatten_up_to(params)
         except (ValueError, TypeError) as error:
@@ -308,7 +308,8 @@ class ParamsReceiver:
     of the params). `abstract_params`: same structure, leaves with `.shape` and `.dtype` equal to
     the trainer's params (e.g. `jax.eval_shape` output; dtypes must match the trainer's exactly).
     `server`: this process's transfer server. `trainer_addresses`: `{trainer process: its
-    transfer server address}` for every trainer process.
+    transfer server address}` for exactly the processes of the trainer mesh (the plan is computed
+    from these keys; another set would disagree with the senders' plan and the pull would wait).
     """
 
     def __init__(self, target_shardings: Any, abstract_params: Any, server: Any,
