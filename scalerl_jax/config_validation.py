@@ -17,6 +17,7 @@ from typing import Any, Iterable
 import ml_collections
 
 from scalerl_jax import recipe
+from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
 # sections whose keys the user names (extra evaluation sets).
@@ -32,6 +33,8 @@ CHOICES = {
     "data.dataset": ("polaris_53k", "synthetic", "jsonl"),
     "data.answer_format": ("think", "plain"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.head_precision": HEAD_PRECISIONS,
+    "model.attention_impl": ATTENTION_IMPLS,
     "nan_policy": ("skip", "stop"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }

@@ -34,6 +34,11 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.model.checkpoint = ""  # local Hugging Face directory (config.json + safetensors + tokenizer.json)
     c.model.dtype = "bfloat16"
     c.model.fp32_head = True
+    # The FP32 head's matmul: 'bf16x3' is a near-fp32 tensor-core algorithm on GPU (exact fp32 on
+    # CPU); 'highest' is exact fp32 everywhere (non-tensor-core on GPU). See models.ModelConfig.
+    c.model.head_precision = "bf16x3"
+    # Training / prefill attention: 'auto' is cuDNN flash attention on GPU (no T x T scores), 'xla' on CPU.
+    c.model.attention_impl = "auto"
     c.model.scan_layers = True
     c.model.remat_policy = "full"
     c.model.logprob_chunk = 1024

@@ -7,8 +7,8 @@ from typing import Any, Mapping
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
-ATTENTION_IMPLS = ("xla", "cudnn")
-HEAD_PRECISIONS = ("highest", "high", "default")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -18,8 +18,15 @@ class ModelConfig:
 
     `dtype` is the parameter and body dtype. With `fp32_head` the unembedding weight is kept in
     float32 (for tied embeddings the shared table is float32 and cast to `dtype` for the lookup)
-    and the head matmul runs in float32 at `head_precision` (default 'highest': true float32; 'high'
-    allows bf16x3 / TF32-class passes on accelerators, a speed knob). `rope_scaling` is None or the
+    and the head matmul runs in float32 at `head_precision`: 'highest' (default) is true float32 on
+    every backend (on GPU without tensor cores); 'bf16x3' lowers to the tensor-core algorithm
+    `DotAlgorithmPreset.BF16_BF16_F32_X3` on CUDA (each fp32 operand split as hi + lo in bf16,
+    hi*hi + hi*lo + lo*hi accumulated in fp32: relative error ~1e-5 instead of bf16's ~4e-3) and to
+    true float32 on every other backend, so CPU stays exact; 'high' / 'default' are XLA's
+    backend-defined precisions (speed knobs). `attention_impl` is the training / prefill attention
+    (the non-cached forward): 'xla' materializes the T x T scores, 'cudnn' is cuDNN flash attention
+    (GPU, bf16/fp16 only), 'auto' resolves per backend at trace time (see
+    `layers.resolve_attention_impl`). `rope_scaling` is None or the
     Llama 3.1 scaling dict with the keys in `ROPE_SCALING_KEYS`. `qkv_bias` adds biases to the
     q/k/v projections (Qwen2.5), `o_bias` to the output projection (Llama `attention_bias`),
     `qk_norm` applies a per-head RMSNorm to q and k before RoPE (Qwen3).

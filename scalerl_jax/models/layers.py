@@ -114,6 +114,25 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     return out.reshape(batch, length, heads, dim)
 
 
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention: head_dim <= 128 before Hopper (256 from Hopper on)
+
+
+def resolve_attention_impl(config: ModelConfig, platform: str) -> str:
+    """'xla' or 'cudnn': the non-cached attention `config.attention_impl` means on `platform`.
+
+    'xla' and 'cudnn' are taken as given. 'auto' is 'cudnn' (flash attention, no T x T buffer) when
+    the platform is a CUDA GPU ('gpu' or 'cuda', as `jax.default_backend()` names it) and cuDNN's
+    flash kernel accepts the shapes: body dtype in `CUDNN_DTYPES` and head_dim a multiple of 8 that
+    is <= `CUDNN_MAX_HEAD_DIM`; otherwise 'xla' (CPU, TPU, a float32 model on GPU).
+    """
+    if config.attention_impl != "auto":
+        return config.attention_impl
+    cudnn_fits = (config.dtype in CUDNN_DTYPES and config.head_dim % 8 == 0
+                  and config.head_dim <= CUDNN_MAX_HEAD_DIM)
+    return "cudnn" if platform in ("gpu", "cuda") and cudnn_fits else "xla"
+
+
 class Attention(nnx.Module):
     """GQA self-attention with optional q/k/v bias, o bias and per-head q/k RMSNorm (Qwen3)."""
 
@@ -158,10 +177,12 @@ class Attention(nnx.Module):
         return out + self.o_bias[...] if self.config.o_bias else out
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Causal self-attention within x [B, T, D] (query t attends to keys s <= t)."""
+        """Causal self-attention within x [B, T, D] (query t attends to keys s <= t), by
+        `resolve_attention_impl(config, jax.default_backend())`: cuDNN flash attention never builds
+        the T x T scores; 'xla' (`grouped_attention`) does, in float32."""
         q, k, v = self._project(x, positions)
         length = x.shape[1]
-        if self.config.attention_impl == "cudnn":
+        if resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
             attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         else:
             causal = jnp.tril(jnp.ones((length, length), dtype=bool))

@@ -7,7 +7,9 @@ so a shard is exact: prod(ceil(dim / mesh axes)) elements. Optimizer state is Ad
 moments sharded like the parameters; gradients are a float32 accumulator over microbatches plus one
 microbatch's gradient in the parameter dtype. Activations are an estimate (stated per term in
 `activation_terms`): what `jax.checkpoint` keeps per layer under the remat policy, one layer's full
-working set during its backward pass, and the chunked log-prob head.
+working set during its backward pass, and the chunked log-prob head. The plan is for a device
+`platform` ('gpu' by default: the H100 / H200 it is checked against), which decides what
+`attention_impl='auto'` means (`layers.resolve_attention_impl`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from flax import nnx
 
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig, get_preset
+from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.transformer import Transformer
 
 GIB = 1024 ** 3
@@ -81,7 +84,7 @@ def param_shard_bytes(config: ModelConfig, mesh: Mapping[str, int], rules: shard
 
 
 def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch: int, seq_len: int,
-                     remat_policy: str, logprob_chunk: int) -> dict[str, int]:
+                     remat_policy: str, logprob_chunk: int, platform: str = "gpu") -> dict[str, int]:
     """Estimated activation bytes per device, by term.
 
     b = ceil(microbatch / (data * fsdp)) sequences of T tokens per device, tp = tensor size, e =
@@ -90,7 +93,9 @@ def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch
       none: all intermediates ~ e (4D + 3 H hd/tp + 4 K hd/tp + 3F/tp) + attention probs
       dots_with_no_batch_dims: e (H hd/tp + 2 K hd/tp + 2D + 2F/tp) (weight-matmul outputs)
       dots: that + attention scores and output; save_qkv_attn: e (2 H hd/tp + 2 K hd/tp); full: 0
-      attention scores/probs (xla attention only; cudnn is flash): H/tp * T * (4 + e)
+      attention scores/probs, when `config.attention_impl` resolves to 'xla' on `platform`:
+      H/tp * T * (4 + e); cudnn (flash) keeps a float32 softmax statistic and the output instead:
+      H/tp * (4 + hd e)
     Working set of one layer during its backward: the `none` amount for one layer. Head: the
     float32 hidden states (b T D 4) and ~4 float32 [b, chunk, V/tp] buffers per log-prob chunk.
     """
@@ -100,7 +105,8 @@ def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch
     tp = mesh.get("tensor", 1)
     b = -(-microbatch // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
     tokens = b * seq_len
-    scores = (h / tp) * seq_len * (4 + e) if config.attention_impl == "xla" else (h / tp) * (4 + hd * e)
+    flash = resolve_attention_impl(config, platform) == "cudnn"
+    scores = (h / tp) * (4 + hd * e) if flash else (h / tp) * seq_len * (4 + e)
     everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
     weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * f / tp)
     saved = {"none": everything, "full": 0.0, "dots_with_no_batch_dims": weight_dots,
@@ -126,14 +132,16 @@ def kv_cache_bytes(config: ModelConfig, mesh: Mapping[str, int], *, slots: int, 
 
 def plan_memory(config: ModelConfig, mesh_shape: Sequence[int] | Mapping[str, int], *, microbatch: int,
                 seq_len: int, remat_policy: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                logprob_chunk: int = 512, kv_slots: int = 0) -> MemoryPlan:
-    """MemoryPlan for training `config` on a mesh (data, fsdp, tensor) at `microbatch` sequences of
-    `seq_len` tokens per microbatch (global), plus a sampler KV cache of `kv_slots` slots."""
+                logprob_chunk: int = 512, kv_slots: int = 0, platform: str = "gpu") -> MemoryPlan:
+    """MemoryPlan for training `config` on a mesh (data, fsdp, tensor) of `platform` devices at
+    `microbatch` sequences of `seq_len` tokens per microbatch (global), plus a sampler KV cache of
+    `kv_slots` slots."""
     mesh = _mesh_sizes(mesh_shape)
     params = param_shard_bytes(config, mesh, rules)
     params_fp32 = param_shard_bytes(config, mesh, rules, dtype="float32")
     terms = activation_terms(config, mesh, microbatch=microbatch, seq_len=seq_len,
-                             remat_policy=remat_policy or config.remat_policy, logprob_chunk=logprob_chunk)
+                             remat_policy=remat_policy or config.remat_policy, logprob_chunk=logprob_chunk,
+                             platform=platform)
     return MemoryPlan(params=params, optimizer=2 * params_fp32, gradients=params_fp32 + params,
                       activations=sum(terms.values()), activation_terms=terms,
                       kv_cache=kv_cache_bytes(config, mesh, slots=kv_slots, max_len=seq_len, rules=rules)
@@ -164,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seq_len", type=int, default=16_384)
     parser.add_argument("--remat", default="full", help="remat policy name")
     parser.add_argument("--dtype", default=None, help="override the preset's body dtype")
-    parser.add_argument("--attention_impl", default=None, help="xla | cudnn")
+    parser.add_argument("--attention_impl", default="auto", help="auto | xla | cudnn")
+    parser.add_argument("--platform", default="gpu", help="device platform 'auto' attention resolves for")
     parser.add_argument("--logprob_chunk", type=int, default=512)
     parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
     parser.add_argument("--usable_fraction", type=float, default=0.9)
@@ -173,10 +182,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = get_preset(args.preset, **overrides)
     mesh = [int(s) for s in args.mesh.split(",")]
     plan = plan_memory(config, mesh, microbatch=args.microbatch, seq_len=args.seq_len, remat_policy=args.remat,
-                       logprob_chunk=args.logprob_chunk, kv_slots=args.kv_slots)
+                       logprob_chunk=args.logprob_chunk, kv_slots=args.kv_slots, platform=args.platform)
     title = (f"{args.preset} ({config.num_params():,} params, {config.dtype}, fp32_head={config.fp32_head}) on mesh "
              f"data,fsdp,tensor={args.mesh}; microbatch {args.microbatch} x {args.seq_len} tokens, remat "
-             f"{args.remat}, attention {config.attention_impl}")
+             f"{args.remat}, attention {config.attention_impl} -> "
+             f"{resolve_attention_impl(config, args.platform)} on {args.platform}")
     print(format_plan(plan, title, args.usable_fraction))
 
 

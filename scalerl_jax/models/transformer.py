@@ -48,6 +48,27 @@ def _embedding_dtype(config: ModelConfig) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if (config.tie_word_embeddings and config.fp32_head) else dtype_of(config.dtype)
 
 
+def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> jax.Array:
+    """float32(hidden) [..., D] @ float32(weight) [D, V] -> float32 [..., V] at `head_precision`.
+
+    'bf16x3' chooses per lowering platform (`lax.platform_dependent`, so one traced program lowers
+    right for each backend): on CUDA the tensor-core algorithm `DotAlgorithmPreset.BF16_BF16_F32_X3`
+    (x = x_hi + x_lo in bf16; x.y ~ x_hi.y_hi + x_hi.y_lo + x_lo.y_hi, accumulated in float32);
+    everywhere else `Precision.HIGHEST` (exact float32). The gradients' dots inherit the algorithm.
+    Other names are `lax.Precision` members ('highest', 'high', 'default').
+    """
+    hidden, weight = hidden.astype(jnp.float32), weight.astype(jnp.float32)
+
+    def dot_at(precision: jax.lax.Precision | jax.lax.DotAlgorithmPreset) -> Callable[..., jax.Array]:
+        return lambda h, w: jnp.einsum("...d,dv->...v", h, w, precision=precision,
+                                       preferred_element_type=jnp.float32)
+
+    if head_precision == "bf16x3":
+        return jax.lax.platform_dependent(hidden, weight, cuda=dot_at(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
+                                          default=dot_at(jax.lax.Precision.HIGHEST))
+    return dot_at(jax.lax.Precision[head_precision.upper()])(hidden, weight)
+
+
 class Transformer(nnx.Module):
     """tokens [B, T] -> logits float32 [B, T, V] (causal), plus `hidden`, `head`, `forward_cached`."""
 
@@ -98,14 +119,13 @@ class Transformer(nnx.Module):
     def head(self, hidden: jax.Array) -> jax.Array:
         """Unembedding [..., D] -> float32 [..., V].
 
-        fp32_head: W is float32 and logits = float32(h) @ W at `config.head_precision` (HIGHEST by
-        default). Otherwise the matmul runs in the body dtype (logits rounded to it), then is cast to float32.
+        fp32_head: W is float32 and logits = float32(h) @ W by `fp32_logits` at `config.head_precision`
+        (true float32 on CPU for 'highest' and 'bf16x3'). Otherwise the matmul runs in the body dtype
+        (logits rounded to it), then is cast to float32.
         """
         weight = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         if self.config.fp32_head:
-            precision = jax.lax.Precision[self.config.head_precision.upper()]
-            logits = jnp.einsum("...d,dv->...v", hidden.astype(jnp.float32), weight.astype(jnp.float32),
-                                precision=precision)
+            logits = fp32_logits(hidden, weight, self.config.head_precision)
         else:
             body = dtype_of(self.config.dtype)
             logits = jnp.einsum("...d,dv->...v", hidden.astype(body), weight.astype(body)).astype(jnp.float32)
