@@ -54,14 +54,15 @@ def main() -> None:
     hidden = rng.normal(size=(args.rows, args.hidden)).astype(np.float32)  # final-normed: rms ~ 1
     weight = (rng.normal(size=(args.hidden, args.vocab)) * args.logit_std / np.sqrt(args.hidden)).astype(np.float32)
     exact = hidden.astype(np.float64) @ weight.astype(np.float64)
+    jax_logits = lambda name: np.asarray(jax.jit(lambda h, w: fp32_logits(h, w, name))(hidden, weight))  # noqa: E731
     targets = np.argsort(-exact, axis=-1)[:, rng.integers(0, 50)]  # a plausible (high-probability) token
     reference = picked_logprobs(exact, targets)
     candidates = {
         "bf16 operands, fp32 accumulate": to_bf16(hidden) @ to_bf16(weight),
         "bf16x3 (numpy emulation)": bf16x3_matmul(hidden, weight),
         "fp32 (numpy sgemm)": hidden @ weight,
-        "jax highest": np.asarray(jax.jit(lambda h, w: fp32_logits(h, w, "highest"))(hidden, weight)),
-        f"jax bf16x3 ({jax.default_backend()})": np.asarray(jax.jit(lambda h, w: fp32_logits(h, w, "bf16x3"))(hidden, weight)),
+        "jax highest": jax_logits("highest"),
+        f"jax bf16x3 ({jax.default_backend()})": jax_logits("bf16x3"),
     }
     print(f"head [{args.rows}, {args.hidden}] @ [{args.hidden}, {args.vocab}], logit std {args.logit_std}; "
           "errors against float64")
