@@ -133,6 +133,54 @@ def resolve_attention_impl(config: ModelConfig, platform: str) -> str:
     return "cudnn" if platform in ("gpu", "cuda") and cudnn_fits else "xla"
 
 
+def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, layer: jax.Array | int,
+                     positions: jax.Array, *, window: int, block: int) -> jax.Array:
+    """`grouped_attention` of q [B, T, H, D] over keys s < `window` of cache layer `layer`, s <= positions[b, t].
+
+    stacked_k/v [L, B, S, K, D] are read in place, `block` keys at a time (online softmax: with
+    running max m, normalizer l and accumulator a, a block of scores x gives m' = max(m, max x),
+    l' = l e^(m - m') + sum e^(x - m'), a' = a e^(m - m') + sum e^(x - m') v; the output is a' / l'),
+    so scratch memory is one block, never a cache layer. Scores and softmax in float32, written as
+    multiply-and-sum rather than `dot_general` (a dot would first copy the block into a
+    (batch, kv head)-major layout). A row with no valid key gives zeros. Returns [B, T, H, D] in q's dtype.
+    """
+    batch, length, heads, dim = q.shape
+    kv_heads = stacked_k.shape[3]
+    block = min(block, window)
+    num_blocks = -(-window // block)
+    qg = q.reshape(batch, length, 1, kv_heads, heads // kv_heads, dim).astype(jnp.float32) / np.sqrt(dim)
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def read(stacked: jax.Array, start: jax.Array) -> jax.Array:  # [B, 1, block, K, 1, D] float32
+        zero = jnp.int32(0)
+        piece = jax.lax.dynamic_slice(stacked, (layer, zero, start, zero, zero),
+                                      (1, batch, block, kv_heads, dim))[0]
+        return piece[:, None, :, :, None, :].astype(jnp.float32)
+
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array], index: jax.Array):
+        running_max, normalizer, acc = carry
+        first = index * block
+        start = jnp.minimum(first, window - block)  # the last block may overlap the previous one
+        key_index = start + jnp.arange(block)
+        valid = ((key_index >= first)[None, None, :] & (key_index < window)[None, None, :]
+                 & (key_index[None, None, :] <= positions[:, :, None]))[..., None, None]  # [B, T, block, 1, 1]
+        scores = jnp.where(valid, jnp.sum(qg * read(stacked_k, start), axis=-1), -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=2))  # [B, T, K, G]
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.where(valid, jnp.exp(scores - safe_max[:, :, None]), 0.0)
+        rescale = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+        normalizer = normalizer * rescale + jnp.sum(weights, axis=2)
+        acc = acc * rescale[..., None] + jnp.sum(weights[..., None] * read(stacked_v, start), axis=2)
+        return (new_max, normalizer, acc), None
+
+    stats = (batch, length, kv_heads, heads // kv_heads)
+    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (dim,), jnp.float32))
+    (_, normalizer, acc), _ = jax.lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
+    out = acc / jnp.where(normalizer > 0, normalizer, 1.0)[..., None]
+    return out.reshape(batch, length, heads, dim).astype(q.dtype)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with optional q/k/v bias, o bias and per-head q/k RMSNorm (Qwen3)."""
 
@@ -189,21 +237,46 @@ class Attention(nnx.Module):
             attended = grouped_attention(q, k, v, jnp.broadcast_to(causal, (x.shape[0], length, length)))
         return self._output(attended)
 
-    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache
-                       ) -> tuple[jax.Array, KVCache]:
-        """Write this call's k/v into cache[b, positions[b, t]], then attend to entries s <= positions[b, t].
+    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
+                       window: int, block: int) -> tuple[jax.Array, KVCache]:
+        """Write this call's k/v into cache[layer, b, positions[b, t]], then attend to entries s <= positions[b, t].
 
-        cache: {'k', 'v'} each [B, S, K, D]. Positions outside [0, S) are not written (dropped).
+        cache: the stacked {'k', 'v'}, each [L, B, S, K, D], updated in place (one scatter of this
+        call's rows); positions outside [0, S) are not written. Attention reads only the first
+        `window` positions of layer `layer` (every query position must be < window): one query
+        row (decode) streams them `block` at a time from the cache (`decode_attention`), several
+        rows (prefill) copy the window out and use `grouped_attention`.
         """
         q, k, v = self._project(x, positions)
-        batch, max_len = cache["k"].shape[:2]
-        rows = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)
-        write_at = jnp.where(positions < 0, max_len, positions)  # negatives would wrap; drop them
-        new_k = cache["k"].at[rows, write_at].set(k.astype(cache["k"].dtype), mode="drop")
-        new_v = cache["v"].at[rows, write_at].set(v.astype(cache["v"].dtype), mode="drop")
-        mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
-        attended = grouped_attention(q, new_k.astype(q.dtype), new_v.astype(q.dtype), mask)
-        return self._output(attended), {"k": new_k, "v": new_v}
+        cache = {"k": write_kv_rows(cache["k"], layer, positions, k),
+                 "v": write_kv_rows(cache["v"], layer, positions, v)}
+        if x.shape[1] == 1:
+            attended = decode_attention(q, cache["k"], cache["v"], layer, positions, window=window, block=block)
+        else:
+            keys, values = (read_kv_window(cache[name], layer, window).astype(q.dtype) for name in ("k", "v"))
+            mask = jnp.arange(window)[None, None, :] <= positions[:, :, None]
+            attended = grouped_attention(q, keys, values, mask)
+        return self._output(attended), cache
+
+
+def write_kv_rows(stacked: jax.Array, layer: jax.Array | int, positions: jax.Array, rows: jax.Array) -> jax.Array:
+    """stacked[layer, b, positions[b, t]] = rows[b, t] for every b, t (one scatter, in place when donated).
+
+    stacked [L, B, S, K, D], positions int [B, T], rows [B, T, K, D]. Positions outside [0, S) are dropped
+    (negative ones too, which plain indexing would wrap).
+    """
+    batch, max_len = stacked.shape[1], stacked.shape[2]
+    slot = jnp.broadcast_to(jnp.arange(batch)[:, None], positions.shape)
+    at = jnp.where(positions < 0, max_len, positions)
+    layer_index = jnp.full(positions.shape, layer, jnp.int32)
+    return stacked.at[layer_index, slot, at].set(rows.astype(stacked.dtype), mode="drop")
+
+
+def read_kv_window(stacked: jax.Array, layer: jax.Array | int, window: int) -> jax.Array:
+    """stacked[layer, :, :window] as [B, window, K, D] (a dynamic slice; `window` static)."""
+    _, batch, _, kv_heads, head_dim = stacked.shape
+    start = (jnp.asarray(layer, jnp.int32),) + (jnp.int32(0),) * 4
+    return jax.lax.dynamic_slice(stacked, start, (1, batch, window, kv_heads, head_dim))[0]
 
 
 class MLP(nnx.Module):
@@ -237,9 +310,9 @@ class DecoderLayer(nnx.Module):
         h = x + self.attn(self.attn_norm(x), positions)
         return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES)
 
-    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache
-                       ) -> tuple[jax.Array, KVCache]:
-        """As `__call__`, attending through (and updating) this layer's KV cache."""
-        attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache)
+    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
+                       window: int, block: int) -> tuple[jax.Array, KVCache]:
+        """As `__call__`, attending through (and updating) layer `layer` of the stacked KV cache."""
+        attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache, layer, window, block)
         h = x + attended
         return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache

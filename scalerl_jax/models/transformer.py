@@ -131,27 +131,43 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("...d,dv->...v", hidden.astype(body), weight.astype(body)).astype(jnp.float32)
         return sharding.constrain(logits, sharding.LOGITS_AXES) if logits.ndim == 3 else logits
 
-    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache
-                       ) -> tuple[jax.Array, KVCache]:
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
+                       window: int | None = None, block: int | None = None) -> tuple[jax.Array, KVCache]:
         """Final-normed hidden [B, T, D] and the updated cache.
 
         For each row b and step t, K/V of tokens[b, t] are written at cache[:, b, positions[b, t]]
         (positions outside [0, max_len) are not written, so they cannot corrupt other rows); the
         query at position p then attends to all cache entries with key index <= p, which are
         assumed valid. Prefill: T = bucket length, positions = arange; decode: T = 1.
+
+        The cache is carried whole through the layer loop and each layer scatters only its new
+        rows into it, so with the cache donated nothing cache-sized is copied. `window` (static,
+        default max_len) bounds the key positions attention reads: cost follows the window, not
+        max_len; every position must be < window (the caller's contract). `block` (static, default
+        the whole window): keys a decode step (T = 1) reads per piece, which bounds its scratch memory.
         """
         _check_cache(self.config, cache, tokens.shape[0])
+        max_len = cache["k"].shape[2]
+        window = max_len if window is None else int(window)
+        if not 1 <= window <= max_len:
+            raise ValueError(f"forward_cached: window={window} must be in [1, max_len={max_len}]")
+        block = window if block is None else int(block)
+        if block < 1:
+            raise ValueError(f"forward_cached: block={block} must be >= 1")
         x = self.embed(tokens)
         if self.config.scan_layers:
-            x, cache = _scan_layers(self.layers, lambda layer, h, c: layer.forward_cached(h, positions, c),
-                                    x, cache)
+            graphdef, stacked = nnx.split(self.layers)
+
+            def step(carry: tuple[jax.Array, KVCache], xs: tuple[Any, jax.Array]):
+                h, c = carry
+                layer_state, index = xs
+                return nnx.merge(graphdef, layer_state).forward_cached(h, positions, c, index, window, block), None
+
+            layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+            (x, cache), _ = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
         else:
-            new_k, new_v = [], []
-            for i, layer in enumerate(self.layers):
-                x, layer_cache = layer.forward_cached(x, positions, {"k": cache["k"][i], "v": cache["v"][i]})
-                new_k.append(layer_cache["k"])
-                new_v.append(layer_cache["v"])
-            cache = {"k": jnp.stack(new_k), "v": jnp.stack(new_v)}
+            for index, layer in enumerate(self.layers):
+                x, cache = layer.forward_cached(x, positions, cache, index, window, block)
         return self.final_norm(x), cache
 
 

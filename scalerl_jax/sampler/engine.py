@@ -15,9 +15,19 @@ decode state is donated, so the cache is updated in place.
   `num_slots` (padding of the request batch to a power of two) are dropped.
 - `generate(params, state) -> (state, ChunkResult)`: up to `chunk_size` decode steps in one
   `lax.while_loop` (it stops early once every slot is idle). Each step feeds every slot's last
-  token at its position, writes its K/V, takes the fp32 logits of the head, and emits one token
-  per active slot: a sampled one (see `sampling.py`) or, while the slot is being interrupted, the
-  next token of the forced phrase (logprob 0, sampled False).
+  token at its position, writes its K/V into the cache in place (one row per slot per layer),
+  takes the fp32 logits of the head, and emits one token per active slot: a sampled one (see
+  `sampling.py`) or, while the slot is being interrupted, the next token of the forced phrase
+  (logprob 0, sampled False).
+
+Live window. Decode attention reads only cache positions < W, where W is fixed per chunk (one
+compile per W): the smallest power-of-two multiple of `min_decode_window` (capped at `max_len`)
+that covers every position the chunk can feed. The engine knows this without asking the device:
+it keeps, on the host, an upper bound of each slot's next position + 1 (the prompt length at
+insert, plus `chunk_size` per chunk since), so a step costs O(live tokens), not O(max_len). The
+bound assumes one engine drives one decode state (the latest from `init_decode_state`); if it is
+ever wrong, the chunk stops before any slot would feed a position >= W (checked on the device,
+inside the loop's condition), so results stay exact and later chunks, with larger bounds, go on.
 
 Length control (forced interruption) runs inside the jitted chunk as a per-slot state machine:
 phase THINK counts sampled thinking tokens; if the last `len(end_think_ids)` sampled tokens equal
@@ -56,6 +66,7 @@ PHASE_FORCING = 1
 PHASE_ANSWER = 2
 
 PAD_TOKEN = -1  # Entry of ChunkResult.tokens where a slot emitted nothing at that step.
+CPU_DECODE_BLOCK = 256  # EngineConfig.decode_block=0 on CPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +128,12 @@ class EngineConfig:
     `max_prefill_rows`: most requests prefilled by one call (row counts are powers of two up to
     it, so prefill compiles <= (log2(max_prefill_rows) + 1) x number of length buckets).
     `interruption`: None disables forced interruption for every request.
+    `decode_block`: keys a decode step reads per piece of a cache layer (bounds its scratch memory
+    to one piece); 0 picks by backend: `CPU_DECODE_BLOCK` on CPU (where XLA would otherwise copy the
+    whole window out of the cache), the whole window elsewhere (on GPU XLA fuses the cache slice
+    into the attention reductions; unmeasured here).
+    `min_decode_window`: smallest decode attention window (see `Engine.generate`; windows double
+    up to `max_len`, one `generate` compile each).
     """
 
     num_slots: int
@@ -128,10 +145,14 @@ class EngineConfig:
     min_prefill_bucket: int = 16
     max_prefill_rows: int = 8
     interruption: InterruptionConfig | None = None
+    decode_block: int = 0
+    min_decode_window: int = 256
 
     def __post_init__(self) -> None:
+        if self.decode_block < 0:
+            raise ValueError(f"EngineConfig.decode_block={self.decode_block} must be >= 0 (0 = by backend)")
         for name in ("num_slots", "max_len", "chunk_size", "max_stop_tokens", "min_prefill_bucket",
-                     "max_prefill_rows"):
+                     "max_prefill_rows", "min_decode_window"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
         if self.max_len < 2:
@@ -249,7 +270,8 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill)
         self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
         self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
-        self._generate_jit = jax.jit(self._generate, donate_argnums=(1,))
+        self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
+        self._live_bound = np.zeros((config.num_slots,), np.int64)
 
     # ----------------------------------------------------------------------------- public API
     def init_decode_state(self) -> DecodeState:
@@ -276,6 +298,7 @@ class Engine:
         )
         if self.mesh is not None:
             state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+        self._live_bound[:] = 0
         return state._replace(cache=init_kv_cache(self.model_config, slots, cfg.max_len,
                                                   mesh=self.mesh, rules=self.rules))
 
@@ -293,7 +316,9 @@ class Engine:
                settings: SlotSettings) -> DecodeState:
         """Place the prefix rows into `slots` (int32[N]; `num_slots` = drop that row); donates `state`."""
         slots = np.asarray(slots, np.int32).reshape(-1)
+        bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
         self._count("insert", jax.tree.leaves(prefix.cache)[0].shape)
+        self._note_inserted(slots, np.full(slots.shape, bucket))
         with self._mesh_context():
             return self._insert_jit(prefix, state, slots, settings)
 
@@ -301,22 +326,36 @@ class Engine:
                        slots: Any, settings: SlotSettings) -> DecodeState:
         """`insert(prefill(params, tokens, true_length), state, slots, settings)` in one call."""
         tokens = np.asarray(tokens, np.int32)
+        true_length, slots = np.asarray(true_length, np.int32), np.asarray(slots, np.int32)
         self._count("prefill_insert", tokens.shape)
+        self._note_inserted(slots, true_length)
         with self._mesh_context():
-            return self._prefill_insert_jit(params, state, tokens, np.asarray(true_length, np.int32),
-                                            np.asarray(slots, np.int32), settings)
+            return self._prefill_insert_jit(params, state, tokens, true_length, slots, settings)
 
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, ChunkResult]:
-        """Run up to `chunk_size` decode steps over all slots; donates `state`."""
-        self._count("generate", ())
+        """Run up to `chunk_size` decode steps over all slots, attending over the live window; donates `state`."""
+        window = self.decode_window()
+        self._count("generate", (window,))
+        self._live_bound = np.minimum(self._live_bound + self.config.chunk_size, self.config.max_len)
         with self._mesh_context():
-            return self._generate_jit(params, state)
+            return self._generate_jit(params, state, window)
+
+    def decode_window(self) -> int:
+        """W of the next chunk: covers positions up to max(live bound) + chunk_size - 2 (module doc)."""
+        cfg = self.config
+        needed = int(self._live_bound.max()) + cfg.chunk_size - 1
+        return prefill_bucket(needed, min_bucket=cfg.min_decode_window, max_len=cfg.max_len)
 
     # ------------------------------------------------------------------------------ internals
     def _mesh_context(self) -> contextlib.AbstractContextManager:
         if self.mesh is None:
             return contextlib.nullcontext()
         return use_mesh_rules(self.mesh, self.rules)
+
+    def _note_inserted(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Host bound of the inserted slots: next position + 1 <= prompt length (padding rows dropped)."""
+        kept = slots < self.config.num_slots
+        self._live_bound[slots[kept]] = lengths[kept]
 
     def _count(self, name: str, shape: tuple) -> None:
         signature = (name, tuple(shape))
@@ -325,6 +364,14 @@ class Engine:
             self.compile_counts[name] += 1
             logging.info("sampler engine: compiling %s for shape %s (%d %s compiles)", name, shape,
                          self.compile_counts[name], name)
+
+    def _decode_block(self) -> int | None:
+        """Keys per decode attention piece (`EngineConfig.decode_block`; None = the whole window)."""
+        if self.config.decode_block:
+            return self.config.decode_block
+        platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
+                    else jax.default_backend())
+        return CPU_DECODE_BLOCK if platform == "cpu" else None
 
     def _prefill(self, params: Any, tokens: jax.Array, true_length: jax.Array) -> Prefix:
         model = nnx.merge(self.graphdef, params)
@@ -389,12 +436,15 @@ class Engine:
             stopped=put(state.stopped, falses),
         )
 
-    def _decode_step(self, model: Any, state: DecodeState) -> tuple[DecodeState, tuple]:
-        """One token for every active slot: (new state, (token, logprob, sampled, emitted)) per slot."""
+    def _decode_step(self, model: Any, state: DecodeState, window: int) -> tuple[DecodeState, tuple]:
+        """One token for every active slot: (new state, (token, logprob, sampled, emitted)) per slot.
+
+        Attention reads cache positions < `window`; the caller ensures active slots feed below it.
+        """
         cfg = self.config
-        feed_positions = jnp.minimum(state.positions, cfg.max_len - 1)
+        feed_positions = self._feed_positions(state)
         hidden, cache = model.forward_cached(state.tokens[:, None], feed_positions[:, None],
-                                             state.cache)
+                                             state.cache, window=window, block=self._decode_block())
         logits = model.head(hidden[:, 0]).astype(jnp.float32)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
         drawn, drawn_logprob = sample_tokens(logits, step_keys, state.temperature,
@@ -444,7 +494,11 @@ class Engine:
         emitted_logprob = jnp.where(active, logprob, 0.0)
         return new_state, (emitted_token, emitted_logprob, active & ~forcing, active)
 
-    def _generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, ChunkResult]:
+    def _feed_positions(self, state: DecodeState) -> jax.Array:
+        """Where each slot's next token is written (its position, kept inside the cache)."""
+        return jnp.minimum(state.positions, self.config.max_len - 1)
+
+    def _generate(self, params: Any, state: DecodeState, window: int) -> tuple[DecodeState, ChunkResult]:
         model = nnx.merge(self.graphdef, params)
         slots, chunk = self.config.num_slots, self.config.chunk_size
         outputs = (jnp.full((slots, chunk), PAD_TOKEN, jnp.int32),
@@ -453,11 +507,12 @@ class Engine:
 
         def keep_going(carry):
             step, current, _ = carry
-            return (step < chunk) & jnp.any(current.active)
+            inside = jnp.all(~current.active | (self._feed_positions(current) < window))
+            return (step < chunk) & jnp.any(current.active) & inside
 
         def body(carry):
             step, current, outs = carry
-            current, emitted = self._decode_step(model, current)
+            current, emitted = self._decode_step(model, current, window)
             outs = tuple(jax.lax.dynamic_update_index_in_dim(buf, value, step, axis=1)
                          for buf, value in zip(outs, emitted))
             return step + 1, current, outs
