@@ -110,6 +110,8 @@ NUMBERS: dict[str, Bound] = {
     "optimizer.b2": BETA, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
     "optimizer.max_grad_norm": NON_NEGATIVE,
     "mesh.generator_fraction": Bound(0, 1, low_open=True, high_open=True), "mesh.cpu_devices": NON_NEGATIVE_INT,
+    "distributed.connect_timeout_s": POSITIVE, "distributed.heartbeat_s": POSITIVE,
+    "distributed.heartbeat_timeout_s": POSITIVE, "distributed.reply_timeout_s": POSITIVE,
     "eval.every": COUNT, "eval.num_prompts": COUNT, "eval.samples_per_prompt": COUNT,
     "eval.samples_logged": NON_NEGATIVE_INT,
     "checkpoint.every": COUNT, "checkpoint.keep": COUNT,
@@ -277,7 +279,9 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
 
 # Keys a resumed run may change: how long it runs and how often it evaluates, saves and logs.
 RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep", "log_every",
-                     "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode")
+                     "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode",
+                     "distributed.connect_timeout_s", "distributed.heartbeat_s", "distributed.heartbeat_timeout_s",
+                     "distributed.reply_timeout_s")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:

@@ -87,13 +87,27 @@ def main(argv):
     try:
         summary = run(config, workdir)
     except ConfigError as e:  # found once the checkpoint, tokenizer or data are read
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+        stop(f"config error: {e}", EXIT_CONFIG_ERROR)
     except (*RUN_ERRORS, OSError) as e:  # OSError: a file or directory that cannot be read or written
         logging.debug("run stopped", exc_info=True)  # the traceback, with --verbosity=1
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(EXIT_RUN_ERROR)
+        stop(f"error: {e}", EXIT_RUN_ERROR)
+    except BaseException:
+        if jax.process_count() > 1:  # the traceback, then out at once (see `stop`)
+            logging.exception("run failed")
+            stop("error: the run failed (traceback above)", EXIT_RUN_ERROR)
+        raise
     logging.info("run finished in %.1f min: %s", (time.time() - started) / 60, summary)
+
+
+def stop(message: str, status: int) -> None:
+    """Prints `message` and exits with `status`. In a multi-process run the exit is immediate
+    (`os._exit`): a normal exit would wait at jax.distributed's shutdown barrier for peers that
+    are still working, while they learn of this process's end only when its connections close."""
+    print(message, file=sys.stderr, flush=True)
+    if jax.process_count() > 1:
+        logging.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

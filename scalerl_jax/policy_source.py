@@ -109,11 +109,17 @@ def resolve_step(run_dir: str, step: int | None) -> int:
     return step
 
 
+def run_model_overrides(config: ml_collections.ConfigDict) -> dict:
+    """What a run sets over a checkpoint's config.json: dtype, fp32 head and its matmul algorithm,
+    layer scan, remat policy, attention implementation."""
+    m = config.model
+    return dict(dtype=m.dtype, fp32_head=m.fp32_head, head_precision=m.head_precision, scan_layers=m.scan_layers,
+                remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+
+
 def run_model_config(config: ml_collections.ConfigDict, base_dir: str) -> ModelConfig:
-    """The policy's ModelConfig as the run built it: the base's config.json with the run's
-    dtype, fp32 head, layer scan and remat policy."""
-    return load_hf_config(base_dir, dtype=config.model.dtype, fp32_head=config.model.fp32_head,
-                          scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    """The policy's ModelConfig as the run built it (`run_model_overrides` over the base's config.json)."""
+    return load_hf_config(base_dir, **run_model_overrides(config))
 
 
 def run_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
@@ -176,7 +182,6 @@ def load_run_policy(run_dir: str, config: ml_collections.ConfigDict, *, step: in
 
 def load_hf_policy(checkpoint_dir: str, config: ml_collections.ConfigDict, *, mesh: Mesh | None = None) -> Policy:
     """The policy of an HF directory, built as a run with `config` would build it."""
-    model = load_hf(checkpoint_dir, dtype=config.model.dtype, fp32_head=config.model.fp32_head, mesh=mesh,
-                    scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
     return Policy(graphdef, params, model.config, checkpoint_dir, None)

@@ -119,6 +119,12 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.mesh.require_accelerator = True  # refuse to start on the CPU backend (set False to allow it)
     c.mesh.cpu_devices = 0  # on the CPU backend: split the host into this many devices (0: leave as is)
 
+    # Runs over several processes (launch/local.sh N, launch/slurm.sbatch; see distributed/roles.py).
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.connect_timeout_s = 300.0  # start-up: connections, barriers, the shared files of process 0
+    c.distributed.heartbeat_s = 2.0  # beat interval between every process and the leader
+    c.distributed.heartbeat_timeout_s = 30.0  # silence after which a process counts as lost (run stops)
+    c.distributed.reply_timeout_s = 86400.0  # longest wait for an answer to work (an evaluation, a pull)
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 100
     c.eval.num_prompts = 1_000

@@ -17,8 +17,9 @@ import functools
 import json
 import os
 import signal
+import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import ml_collections
@@ -32,12 +33,25 @@ from scalerl_jax.config_validation import ConfigError, check_resume, config_json
 from scalerl_jax.console import quiet_library_logs
 from scalerl_jax.data.rows import read_rows
 from scalerl_jax.metrics import MetricsWriter, format_progress
-from scalerl_jax.models import (CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh,
-                                param_shardings, split_devices)
+from scalerl_jax.models import (CheckpointTokenizer, abstract_hf, load_checkpoint_tokenizer, load_hf, make_mesh,
+                                param_shardings)
+from scalerl_jax.distributed import coordination
+from scalerl_jax.distributed.remote_generator import (GeneratorPush, LinkService, ParamsInbox, RemoteLink,
+                                                     first_version)
+from scalerl_jax.distributed.roles import Roles, assign_roles
+from scalerl_jax.distributed.trainer_group import TrainerGroup, TrainerOps, follow, report_restored
+from scalerl_jax.distributed.transport import EVAL, TRAIN, LeaderTransport, Routes, plan_routes, transfer_id
+from scalerl_jax.distributed.watchdog import Heartbeat
+from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender, push_local
+from scalerl_jax.distributed.wiring import (ProcessLinks, connect_processes, start_transfer_server,
+                                            trainer_transfer_addresses)
+from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, SamplingSettings
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, StepRecord
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, StepRecord, sampling_settings
+from scalerl_jax.pipeline.queue import PipelineStopped
+from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
-from scalerl_jax.sampler import ContinuousBatcher, Engine
+from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine
 from scalerl_jax.sampling_setup import (check_think_end, interrupts, make_engine_config, make_prompt_encoder,
                                        make_reward_config, make_sample_fn, max_sequence_length)
 from scalerl_jax.scaling import ComputeMeter
@@ -148,23 +162,23 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
-    """Disjoint generator and trainer device sets and their meshes."""
+    """This process's meshes: its local generator devices' (None if it has none) and the trainer
+    mesh (None on a process without trainer devices), with the run's device count."""
 
-    generator_devices: list[jax.Device]
-    trainer_devices: list[jax.Device]
-    generator: jax.sharding.Mesh
-    trainer: jax.sharding.Mesh
-
-    @property
-    def num_devices(self) -> int:
-        return len(set(self.generator_devices) | set(self.trainer_devices))
+    generator: jax.sharding.Mesh | None
+    trainer: jax.sharding.Mesh | None
+    num_devices: int
 
 
-def build_meshes(config: ml_collections.ConfigDict) -> Meshes:
-    generator_devices, trainer_devices = split_devices(jax.devices(), config.mesh.generator_fraction)
-    return Meshes(generator_devices, trainer_devices,
-                  make_mesh(config.mesh.generator_shape, devices=generator_devices),
-                  make_mesh(config.mesh.trainer_shape, devices=trainer_devices))
+def generator_mesh(config: ml_collections.ConfigDict, roles: Roles, process: int) -> jax.sharding.Mesh:
+    """The local mesh of generator process `process` (any process can build it for any other)."""
+    return make_mesh(config.mesh.generator_shape, devices=roles.local_generator_devices(process))
+
+
+def build_meshes(config: ml_collections.ConfigDict, roles: Roles) -> Meshes:
+    return Meshes(generator_mesh(config, roles, roles.process) if roles.is_generator else None,
+                  make_mesh(config.mesh.trainer_shape, devices=roles.trainer_devices) if roles.is_trainer else None,
+                  len(set(roles.generator_devices) | set(roles.trainer_devices)))
 
 
 @dataclasses.dataclass
@@ -179,8 +193,7 @@ class Trainer:
 
 def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: jax.sharding.Mesh) -> Trainer:
     """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
-    model = load_hf(checkpoint_dir, dtype=config.model.dtype, fp32_head=config.model.fp32_head, mesh=mesh,
-                    scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
     o = config.optimizer
     optimizer_config = OptimizerConfig(
@@ -198,10 +211,10 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     return Trainer(graphdef, model.config, state, step_fn)
 
 
-def build_engine(config: ml_collections.ConfigDict, trainer: Trainer, tokens: CheckpointTokenizer,
+def build_engine(config: ml_collections.ConfigDict, graphdef: Any, model_config: Any, tokens: CheckpointTokenizer,
                  mesh: jax.sharding.Mesh) -> Engine:
     """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
-    return Engine(trainer.graphdef, trainer.model_config, make_engine_config(config, tokens), mesh=mesh)
+    return Engine(graphdef, model_config, make_engine_config(config, tokens), mesh=mesh)
 
 
 def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, reward_config, verify_pool,
@@ -230,36 +243,36 @@ def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenize
 # ---------------------------------------------------------------------------------------------
 
 class Evaluator:
-    """Every evaluation set through one batcher (its own slots' worth of requests at a time).
+    """Every evaluation set, sampled by `sample_eval(params, version, prompts, seed_offset)` (on a
+    generator's evaluation batcher: `transport.LeaderTransport.sample_eval`), scored here.
 
     `__call__(params, version)` returns the metrics of all sets (held-out under `eval/`, extras
     under `eval_<name>/`) and appends, for the first `eval.samples_logged` held-out prompts, every
     sample (rendered prompt, completion, extracted answer, gold, reward, finish reason) to
-    `WORKDIR/samples.jsonl`.
+    `WORKDIR/samples.jsonl`. Request i of an evaluation at version v samples with the PRNG stream
+    `(v << 20) + i`.
     """
 
     def __init__(self, config: ml_collections.ConfigDict, task: TaskData, source: PolicySource,
-                 batcher: ContinuousBatcher, reward_config, verify_pool, samples_path: str):
+                 sample_eval: Callable[[Any, int, list[list[int]], int], list[Completion]], reward_config,
+                 verify_pool, samples_path: str):
         self._config, self._task, self._source = config, task, source
-        self._batcher, self._reward_config, self._pool = batcher, reward_config, verify_pool
+        self._sample_eval, self._reward_config, self._pool = sample_eval, reward_config, verify_pool
         self._samples_path = samples_path
 
     def __call__(self, params, version: int) -> dict[str, float]:
-        self._batcher.update_params(params, version)
         metrics: dict[str, float] = {}
         for eval_set in self._task.eval_sets:
-            metrics.update(self._evaluate(eval_set, version))
+            metrics.update(self._evaluate(eval_set, params, version))
         return metrics
 
-    def _evaluate(self, eval_set: EvalSet, version: int) -> dict[str, float]:
-        config, samples = self._config, self._config.eval.samples_per_prompt
+    def _evaluate(self, eval_set: EvalSet, params, version: int) -> dict[str, float]:
+        samples = self._config.eval.samples_per_prompt
         problems = [p for p in eval_set.problems for _ in range(samples)]
         captured: dict[str, Any] = {}
 
-        sample_fn = make_sample_fn(self._batcher, config, self._source.tokens.stop_ids, seed_offset=version << 20)
-
         def sample(prompts):
-            captured["completions"] = sample_fn(prompts)
+            captured["completions"] = self._sample_eval(params, version, prompts, version << 20)
             return captured["completions"]
 
         def score(texts, golds):
@@ -310,9 +323,10 @@ class StepReporter:
     """`on_step(record)`: metrics row and progress line, evaluation and checkpoints of one step."""
 
     def __init__(self, config, task: TaskData, run_state: RunState, writers: Sequence[Any], evaluator: Evaluator,
-                 checkpointer: RunCheckpointer, state: Any, fingerprint: dict):
+                 checkpointer: RunCheckpointer, group: TrainerGroup, state: Any, fingerprint: dict):
         self._config, self._task, self._run_state = config, task, run_state
         self._writers, self._evaluator, self._checkpointer = writers, evaluator, checkpointer
+        self._group = group  # every trainer process saves with the leader
         self.state = state  # the newest trained state, pushed to the sampler or not
         self._fingerprint = fingerprint
         self._step_times: list[float] = []
@@ -329,10 +343,10 @@ class StepReporter:
 
     def checkpoint(self, version: int) -> None:
         rs = self._run_state
-        self._checkpointer.save(version, self.state, {
-            "version": version, "pool": rs.pool.state_dict(), "meter": rs.meter.state_dict(),
-            "metrics_offset": self._writers[0].offset(), "nonfinite_steps": rs.nonfinite_steps},
-            config=self._fingerprint)
+        run_state = {"version": version, "pool": rs.pool.state_dict(), "meter": rs.meter.state_dict(),
+                     "metrics_offset": self._writers[0].offset(), "nonfinite_steps": rs.nonfinite_steps}
+        self._group.checkpoint(version, lambda: self._checkpointer.save(
+            version, self.state, run_state, config=self._fingerprint))
 
     def on_step(self, record: StepRecord) -> None:
         config, rs = self._config, self._run_state
@@ -384,23 +398,65 @@ def preserved_signal_handlers() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-    """Runs the configured job to `num_steps` (or a stop); returns a summary dict.
+def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | None:
+    """Runs this process's part of the configured job to `num_steps` (or a stop).
 
-    Holds `WORKDIR/run.lock` for the run's life, refuses a workdir whose checkpoints belong to
-    another config, and restores the caller's signal handlers on the way out.
+    Works out the process's roles (`distributed/roles.py`), prepares the shared files once
+    (process 0: the workdir lock, the warm start, the TFDS dataset), connects the processes, and
+    runs the leader, a follower trainer or a generator process. Returns the leader's summary dict
+    (None elsewhere). Restores the caller's signal handlers on the way out.
     """
     quiet_library_logs()
     os.makedirs(workdir, exist_ok=True)
-    with preserved_signal_handlers(), hold_workdir(workdir):
-        checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep)
-        try:
-            check_resume(config, workdir, saved_fingerprint=checkpointer.saved_config())
-            with open(os.path.join(workdir, "config.json"), "w") as f:
-                json.dump(config_json(config), f, indent=2, sort_keys=True)
-            return _run(config, workdir, checkpointer)
-        finally:
-            checkpointer.close()
+    roles = assign_roles(jax.devices(), config.mesh.generator_fraction, jax.process_index(), jax.process_count())
+    logging.info("%s", roles.describe())
+    if roles.distributed:  # host-side array math runs here, not on global device 0 (process 0's)
+        jax.config.update("jax_default_device", jax.local_devices()[0])
+    d = config.distributed
+    with preserved_signal_handlers(), contextlib.ExitStack() as stack:
+        coordination.run_once("prepare", lambda: prepare_shared_files(config, workdir, stack),
+                              timeout_s=d.connect_timeout_s)
+        source = build_policy_source(config, workdir)
+        links = connect_processes(roles, timeout_s=d.connect_timeout_s) if roles.distributed else None
+        heartbeat = (Heartbeat(links.heartbeats(), interval_s=d.heartbeat_s, timeout_s=d.heartbeat_timeout_s)
+                     if links else None)
+        policy = abstract_hf(source.checkpoint_dir, **run_model_overrides(config))
+        meshes = build_meshes(config, roles)
+        transfer = build_transfer(config, roles, plan_routes(roles), policy[1], meshes.trainer)
+        if roles.is_leader:
+            summary = _run_leader(config, workdir, roles, source, links, meshes, transfer)
+        elif roles.is_trainer:
+            summary = _run_follower(config, workdir, roles, source, links, meshes, transfer, policy)
+        else:
+            summary = _run_generator(config, roles, source, links, meshes, transfer, policy)
+        if heartbeat is not None:  # a process that fails says no goodbye: the others see it lost
+            heartbeat.close()
+        return summary
+
+
+def prepare_shared_files(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack) -> None:
+    """Process 0 (the leader), once for the run: holds the workdir lock (for the run's life, in
+    `stack`); refuses, before any work, a workdir whose checkpoints belong to another config and a
+    custom reward that does not load; writes `config.json`; builds the warm-started policy and the
+    TFDS dataset that every process reads."""
+    stack.enter_context(hold_workdir(workdir))
+    check_workdir_config(config, workdir)
+    check_custom_reward(config)
+    if "warm_start" in config:
+        build_warm_start(config, workdir)
+    _dataset_builder(config, workdir)
+
+
+def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """A resumed workdir must get its own config back (`check_resume`); then `config.json` is written."""
+    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=(0,))
+    try:
+        saved = checkpointer.saved_config()
+    finally:
+        checkpointer.close()
+    check_resume(config, workdir, saved_fingerprint=saved)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(config_json(config), f, indent=2, sort_keys=True)
 
 
 def check_custom_reward(config: ml_collections.ConfigDict) -> None:
@@ -412,12 +468,194 @@ def check_custom_reward(config: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"config key `data.reward_fn` = {config.data.reward_fn!r}: {e}") from e
 
 
-def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheckpointer) -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------
+# Params routes: weight transfer between processes
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TransferSide:
+    """This process's weight-transfer pieces: offers (trainer processes) and pulls (generators)."""
+
+    offer: Callable[[str, int, Any], None] | None  # (purpose, transfer id, params)
+    pull: Callable[[int], Any] | None  # transfer id -> params on this generator's shardings
+
+
+def build_transfer(config: ml_collections.ConfigDict, roles: Roles, routes: Routes, abstract_params: Any,
+                   trainer_mesh: jax.sharding.Mesh | None) -> TransferSide:
+    """Senders on trainer processes (one per purpose: training targets, the evaluating generator)
+    and a receiver on a generator process that gets its params by transfer; nothing otherwise."""
+    needs_pull = roles.process in routes.transfer_generators
+    if not routes.transfer_generators or not (roles.is_trainer or needs_pull):
+        return TransferSide(None, None)
+    server = start_transfer_server(roles)
+    targets = lambda processes: {g: param_shardings(abstract_params, generator_mesh(config, roles, g))
+                                 for g in processes}
+    offer = None
+    if roles.is_trainer:
+        senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
+        if routes.eval_by_transfer:
+            senders[EVAL] = ParamsSender(trainer_mesh, server, targets([routes.evaluator]))
+        offer = lambda purpose, ident, params: senders[purpose].offer(params, ident)
+    pull = None
+    if needs_pull:
+        receiver = ParamsReceiver(targets([roles.process])[roles.process], abstract_params, server,
+                                  trainer_transfer_addresses(roles, timeout_s=config.distributed.connect_timeout_s))
+        pull = receiver.pull
+    return TransferSide(offer, pull)
+
+
+# ---------------------------------------------------------------------------------------------
+# The three kinds of process
+# ---------------------------------------------------------------------------------------------
+
+def _restore(checkpointer: RunCheckpointer, trainer: Trainer) -> dict | None:
+    """Restores the newest usable checkpoint into `trainer.state`; its run state, or None."""
+    restored = checkpointer.restore_latest(trainer.state)
+    if restored is None:
+        return None
+    trainer.state = restored.train_state
+    logging.info("resumed from checkpoint step %d", restored.step)
+    return {**restored.run_state, "step": restored.step}
+
+
+def _run_follower(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
+                  links: ProcessLinks, meshes: Meshes, transfer: TransferSide, policy: tuple) -> None:
+    """A trainer process other than the leader: the same state, the leader's operations; with
+    generator devices too, its generator runs in a thread beside them."""
+    errors: list[BaseException] = []
+    generator = None
+    if roles.is_generator:
+        generator = threading.Thread(target=_capture, args=(errors, _run_generator, config, roles, source, links,
+                                                            meshes, transfer, policy), name="generator", daemon=True)
+        generator.start()
+    _follow(config, workdir, roles, source, links, meshes.trainer, transfer)
+    if generator is not None:
+        generator.join(timeout=config.distributed.reply_timeout_s)
+    if errors:
+        raise errors[0]
+
+
+def _capture(errors: list[BaseException], fn: Callable, *args) -> None:
+    """Runs `fn(*args)` in a thread, keeping its exception for the thread that joins it."""
+    try:
+        fn(*args)
+    except BaseException as error:  # noqa: BLE001 - re-raised by the joining thread
+        errors.append(error)
+
+
+def _follow(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
+            links: ProcessLinks, mesh: jax.sharding.Mesh, transfer: TransferSide) -> None:
+    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=roles.trainer_processes)
+    try:
+        trainer = build_trainer(config, source.checkpoint_dir, mesh)
+        saved = _restore(checkpointer, trainer)
+        report_restored(links.leader["trainer"], None if saved is None else saved["step"])
+        fingerprint = flat_config(config)
+
+        def train(batch):
+            trainer.state, _ = trainer.step_fn(trainer.state, batch)
+
+        ops = TrainerOps(
+            train=train, offer=lambda ident, purpose: transfer.offer(purpose, ident, trainer.state.params),
+            checkpoint=lambda step: checkpointer.save(step, trainer.state, {}, config=fingerprint))
+        steps = follow(links.leader["trainer"], batch_sharding=trainer.step_fn.batch_sharding, ops=ops,
+                       timeout_s=config.distributed.reply_timeout_s)
+        logging.info("follower trainer: %d steps, stopped by the leader", steps)
+    finally:
+        checkpointer.close()
+
+
+def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: PolicySource, links: ProcessLinks,
+                   meshes: Meshes, transfer: TransferSide, policy: tuple) -> None:
+    """A generator process: its own engine on its local devices, fed by the leader (module doc of
+    `distributed/remote_generator.py`); the first announced version starts it. `policy`: the
+    checkpoint's (graphdef, abstract params, model config)."""
+    d = config.distributed
+    graphdef, _, model_config = policy
+    engine = build_engine(config, graphdef, model_config, source.tokens, meshes.generator)
+    params_connection = links.leader["params"]
+    params, version = first_version(params_connection, pull=transfer.pull, timeout_s=d.reply_timeout_s)
+    batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed)
+    stop = threading.Event()
+    inbox = ParamsInbox(params_connection, pull=transfer.pull, batcher=batcher, timeout_s=d.reply_timeout_s,
+                        evaluate=(_remote_evaluation(config, engine, source, params, version)
+                                  if roles.process == plan_routes(roles).evaluator else None))
+    errors: list[BaseException] = []
+
+    def receive():
+        _capture(errors, inbox.run, stop)
+        stop.set()
+
+    thread = threading.Thread(target=receive, name="params-inbox", daemon=True)
+    thread.start()
+    counters = GeneratorCounters()
+    loop = GeneratorLoop(batcher, RemoteLink(links.leader["control"], timeout_s=d.reply_timeout_s, counters=counters),
+                         generator_sampling(config, source.tokens), counters)
+    try:
+        loop.run(stop)
+    except PipelineStopped:
+        pass
+    thread.join(timeout=d.heartbeat_timeout_s)
+    if errors:
+        raise errors[0]
+    stats = counters.snapshot()
+    logging.info("generator: %d chunks, %.1f s decoding", stats.chunks, stats.busy_s)
+
+
+def _remote_evaluation(config: ml_collections.ConfigDict, engine: Engine, source: PolicySource, params: Any,
+                       version: int) -> Callable[[Any, int, list[list[int]], int], list[Completion]]:
+    """The evaluating generator's `evaluate(params, version, prompts, seed_offset)`, on a batcher of
+    its own (a second KV cache, on this process only) that starts from the generator's buffers."""
+    eval_batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed + 1)
+
+    def evaluate(params, version, prompts, seed_offset):
+        eval_batcher.update_params(params, version, copy=False)
+        return make_sample_fn(eval_batcher, config, source.tokens.stop_ids, seed_offset=seed_offset)(prompts)
+
+    return evaluate
+
+
+def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
+    """What every generator's requests share (the same on every process)."""
+    return sampling_settings(build_pipeline_config(config, tokens, None, (), 0))
+
+
+def _leader_batchers(config: ml_collections.ConfigDict, source: PolicySource, trainer: Trainer, meshes: Meshes,
+                     routes: Routes, transfer: TransferSide, group: TrainerGroup,
+                     start_step: int) -> tuple[ContinuousBatcher | None, ContinuousBatcher | None]:
+    """Offers version `start_step` to the generators fed by transfer; then the leader's own
+    generator and evaluation batchers holding it (None, None without generator devices here)."""
+    if routes.transfer_generators:
+        ident = transfer_id(start_step, TRAIN)
+        group.offer(ident, TRAIN, lambda: transfer.offer(TRAIN, ident, trainer.state.params))
+    if meshes.generator is None:
+        return None, None
+    engine = build_engine(config, trainer.graphdef, trainer.model_config, source.tokens, meshes.generator)
+    if transfer.pull is not None:
+        params = transfer.pull(transfer_id(start_step, TRAIN))
+    else:
+        params = push_local(trainer.state.params, param_shardings(trainer.state.params, meshes.generator))
+    # Both read the same buffers until their first update (batchers never donate params).
+    return (ContinuousBatcher(engine, params, version=start_step, seed=config.seed),
+            ContinuousBatcher(engine, params, version=start_step, seed=config.seed + 1))
+
+
+def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
+                links: ProcessLinks | None, meshes: Meshes, transfer: TransferSide) -> dict[str, Any]:
+    """The leader: the run's decisions and outputs. Its collective steps (checkpointer, trainer,
+    restore) come in the same order as a follower's."""
+    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=roles.trainer_processes)
+    try:
+        return _lead(config, workdir, roles, source, links, checkpointer, meshes, transfer)
+    finally:
+        checkpointer.close()
+
+
+def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
+          links: ProcessLinks | None, checkpointer: RunCheckpointer, meshes: Meshes,
+          transfer: TransferSide) -> dict[str, Any]:
     run_start = time.time()
-    check_custom_reward(config)
-    source = build_policy_source(config, workdir)
     task = load_task(config, workdir, source.encoder)
-    meshes = build_meshes(config)
     trainer = build_trainer(config, source.checkpoint_dir, meshes.trainer)
 
     run_state = RunState(
@@ -425,24 +663,29 @@ def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheck
                                  npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None),
         meter=ComputeMeter())
     start_step, metrics_offset = 0, None
-    restored = checkpointer.restore_latest(trainer.state)
-    if restored is not None:
-        trainer.state, saved = restored.train_state, restored.run_state
+    saved = _restore(checkpointer, trainer)
+    if saved is not None:
         start_step, metrics_offset = int(saved["version"]), int(saved["metrics_offset"])
         run_state.pool.load_state_dict(saved["pool"])
         run_state.meter.load_state_dict(saved["meter"])
         run_state.nonfinite_steps = int(saved["nonfinite_steps"])
-        logging.info("resumed from checkpoint step %d", restored.step)
 
-    engine = build_engine(config, trainer, source.tokens, meshes.generator)
-    generator_shardings = param_shardings(trainer.state.params, meshes.generator)
+    routes = plan_routes(roles)
+    group = TrainerGroup(list(links.of_role("trainer").values()) if links else [], process=roles.process,
+                         step_fn=trainer.step_fn, batch_sharding=trainer.step_fn.batch_sharding)
+    group.check_restored(None if saved is None else saved["step"], timeout_s=config.distributed.reply_timeout_s)
+    remote_params = [c for p, c in links.of_role("params").items()] if links else []
+    remote = GeneratorPush(remote_params, timeout_s=config.distributed.reply_timeout_s) if remote_params else None
+    batchers = _leader_batchers(config, source, trainer, meshes, routes, transfer, group, start_step)
+    transport = LeaderTransport(
+        routes, roles=roles, group=group, offer=transfer.offer, local_batcher=batchers[0],
+        local_eval_batcher=batchers[1], local_pull=transfer.pull, remote=remote,
+        eval_connection=links.of_role("params").get(routes.evaluator) if links else None,
+        sample_local=lambda batcher, prompts, offset: make_sample_fn(
+            batcher, config, source.tokens.stop_ids, seed_offset=offset)(prompts))
+    if remote is not None:
+        remote.announce(start_step, transfer_id(start_step, TRAIN))  # the offer was made with the local one
 
-    def on_generator(params):
-        return jax.device_put(params, generator_shardings, may_alias=False)
-
-    batcher = ContinuousBatcher(engine, on_generator(trainer.state.params), version=start_step, seed=config.seed)
-    eval_batcher = ContinuousBatcher(engine, on_generator(trainer.state.params), version=start_step,
-                                     seed=config.seed + 1)
     reward_config = make_reward_config(config)
     verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
                                       reward_fn=reward_config.reward_fn)
@@ -451,9 +694,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheck
         from scalerl_jax.wandb_sink import WandbSink  # optional extra
         writers.append(WandbSink(project=config.logging.wandb_project, mode=config.logging.wandb_mode,
                                  workdir=workdir, config=config_json(config)))
-    evaluator = Evaluator(config, task, source, eval_batcher, reward_config, verify_pool,
+    evaluator = Evaluator(config, task, source, transport.sample_eval, reward_config, verify_pool,
                           os.path.join(workdir, SAMPLES_FILE))
-    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, trainer.state,
+    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, group, trainer.state,
                             flat_config(config))
 
     def prompt_source() -> Prompt:
@@ -467,10 +710,13 @@ def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheck
             reporter.write(0, {**initial, **run_state.meter.metrics(), "compute/unit": "device_hours"})
             logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
         pipeline = Pipeline(
-            build_pipeline_config(config, source.tokens, trainer, meshes, start_step), batcher=batcher,
-            prompt_source=prompt_source,
+            build_pipeline_config(config, source.tokens, trainer.model_config, roles.trainer_devices, start_step),
+            batcher=batchers[0], prompt_source=prompt_source,
             reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
-            train_step=trainer.step_fn, train_state=trainer.state, on_step=reporter.on_step)
+            train_step=group.train_step, train_state=trainer.state, push_params=transport.push,
+            on_step=reporter.on_step, remote_generators=[
+                (f"link-{process}", LinkService(conn, timeout_s=config.distributed.reply_timeout_s).serve)
+                for process, conn in (links.of_role("control").items() if links else [])])
         result = pipeline.run()
         reporter.state = result.train_state
         if result.version > start_step and result.version % config.checkpoint.every != 0:
@@ -480,6 +726,9 @@ def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheck
         verify_pool.close()
         for writer in writers:
             writer.close()
+    group.stop()
+    if remote is not None:
+        remote.stop()
     summary = {"steps": result.version, "stop_reason": result.stop_reason,
                "queued_groups_at_stop": len(result.queued_group_ids), "minutes": (time.time() - run_start) / 60}
     low, high = config.eval.fit_a_range
@@ -487,9 +736,10 @@ def _run(config: ml_collections.ConfigDict, workdir: str, checkpointer: RunCheck
     return summary
 
 
-def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, trainer: Trainer,
-                          meshes: Meshes, start_step: int) -> PipelineConfig:
-    """Schedule, batch shape, sampling, stopping and the MFU denominators of the pipeline."""
+def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, model_config: Any,
+                          trainer_devices: Sequence[jax.Device], start_step: int) -> PipelineConfig:
+    """Schedule, batch shape, sampling, stopping and the MFU denominators of the pipeline
+    (`model_config` None: no FLOP counts, as on a generator process)."""
     return PipelineConfig(
         max_new_tokens=config.sampler.max_new_tokens, max_seq_len=max_sequence_length(config),
         schedule=config.schedule.kind, k=config.schedule.k, prompts_per_step=config.batch.prompts_per_step,
@@ -500,5 +750,5 @@ def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointT
         temperature=config.sampler.temperature, stop_tokens=tokens.stop_ids, interrupt=interrupts(config),
         min_length_bucket=min(32, max_sequence_length(config)), seed=config.seed, first_version=start_step,
         mask_truncated=config.rl.mask_truncated_completions,
-        train_step_flops=functools.partial(train_step_flops, trainer.model_config),
-        peak_flops_per_s=devices_peak_flops_per_s(meshes.trainer_devices))
+        train_step_flops=None if model_config is None else functools.partial(train_step_flops, model_config),
+        peak_flops_per_s=devices_peak_flops_per_s(list(trainer_devices)) if trainer_devices else None)

@@ -206,6 +206,7 @@ def poison_second_step(monkeypatch):
                 batch = dict(batch, rewards=np.full_like(batch["rewards"], np.nan))
             return step(state, batch)
 
+        poisoned.batch_sharding = step.batch_sharding  # where the run places batches
         return poisoned
 
     monkeypatch.setattr(runner, "make_train_step", make_poisoned)

@@ -118,7 +118,7 @@ def boom_in_step():
     raise RuntimeError("injected train-step failure")
 
 
-def make_pipeline(batcher, step, **overrides):
+def make_pipeline(batcher, step, reward_fn=None, **overrides):
     counter = iter(range(10**6))
     records = []
     settings = dict(max_new_tokens=8, max_seq_len=32, min_length_bucket=8, prompts_per_step=1,
@@ -127,7 +127,7 @@ def make_pipeline(batcher, step, **overrides):
     pipeline = Pipeline(
         PipelineConfig(**settings), batcher=batcher,
         prompt_source=lambda: Prompt(next(counter), (1, 2, 3)),
-        reward_fn=lambda prompt, completions: [float(i % 2) for i in range(len(completions))],
+        reward_fn=reward_fn or (lambda prompt, completions: [float(i % 2) for i in range(len(completions))]),
         train_step=step, train_state=0,
         push_params=lambda state, version: batcher.update_params(state, version),
         on_step=records.append)
@@ -229,8 +229,7 @@ def test_trainer_exception_wakes_a_blocked_generator():
 
 def test_exception_in_reward_fn_and_in_on_step():
     batcher = ScriptedBatcher(2)
-    pipeline, _ = make_pipeline(batcher, CountingStep())
-    pipeline.reward_fn = lambda prompt, completions: 1 / 0
+    pipeline, _ = make_pipeline(batcher, CountingStep(), reward_fn=lambda prompt, completions: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         pipeline.run()
 
@@ -305,8 +304,8 @@ def test_zero_variance_refill_discards_and_counts():
     # n=2 with rewards [r, r] for even groups: they are discarded on arrival and counted.
     batcher = ScriptedBatcher(4)
     pipeline, records = make_pipeline(batcher, CountingStep(), samples_per_prompt=2,
-                                      prompts_per_step=2, zero_variance="refill", k=2, num_steps=3)
-    pipeline.reward_fn = lambda prompt, completions: [1.0, 1.0 - 2 * (prompt.key % 2)]
+                                      prompts_per_step=2, zero_variance="refill", k=2, num_steps=3,
+                                      reward_fn=lambda prompt, completions: [1.0, 1.0 - 2 * (prompt.key % 2)])
     result = pipeline.run()
     for r in records:
         assert all(g.prompt.key % 2 == 1 for g in r.groups)

@@ -39,3 +39,30 @@ def test_sharded_generator_mesh_matches_single_device():
     for i in range(len(prompts)):
         assert batcher_out[i].tokens == single[i].tokens, i
         np.testing.assert_allclose(batcher_out[i].logprobs, single[i].logprobs, atol=1e-5)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+def test_params_push_to_the_generator_never_touches_the_host():
+    """The pipeline's push (`update_params`): trainer params sharded over 4 devices (fsdp-like,
+    rows) -> the generator's tensor-parallel layout on the other 4, with explicit host transfers
+    disallowed both ways (on CPU the device-to-host guard alone never trips; the host-to-device
+    one catches a round trip through numpy, which `jax.device_put` takes for this reshard)."""
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    generator_devices, trainer_devices = split_devices(jax.devices(), 0.5)
+    trainer_params = jax.device_put(params, param_shardings(params, make_mesh((1, 4, 1), devices=trainer_devices)))
+    generator_mesh = make_mesh((2, 1, 2), devices=generator_devices)  # slots over data, heads over tensor
+    engine = Engine(graphdef, CONFIG, EngineConfig(num_slots=4, max_len=16, chunk_size=2), mesh=generator_mesh)
+    batcher = ContinuousBatcher(engine, jax.device_put(params, param_shardings(params, generator_mesh)))
+    expected = jax.tree.map(np.asarray, trainer_params)
+    with jax.transfer_guard_host_to_device("disallow_explicit"), jax.transfer_guard_device_to_host("disallow_explicit"):
+        batcher.update_params(trainer_params, 1)
+        batcher.run_chunk()  # adopts version 1
+    for leaf in jax.tree.leaves(trainer_params):
+        leaf.delete()  # the next train step donates them: the generator must hold its own copy
+    adopted = batcher.params
+    assert batcher.version == 1
+    for got, want, target in zip(jax.tree.leaves(adopted), jax.tree.leaves(expected),
+                                 jax.tree.leaves(param_shardings(params, generator_mesh))):
+        assert got.sharding == target
+        np.testing.assert_array_equal(np.asarray(got), want)

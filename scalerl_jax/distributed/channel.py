@@ -176,11 +176,13 @@ class Connection:
         *,
         peer: str,
         peer_process: int,
+        role: str = "",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         send_timeout: float = DEFAULT_SEND_TIMEOUT_S,
     ):
         self.peer = peer
         self.peer_process = peer_process
+        self.role = role  # what the connection is for (one process may open several)
         self.max_message_bytes = max_message_bytes
         self.send_timeout = send_timeout
         self._sock = sock
@@ -192,10 +194,12 @@ class Connection:
         self._closed = False
         _configure(sock, send_timeout)
 
-    def _authenticated(self, *, peer: str, peer_process: int, max_message_bytes: int, send_timeout: float) -> None:
-        """After the handshake: the peer's real name and the limits for normal traffic."""
+    def _authenticated(self, *, peer: str, peer_process: int, role: str, max_message_bytes: int,
+                       send_timeout: float) -> None:
+        """After the handshake: the peer's real name, the connection's role and the limits for normal traffic."""
         self.peer = peer
         self.peer_process = peer_process
+        self.role = role
         self.max_message_bytes = max_message_bytes
         self.send_timeout = send_timeout
         self._sock.settimeout(send_timeout)
@@ -425,7 +429,7 @@ class Server:
         sock: socket.socket,
         origin: str,
         timeout: float,
-        accepted: Sequence[int],
+        accepted: Sequence[tuple[int, str]],
         expected: frozenset[int] | None,
     ) -> Connection:
         """Authenticate one incoming socket. _NotAPeer for non-protocol traffic (ignored by
@@ -460,27 +464,29 @@ class Server:
             raise self._refuse(connection, "wrong secret (the HMAC of the nonce does not match)")
         if expected is not None and process not in expected:
             raise self._refuse(connection, f"process {process} is not one of the expected {_describe(expected)}")
-        if process in accepted:
-            raise self._refuse(connection, f"process {process} is already connected")
+        if (process, role) in accepted:
+            raise self._refuse(connection, f"process {process} is already connected as {role!r}")
         connection.send({"ok": True})
         connection._authenticated(
             peer=f"process {process} ({role})",
             peer_process=process,
+            role=role,
             max_message_bytes=self._max_message_bytes,
             send_timeout=self._send_timeout,
         )
         return connection
 
     def accept(self, timeout: float, expect: int | Sequence[int]) -> list[Connection]:
-        """Accept and authenticate `expect` peers within `timeout` s, sorted by process id.
+        """Accept and authenticate `expect` connections within `timeout` s, sorted by (process, role).
 
-        `expect` is a count, or the process ids that must connect (then missing ones are named
-        on timeout and others are refused). TimeoutError says how many arrived, from which
+        `expect` is a count, or the process ids that must connect, one connection each (then
+        missing ones are named on timeout and others are refused). A process may open several
+        connections under different roles (count them in `expect`), never two with one role. TimeoutError says how many arrived, from which
         processes, which are missing, and what non-protocol connections were dropped.
         """
         count, expected = _expected(expect)
         deadline = time.monotonic() + timeout
-        connections: dict[int, Connection] = {}
+        connections: dict[tuple[int, str], Connection] = {}
         dropped: list[str] = []
         try:
             while len(connections) < count:
@@ -498,20 +504,20 @@ class Server:
                 except _NotAPeer as err:
                     dropped.append(str(err))
                     continue
-                connections[connection.peer_process] = connection
+                connections[(connection.peer_process, connection.role)] = connection
         except BaseException:
             for connection in connections.values():
                 connection.close()
             raise
-        return [connections[p] for p in sorted(connections)]
+        return [connections[key] for key in sorted(connections)]
 
     def _timeout_message(self, timeout, count, expected, connections, dropped) -> str:
         message = (
             f"{self.name} accepted {len(connections)} of {count} expected connections in "
-            f"{float(timeout)} s on {self.address}; connected: {_describe(list(connections))}"
+            f"{float(timeout)} s on {self.address}; connected: {_describe(sorted({p for p, _ in connections}))}"
         )
         if expected is not None:
-            message += f"; missing: {_describe(list(expected - set(connections)))}"
+            message += f"; missing: {_describe(list(expected - {p for p, _ in connections}))}"
         if dropped:
             message += f"; dropped {len(dropped)} connection(s) that did not complete the handshake: " + "; ".join(dropped)
         return message
@@ -582,6 +588,7 @@ def connect(
             f"{peer_name} at {address} refused process {process} ({role}): {verdict.get('error', verdict)}"
         )
     connection._authenticated(
-        peer=peer_name, peer_process=server_process, max_message_bytes=max_message_bytes, send_timeout=send_timeout
+        peer=peer_name, peer_process=server_process, role=role, max_message_bytes=max_message_bytes,
+        send_timeout=send_timeout
     )
     return connection

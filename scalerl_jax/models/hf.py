@@ -404,6 +404,16 @@ def load_hf_config(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool
     return config_from_hf(hf, dtype=dtype, fp32_head=fp32_head, **overrides)
 
 
+def abstract_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True,
+                **config_overrides: Any) -> tuple[Any, Any, ModelConfig]:
+    """(graphdef, abstract params state, ModelConfig) of the checkpoint at `path`, reading only its
+    config.json and allocating nothing: what a process that receives its params from elsewhere
+    (a generator fed by weight transfer) needs to build its engine and target shardings."""
+    config = load_hf_config(path, dtype=dtype, fp32_head=fp32_head, **config_overrides)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    return graphdef, abstract_state, config
+
+
 def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True, mesh: Mesh | None = None,
             rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides: Any) -> Transformer:
     """A `Transformer` with the weights of the local HF checkpoint directory `path`.
@@ -414,11 +424,9 @@ def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True
     `param_shardings(..., mesh, rules)` sharding as it is read; otherwise on the default device.
     `config_overrides` set other ModelConfig fields (scan_layers, remat_policy, attention_impl...).
     """
-    config = load_hf_config(path, dtype=dtype, fp32_head=fp32_head, **config_overrides)
+    graphdef, abstract_state, config = abstract_hf(path, dtype=dtype, fp32_head=fp32_head, **config_overrides)
     files = _weight_files(path)
     sources, extra, ignored = _index_tensors(files)
-    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, abstract_state = nnx.split(abstract)
     variables = _named_variables(abstract_state)
     targets = _targets(config, list(variables))
     needed = _expected_hf_names(targets)

@@ -1,8 +1,8 @@
 """PipelineRL-k and PPO-off-policy-k: generator and trainer threads around a bounded group buffer.
 
 `lag.py` (which groups may be admitted / trained: the lag bound), `queue.py` (the thread-safe
-buffer), `batching.py` (groups -> padded train batch), `pipeline_rl.py` (the two threads,
-weight push, metrics, clean failure and signals), `sim.py` (discrete-event cluster simulator).
+buffer), `batching.py` (groups -> padded train batch), `generator.py` (the generator loop and its
+link to the buffer), `pipeline_rl.py` (the threads, weight push, metrics, clean failure and signals), `sim.py` (discrete-event cluster simulator).
 Only this package (and `main`) uses threads.
 """
 
@@ -10,14 +10,14 @@ from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import (PipelineSchedule, PPOOffPolicySchedule, Schedule, Ticket,
                                       default_capacity, make_schedule)
-from scalerl_jax.pipeline.pipeline_rl import (GeneratorStats, Pipeline, PipelineConfig,
-                                              PipelineResult, StepRecord)
+from scalerl_jax.pipeline.generator import Admission, GeneratorLink, GeneratorLoop, GeneratorStats, LocalLink
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, StepRecord
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate
 
 __all__ = [
-    "BufferCounts", "ClusterSpec", "GeneratorStats", "Group", "GroupBuffer", "PPOOffPolicySchedule",
-    "Pipeline", "PipelineConfig", "PipelineResult", "PipelineSchedule", "PipelineStopped", "Prompt",
+    "Admission", "BufferCounts", "ClusterSpec", "GeneratorLink", "GeneratorLoop", "GeneratorStats", "Group", "GroupBuffer", "PPOOffPolicySchedule",
+    "LocalLink", "Pipeline", "PipelineConfig", "PipelineResult", "PipelineSchedule", "PipelineStopped", "Prompt",
     "Schedule", "SimResult", "StepRecord", "Ticket", "WaitTimes", "build_train_batch",
     "default_capacity", "lags", "make_schedule", "pick_bucket", "power_of_two_buckets", "simulate",
 ]

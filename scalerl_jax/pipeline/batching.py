@@ -120,7 +120,7 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         group_ids[row] = g_index
         real[row] = True
     if zero_variance == "drop":
-        with jax.default_device(jax.devices("cpu")[0]):  # host math; keep accelerators free
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host math, on this process
             sample_valid, dropped = zero_variance_filter(rewards, group_ids, valid=real)
     else:
         sample_valid, dropped = real.copy(), 0

@@ -1,11 +1,13 @@
-"""PipelineRL-k and PPO-off-policy-k on one host: a generator thread and a trainer thread.
+"""PipelineRL-k and PPO-off-policy-k: a generator thread and a trainer thread around the buffer.
 
-Generator thread: keeps the sampler's decode slots busy. While the pending requests do not cover
-the free slots (plus `admission_slack`), it asks the group buffer to admit a prompt at the
-sampler's current params version, takes a prompt from `prompt_source`, and queues its n requests.
-It runs one sampler chunk at a time; when all n completions of a prompt are back it scores them
-with `reward_fn` and hands the group to the buffer. With nothing to run and admission refused it
-blocks on the buffer (back-pressure), first adopting any params pushed meanwhile.
+Generator thread (`generator.py`'s `GeneratorLoop` over this pipeline's `LocalLink`): keeps the
+sampler's decode slots busy. While the pending requests do not cover the free slots (plus
+`admission_slack`), it asks the group buffer to admit a prompt at the sampler's current params
+version (the prompt comes from `prompt_source`) and queues its n requests. It runs one sampler
+chunk at a time; when all n completions of a prompt are back they are scored with `reward_fn`
+and the group goes to the buffer. With nothing to run and admission refused it blocks on the
+buffer (back-pressure), first adopting any params pushed meanwhile. Generators of other
+processes (multi-host) share the same `LocalLink` through `remote_generators` services.
 
 Trainer thread: takes the batch the schedule selects (waiting if needed), builds the padded
 arrays (`batching.py`), runs the train step and reports a `StepRecord` through `on_step`
@@ -28,8 +30,8 @@ thread. Groups still queued at the end are listed in the result, never reported 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import signal
 import threading
 import time
@@ -40,10 +42,11 @@ import numpy as np
 from absl import logging
 
 from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, power_of_two_buckets
+from scalerl_jax.pipeline.generator import (GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink,
+                                            SamplingSettings)
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
-from scalerl_jax.sampler.batcher import Request
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
@@ -139,19 +142,6 @@ class StepRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class GeneratorStats:
-    """Cumulative generator-side counters."""
-
-    chunks: int = 0
-    busy_s: float = 0.0  # time inside sampler chunks
-    generated_tokens: int = 0
-    completions: int = 0
-    groups_finished: int = 0
-    groups_discarded: int = 0  # zero-variance groups dropped on arrival ('refill')
-    score_s: float = 0.0  # time inside reward_fn
-
-
-@dataclasses.dataclass(frozen=True)
 class PipelineResult:
     """How a run ended, the final train state and the accounting of every admitted group.
 
@@ -170,41 +160,30 @@ class PipelineResult:
     wall_s: float
 
 
-class _GeneratorCounters:
-    """Lock-guarded `GeneratorStats` written by the generator thread, read by the trainer."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._stats = GeneratorStats()
-
-    def add(self, **increments: float) -> None:
-        with self._lock:
-            self._stats = dataclasses.replace(self._stats, **{
-                name: getattr(self._stats, name) + value for name, value in increments.items()})
-
-    def snapshot(self) -> GeneratorStats:
-        with self._lock:
-            return self._stats
-
-
-def request_seed(base_seed: int, admit_version: int, index: int, sample: int) -> int:
-    """A request's sampler stream in [0, 2**32), from (run seed, admission version, index of the
-    group among those admitted at that version, sample): distinct per request, and the same
-    after a resume at a PPO phase boundary (group ids restart, these do not)."""
-    state = np.random.SeedSequence([base_seed, admit_version, index, sample]).generate_state(1)
-    return int(state[0])
+def sampling_settings(config: PipelineConfig) -> SamplingSettings:
+    """What every generator's requests share, from the pipeline config (the same on every process)."""
+    return SamplingSettings(
+        max_new_tokens=config.max_new_tokens, samples_per_prompt=config.samples_per_prompt,
+        temperature=config.temperature, stop_tokens=tuple(config.stop_tokens), interrupt=config.interrupt,
+        seed=config.seed, poll_s=config.poll_s,
+        admission_slack=config.samples_per_prompt if config.admission_slack is None else config.admission_slack)
 
 
 class Pipeline:
     """Runs the generator and trainer threads (module docstring). One `run()` per instance.
 
-    `batcher`: the sampler driver (`ContinuousBatcher` protocol: `add_request`, `run_chunk`,
-    `update_params`, `num_free_slots`, `num_pending`, `idle`, `version`).
-    `prompt_source()` -> `Prompt`; `reward_fn(prompt, completions)` -> n floats (called in the
-    generator thread). `train_step(state, batch)` -> (state, metrics) (may donate `state`).
-    `push_params(state, version)` sends new params to the sampler (default: `update_params`
-    of `state.params`). `on_step(record)` is called in the trainer thread after each step.
-    `clock` measures waits and throughput.
+    `batcher`: the sampler driver of this process's generator (`ContinuousBatcher` protocol:
+    `add_request`, `run_chunk`, `update_params`, `num_free_slots`, `num_pending`, `idle`,
+    `version`), or None when this process has no generator devices (multi-host: generators in
+    other processes come in through `link` and `remote_generators`).
+    `prompt_source()` -> `Prompt`; `reward_fn(prompt, completions)` -> n floats (called by the
+    generator that finished the group, under `link`'s lock). `train_step(state, batch)` ->
+    (state, metrics) (may donate `state`). `push_params(state, version)` sends new params to every
+    generator (default: `update_params` of `state.params`). `on_step(record)` is called in the
+    trainer thread after each step. `remote_generators`: (name, serve(link, stop_event)), each run
+    in its own thread beside the others and guarded the same way (an error in one stops all),
+    serving a generator of another process with this pipeline's `LocalLink`. `clock` measures
+    waits and throughput.
     """
 
     def __init__(self, config: PipelineConfig, *, batcher: Any,
@@ -213,6 +192,7 @@ class Pipeline:
                  train_step: Callable[[Any, dict], tuple[Any, dict]], train_state: Any,
                  push_params: Callable[[Any, int], Any] | None = None,
                  on_step: Callable[[StepRecord], None] | None = None,
+                 remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.schedule = make_schedule(config.schedule, k=config.k,
@@ -221,12 +201,12 @@ class Pipeline:
         capacity = config.capacity if config.capacity is not None else default_capacity(self.schedule)
         self.buffer = GroupBuffer(self.schedule, capacity=capacity,
                                   first_version=config.first_version, clock=clock)
-        if batcher.version != config.first_version:
+        if batcher is not None and batcher.version != config.first_version:
             raise ValueError(f"batcher holds params version {batcher.version} but "
                              f"PipelineConfig.first_version={config.first_version}")
+        if batcher is None and push_params is None:
+            raise ValueError("Pipeline without a local batcher needs push_params")
         self.batcher = batcher
-        self.prompt_source = prompt_source
-        self.reward_fn = reward_fn
         self.train_step = train_step
         self.push_params = push_params or (
             lambda state, version: batcher.update_params(state.params, version))
@@ -237,8 +217,13 @@ class Pipeline:
         self._train_state = train_state
         self._version = config.first_version
         self._trained_ids: list[int] = []
-        self._generator_stats = _GeneratorCounters()
-        self._stop = threading.Event()  # both loops: leave now
+        self._generator_stats = GeneratorCounters()
+        self.link = LocalLink(self.buffer, prompt_source=prompt_source, reward_fn=reward_fn,
+                              samples_per_prompt=config.samples_per_prompt,
+                              zero_variance=config.zero_variance, counters=self._generator_stats, clock=clock)
+        self.sampling = sampling_settings(config)
+        self._remote_generators = list(remote_generators)
+        self._stop = threading.Event()  # every loop: leave now
         self._stop_requested = threading.Event()  # trainer: leave after the current step
         self._stop_reason = ""
         self._error: BaseException | None = None
@@ -258,10 +243,12 @@ class Pipeline:
             raise RuntimeError("Pipeline.run() may be called once per Pipeline")
         self._started = True
         start = self.clock()
+        loops = [("trainer", self._trainer_loop)]
+        if self.batcher is not None:
+            loops.append(("generator", self._generator_loop))
+        loops += [(name, functools.partial(serve, self.link, self._stop)) for name, serve in self._remote_generators]
         threads = [threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}",
-                                    daemon=True)
-                   for name, loop in (("generator", self._generator_loop),
-                                      ("trainer", self._trainer_loop))]
+                                    daemon=True) for name, loop in loops]
         previous_handlers = self._install_signal_handlers()
         try:
             for thread in threads:
@@ -329,72 +316,8 @@ class Pipeline:
             self.buffer.close()
 
     # ------------------------------------------------------------------ generator
-    def _request(self, prompt: Prompt, group_id: int, sample: int, version: int,
-                 index: int) -> Request:
-        cfg = self.config
-        return Request(request_id=(group_id, sample), prompt_tokens=prompt.tokens,
-                       max_new_tokens=cfg.max_new_tokens,
-                       seed=request_seed(cfg.seed, version, index, sample),
-                       temperature=cfg.temperature, stop_tokens=tuple(cfg.stop_tokens),
-                       interrupt=cfg.interrupt)
-
     def _generator_loop(self) -> None:
-        cfg, batcher = self.config, self.batcher
-        slack = cfg.samples_per_prompt if cfg.admission_slack is None else cfg.admission_slack
-        assembling: dict[int, dict] = {}
-        admitted_at: collections.Counter = collections.Counter()  # groups admitted per version
-        while not self._stop.is_set():
-            version = batcher.version
-            while batcher.num_pending < batcher.num_free_slots + slack:
-                group_id = self.buffer.try_admit(version)
-                if group_id is None:
-                    break
-                prompt = self.prompt_source()
-                assembling[group_id] = {"prompt": prompt, "version": version, "done": {}}
-                for sample in range(cfg.samples_per_prompt):
-                    batcher.add_request(
-                        self._request(prompt, group_id, sample, version, admitted_at[version]))
-                admitted_at[version] += 1
-            if batcher.idle:
-                epoch = self.buffer.epoch
-                batcher.run_chunk()  # nothing to decode: only adopts params pushed meanwhile
-                if batcher.version == version:
-                    self.buffer.wait_admissible(version, epoch=epoch, timeout=cfg.poll_s)
-                continue
-            start = self.clock()
-            completions = batcher.run_chunk()
-            self._generator_stats.add(chunks=1, busy_s=self.clock() - start,
-                                      generated_tokens=sum(len(c.tokens) for c in completions),
-                                      completions=len(completions))
-            for completion in completions:
-                group_id, sample = completion.request_id
-                entry = assembling[group_id]
-                entry["done"][sample] = completion
-                if len(entry["done"]) == cfg.samples_per_prompt:
-                    del assembling[group_id]
-                    self._finish_group(group_id, entry)
-
-    def _finish_group(self, group_id: int, entry: dict) -> None:
-        cfg = self.config
-        completions = [entry["done"][sample] for sample in range(cfg.samples_per_prompt)]
-        start = self.clock()
-        rewards = np.asarray(self.reward_fn(entry["prompt"], completions), np.float32)
-        score_s = self.clock() - start
-        if rewards.shape != (cfg.samples_per_prompt,):
-            raise ValueError(f"reward_fn returned shape {rewards.shape} for group {group_id}; "
-                             f"expected ({cfg.samples_per_prompt},)")
-        group = Group(group_id=group_id, prompt=entry["prompt"], admit_version=entry["version"],
-                      completions=completions, rewards=rewards)
-        early = [v for v in group.first_versions if v < group.admit_version]
-        if early:
-            raise RuntimeError(f"group {group_id}: first token version {min(early)} is older than "
-                               f"its admission version {group.admit_version}")
-        if cfg.zero_variance == "refill" and np.all(rewards == rewards[0]):
-            self.buffer.discard(group_id)
-            self._generator_stats.add(groups_discarded=1, score_s=score_s)
-            return
-        self.buffer.put(group_id, group)
-        self._generator_stats.add(groups_finished=1, score_s=score_s)
+        GeneratorLoop(self.batcher, self.link, self.sampling, self._generator_stats, clock=self.clock).run(self._stop)
 
     # ------------------------------------------------------------------ trainer
     def _trainer_loop(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Hashable, Sequence
 import jax
 import numpy as np
 
+from scalerl_jax.distributed.weight_push import push_local
 from scalerl_jax.sampler.engine import (ChunkResult, Engine, SlotSettings, host_settings,
                                         prefill_bucket, row_bucket)
 
@@ -127,6 +128,11 @@ class ContinuousBatcher:
         return self._version
 
     @property
+    def params(self) -> Any:
+        """The params the next chunk decodes with (version `version`)."""
+        return self._params
+
+    @property
     def num_free_slots(self) -> int:
         return sum(record is None for record in self._slots)
 
@@ -160,14 +166,17 @@ class ContinuousBatcher:
         self._live_ids.add(request.request_id)
         self._queue.append(request)
 
-    def update_params(self, params: Any, version: int) -> float:
+    def update_params(self, params: Any, version: int, *, copy: bool = True) -> float:
         """Copy `params` onto the generator's shardings; adopted at the next chunk boundary.
 
-        Always copies (never aliases the caller's buffers, which a train step may donate).
-        Returns and records the push time in seconds (until the copy is complete).
+        Copies by default, device to device (`distributed.weight_push.push_local`: never through
+        the host, never aliasing the caller's buffers, which a train step may donate);
+        `copy=False` takes over params that are already this generator's own buffers on its
+        shardings (e.g. just received by weight transfer). Returns and records the push time in
+        seconds (until the copy is complete).
         """
         start = time.perf_counter()
-        placed = jax.device_put(params, self._param_shardings, may_alias=False)
+        placed = push_local(params, self._param_shardings) if copy else params
         jax.block_until_ready(placed)
         seconds = time.perf_counter() - start
         with self._params_lock:

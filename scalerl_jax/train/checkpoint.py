@@ -38,7 +38,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -183,16 +183,44 @@ def _orbax_muted() -> Iterator[None]:
         logging.set_verbosity(verbosity)
 
 
+def _serializable(train_state: Any) -> Any:
+    """The state as orbax can write it. In a multi-process run whose trainer is one process (0),
+    its arrays are fully addressable there, and orbax refuses those ("host local") when there are
+    several processes: they are written from host copies instead (what any save reads anyway;
+    orbax writes host arrays from process 0); a restore places them back on the abstract state's
+    shardings."""
+    if jax.process_count() == 1:
+        return train_state
+    return jax.tree.map(lambda leaf: jax.device_get(leaf) if isinstance(leaf, jax.Array) and leaf.is_fully_addressable
+                        else leaf, train_state)
+
+
 class RunCheckpointer:
     """Saves and restores `(train_state, run_state)` pairs under `WORKDIR/checkpoints`, verified."""
 
-    def __init__(self, workdir: str, *, keep: int):
+    def __init__(self, workdir: str, *, keep: int, processes: Sequence[int] | None = None):
+        """`processes`: the trainer processes of a multi-process run (all of them save and restore
+        together; process 0, the leader, writes the JSON items); None: every process (one)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        multiprocessing = ocp.options.MultiprocessingOptions()
+        if processes is not None and jax.process_count() > 1:
+            if min(processes) != 0:
+                raise ValueError(f"RunCheckpointer: the trainer processes {sorted(processes)} must include "
+                                 "process 0 (orbax writes host arrays from process 0 only)")
+            multiprocessing = ocp.options.MultiprocessingOptions(
+                primary_host=0, active_processes=set(processes), barrier_sync_key_prefix="trainers")
+            os.makedirs(self.directory, exist_ok=True)  # orbax creates it only without active_processes
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=multiprocessing.active_processes is None,
+                                                 cleanup_tmp_directories=True,
+                                                 multiprocessing_options=multiprocessing),
+            item_handlers={  # the handlers take the same processes (orbax's defaults: all of them)
+                TRAIN_STATE: ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
+                RUN_STATE: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+                INTEGRITY: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)},
         )
 
     def latest_step(self) -> int | None:
@@ -216,7 +244,7 @@ class RunCheckpointer:
             try:
                 self._probe_writable()
                 self._manager.save(step, args=ocp.args.Composite(**{
-                    TRAIN_STATE: ocp.args.StandardSave(train_state),
+                    TRAIN_STATE: ocp.args.StandardSave(_serializable(train_state)),
                     RUN_STATE: ocp.args.JsonSave(run_state),
                     INTEGRITY: ocp.args.JsonSave(record),
                 }))
