@@ -606,13 +606,19 @@ def _remote_evaluation(config: ml_collections.ConfigDict, engine: Engine, source
                        version: int) -> Callable[[Any, int, list[list[int]], int], list[Completion]]:
     """The evaluating generator's `evaluate(params, version, prompts, seed_offset)`, on a batcher of
     its own (a second KV cache, on this process only) that starts from the generator's buffers."""
-    eval_batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed + 1)
+    eval_batcher = ContinuousBatcher(_second_engine(engine), params, version=version, seed=config.seed + 1)
 
     def evaluate(params, version, prompts, seed_offset):
         eval_batcher.update_params(params, version, copy=False)
         return make_sample_fn(eval_batcher, config, source.tokens.stop_ids, seed_offset=seed_offset)(prompts)
 
     return evaluate
+
+
+def _second_engine(engine: Engine) -> Engine:
+    """An engine like `engine` for a second decode state: an engine tracks the live window of one
+    decode state only (`sampler/engine.py`), and the evaluation batcher runs beside the generator's."""
+    return Engine(engine.graphdef, engine.model_config, engine.config, mesh=engine.mesh, rules=engine.rules)
 
 
 def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
@@ -637,7 +643,7 @@ def _leader_batchers(config: ml_collections.ConfigDict, source: PolicySource, tr
         params = push_local(trainer.state.params, param_shardings(trainer.state.params, meshes.generator))
     # Both read the same buffers until their first update (batchers never donate params).
     return (ContinuousBatcher(engine, params, version=start_step, seed=config.seed),
-            ContinuousBatcher(engine, params, version=start_step, seed=config.seed + 1))
+            ContinuousBatcher(_second_engine(engine), params, version=start_step, seed=config.seed + 1))
 
 
 def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
