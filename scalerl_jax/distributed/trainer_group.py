@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from scalerl_jax.distributed.channel import Connection
 
 
-
 def process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...], process: int) -> list[slice]:
     """The row ranges (dimension 0) of a `global_shape` array that `process`'s devices hold under
     `sharding`, sorted and without repeats: concatenated, they are that process's local data."""

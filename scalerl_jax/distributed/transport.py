@@ -26,6 +26,7 @@ from scalerl_jax.sampler.batcher import Completion
 if TYPE_CHECKING:
     from scalerl_jax.distributed.channel import Connection
 
+
 TRAIN, EVAL = "train", "eval"
 
 
