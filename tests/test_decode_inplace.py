@@ -130,3 +130,21 @@ def test_underestimated_live_bound_stops_the_chunk_instead_of_misreading(model):
     full = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=128, **common))
     want = run_batcher(full, params, [Request("r", prompt, 12)])["r"].tokens
     assert emitted == want
+
+
+def test_finished_slots_stop_widening_the_window(model):
+    """A long prompt that finished no longer counts: the window falls back to what the short live
+    request needs (before, the finished slot's bound kept growing and held the window at 128+)."""
+    graphdef, params = nnx.split(model)
+    engine = Engine(graphdef, CONFIG, EngineConfig(num_slots=2, max_len=256, chunk_size=4, min_prefill_bucket=8,
+                                                   max_prefill_rows=2, min_decode_window=16))
+    batcher = ContinuousBatcher(engine, params, seed=5)
+    batcher.add_request(Request("long prompt", list(range(1, 101)), 8, stop_tokens=()))
+    batcher.add_request(Request("short prompt", [4, 5, 6], 200, stop_tokens=()))
+    done = []
+    while not any(c.request_id == "long prompt" for c in done):
+        done += batcher.run_chunk()
+    for _ in range(2):
+        batcher.run_chunk()
+    # the short request is near position 3 + 4 * (chunks so far) < 32: one 32-wide window covers it
+    assert engine.decode_window() <= 32, engine.decode_window()

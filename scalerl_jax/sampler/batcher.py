@@ -190,9 +190,11 @@ class ContinuousBatcher:
         previous, self._inflight = self._inflight, None
         if previous is not None:
             still_active = np.asarray(previous.result.active)
-            for slot, record in enumerate(previous.records):
-                if record is not None and not still_active[slot]:
-                    self._slots[slot] = None
+            finished = [slot for slot, record in enumerate(previous.records)
+                        if record is not None and not still_active[slot]]
+            for slot in finished:
+                self._slots[slot] = None
+            self.engine.release_slots(finished)
         self._adopt_pending_params()
         self._fill_free_slots()
         if self.num_active:

@@ -340,6 +340,11 @@ class Engine:
         with self._mesh_context():
             return self._generate_jit(params, state, window)
 
+    def release_slots(self, slots: Any) -> None:
+        """Slots whose request finished (inactive on the device) no longer widen the window; an
+        insert sets their bound again."""
+        self._live_bound[np.asarray(slots, np.int64)] = 0
+
     def decode_window(self) -> int:
         """W of the next chunk: covers positions up to max(live bound) + chunk_size - 2 (module doc)."""
         cfg = self.config
