@@ -684,7 +684,7 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
     remote = GeneratorPush(remote_params, timeout_s=config.distributed.reply_timeout_s) if remote_params else None
     batchers = _leader_batchers(config, source, trainer, meshes, routes, transfer, group, start_step)
     transport = LeaderTransport(
-        routes, roles=roles, group=group, offer=transfer.offer, local_batcher=batchers[0],
+        routes, group=group, offer=transfer.offer, local_batcher=batchers[0],
         local_eval_batcher=batchers[1], local_pull=transfer.pull, remote=remote,
         eval_connection=links.of_role("params").get(routes.evaluator) if links else None,
         sample_local=lambda batcher, prompts, offset: make_sample_fn(

@@ -63,15 +63,14 @@ class LeaderTransport:
     an evaluation on the leader's own evaluation batcher.
     """
 
-    def __init__(self, routes: Routes, *, roles: Roles, group: TrainerGroup | None,
+    def __init__(self, routes: Routes, *, group: TrainerGroup | None,
                  offer: Callable[[str, int, Any], None] | None, local_batcher: Any, local_eval_batcher: Any,
                  local_pull: Callable[[int], Any] | None, remote: GeneratorPush | None,
                  eval_connection: Connection | None,
                  sample_local: Callable[[Any, list[list[int]], int], list[Completion]]):
-        self._routes, self._roles, self._group, self._offer = routes, roles, group, offer
+        self._routes, self._group, self._offer = routes, group, offer
         self._local_batcher, self._local_eval_batcher, self._local_pull = local_batcher, local_eval_batcher, local_pull
         self._remote, self._eval_connection, self._sample_local = remote, eval_connection, sample_local
-        self.last_push_bytes = 0
 
     def _offer_all(self, purpose: str, version: int, params: Any) -> None:
         """Collective on the trainer processes: the followers are told first."""
