@@ -2,7 +2,7 @@
 import pytest
 
 from scalerl_jax.models import get_preset
-from scalerl_jax.models.memory import kv_cache_bytes, main, plan_memory
+from scalerl_jax.models.memory import kv_bytes_per_token, kv_cache_bytes, main, plan_decode, plan_memory
 
 
 def test_llama31_8b_fsdp8_bytes_by_hand():
@@ -51,3 +51,41 @@ def test_cli_prints_fit(capsys):
           "--remat", "full", "--attention_impl", "cudnn"])
     out = capsys.readouterr().out
     assert "H100 80GB: fits" in out and "H200 141GB: fits" in out and "optimizer" in out
+
+
+def test_decode_plan_llama31_8b_h200_by_hand():
+    # KV bytes per token = 2 (k, v) * 32 layers * 8 kv heads * 128 head_dim * 2 (bf16) = 131,072.
+    # Generator weights on one device (bf16 body, fp32 head): the fsdp=8 shards above times 8 with the
+    # replicated norms counted once: 8 * (2,139,365,376 - 532,480) + 532,480 = 17,111,195,648.
+    # Budget = 141e9 - 0.1 * 141e9 - 4e9 workspace - weights = 105,788,804,352.
+    # (a) 16,384 tokens per slot = 2,147,483,648 B -> floor(49.26) = 49 slots.
+    # (b) live tokens per slot = 2,048 + 11,264 / 2 = 7,680 -> 480 pages of 16 = 1,006,632,960 B
+    #     -> floor(105.09) = 105 slots, pool 105 * 480 = 50,400 pages; synchronized: 13,312 tokens
+    #     = 832 pages = 1,744,830,464 B -> floor(60.63) = 60 slots.
+    config = get_preset("llama3.1-8b")
+    assert kv_bytes_per_token(config) == 131_072
+    plan = plan_decode(config, max_len=16_384, page_size=16, mean_prompt=2_048, mean_completion=11_264,
+                       device_gb=141, usable_fraction=0.9, workspace_gb=4.0)
+    assert plan.weights == 17_111_195_648
+    assert plan.kv_budget == 105_788_804_352
+    assert plan.slots_unpaged == 49
+    assert plan.pages_per_slot == 480 and plan.slots_paged == 105 and plan.num_pages == 50_400
+    assert plan.pages_per_slot_synchronized == 832 and plan.slots_paged_synchronized == 60
+
+
+def test_decode_plan_rounds_live_tokens_up_to_pages():
+    # tiny-llama (float32): KV per token = 2 * 2 layers * 2 kv heads * 16 * 4 = 512 B. 10 + 7 / 2 = 13.5
+    # live tokens -> ceil(13.5 / 4) = 4 pages of 4 tokens per slot.
+    config = get_preset("tiny-llama")
+    assert kv_bytes_per_token(config) == 512
+    plan = plan_decode(config, max_len=64, page_size=4, mean_prompt=10, mean_completion=7, device_gb=1)
+    assert plan.pages_per_slot == 4
+    assert plan.slots_paged == plan.kv_budget // (4 * 4 * 512)
+
+
+def test_cli_decode_report(capsys):
+    main(["--report", "decode", "--preset", "llama3.1-8b", "--max_len", "16384", "--page_size", "16"])
+    out = capsys.readouterr().out
+    assert "-> 49 slots" in out and "-> 105 slots" in out and "num_pages=50400" in out
+    assert "mean completion 11,264" in out  # the recipe's think budget midpoint, stated
+    assert "H100 80GB" not in out  # the training plan is not printed

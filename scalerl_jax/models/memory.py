@@ -1,6 +1,7 @@
-"""Per-device memory plan of a training configuration, from shapes only (no allocation).
+"""Per-device memory plan of a training configuration and of a decode (generator) device, from shapes only.
 
     python -m scalerl_jax.models.memory --preset llama3.1-8b --mesh 1,8,1 --microbatch 8 --seq_len 16384
+    python -m scalerl_jax.models.memory --report decode --preset llama3.1-8b --max_len 16384 --page_size 16
 
 Parameters come from `nnx.eval_shape` of the model and their shardings from the logical-axis rules,
 so a shard is exact: prod(ceil(dim / mesh axes)) elements. Optimizer state is AdamW's two float32
@@ -10,6 +11,10 @@ microbatch's gradient in the parameter dtype. Activations are an estimate (state
 working set during its backward pass, and the chunked log-prob head. The plan is for a device
 `platform` ('gpu' by default: the H100 / H200 it is checked against), which decides what
 `attention_impl='auto'` means (`layers.resolve_attention_impl`).
+
+The decode report (`plan_decode`) is for one generator device holding the whole model: how many
+decode slots fit next to the weights, (a) without paging, each slot owning max_len tokens of KV, and
+(b) with a paged KV pool sized for the expected live tokens of the recipe's length distribution.
 """
 from __future__ import annotations
 
@@ -130,6 +135,118 @@ def kv_cache_bytes(config: ModelConfig, mesh: Mapping[str, int], *, slots: int, 
     return 2 * shard_elements(shape, spec, mesh) * np.dtype(config.dtype).itemsize
 
 
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """K and V of one token over all layers: 2 * layers * kv_heads * head_dim * body dtype bytes."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
+
+
+def generator_weight_bytes(config: ModelConfig, rules: sharding.Rules = sharding.DEFAULT_RULES) -> int:
+    """Bytes of every parameter on one unsharded device, in its own dtype (body dtype; float32 head
+    when `fp32_head`, as the generator holds it)."""
+    return param_shard_bytes(config, {"data": 1, "fsdp": 1, "tensor": 1}, rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Decode slots of one generator device (bytes; 1 GB = 1e9 bytes).
+
+    KV budget = device - reserve - weights, reserve = (1 - usable_fraction) * device (memory XLA
+    does not take) + workspace (decode and prefill scratch). Without paging a slot owns max_len
+    tokens: slots = floor(budget / (max_len * kv_per_token)). With paging a slot holds the pages
+    of its live tokens. A slot's live length grows by one token per decode step from the prompt to
+    prompt + completion, so with slots at staggered points of their completions (steady state of
+    continuous batching) a slot holds on average prompt + completion / 2 tokens: the pool is sized
+    for ceil(that / page_size) pages per slot. If all slots started together (synchronized, e.g.
+    a cold start) they would reach prompt + completion at once: `pages_per_slot_synchronized`.
+    """
+    device_bytes: int
+    usable_fraction: float
+    workspace: int
+    weights: int
+    kv_per_token: int
+    max_len: int
+    page_size: int
+    mean_prompt: float
+    mean_completion: float
+
+    @property
+    def reserve(self) -> int:
+        return round(self.device_bytes * (1 - self.usable_fraction)) + self.workspace
+
+    @property
+    def kv_budget(self) -> int:
+        return max(0, self.device_bytes - self.reserve - self.weights)
+
+    @property
+    def slots_unpaged(self) -> int:
+        return self.kv_budget // (self.max_len * self.kv_per_token)
+
+    @property
+    def live_tokens_per_slot(self) -> float:
+        """Mean live tokens of a slot in steady state: prompt + completion / 2 (capped at max_len)."""
+        return min(float(self.max_len), self.mean_prompt + self.mean_completion / 2)
+
+    @property
+    def pages_per_slot(self) -> int:
+        return math.ceil(self.live_tokens_per_slot / self.page_size)
+
+    @property
+    def slots_paged(self) -> int:
+        return self.kv_budget // (self.pages_per_slot * self.page_size * self.kv_per_token)
+
+    @property
+    def num_pages(self) -> int:
+        """Pool size (EngineConfig.num_pages) for `slots_paged` slots."""
+        return self.slots_paged * self.pages_per_slot
+
+    @property
+    def pages_per_slot_synchronized(self) -> int:
+        return math.ceil(min(float(self.max_len), self.mean_prompt + self.mean_completion) / self.page_size)
+
+    @property
+    def slots_paged_synchronized(self) -> int:
+        return self.kv_budget // (self.pages_per_slot_synchronized * self.page_size * self.kv_per_token)
+
+
+def plan_decode(config: ModelConfig, *, max_len: int, page_size: int, mean_prompt: float,
+                mean_completion: float, device_gb: float = DEVICE_MEMORY_GB["H200 141GB"],
+                usable_fraction: float = 0.9, workspace_gb: float = 4.0) -> DecodePlan:
+    """DecodePlan of `config` (its dtypes as the generator holds them) on one device of `device_gb` GB."""
+    if page_size < 1 or max_len < 1:
+        raise ValueError(f"plan_decode: page_size={page_size} and max_len={max_len} must be >= 1")
+    if not 0 < usable_fraction <= 1:
+        raise ValueError(f"plan_decode: usable_fraction={usable_fraction} must be in (0, 1]")
+    return DecodePlan(device_bytes=int(device_gb * 1e9), usable_fraction=usable_fraction,
+                      workspace=int(workspace_gb * 1e9), weights=generator_weight_bytes(config),
+                      kv_per_token=kv_bytes_per_token(config), max_len=max_len, page_size=page_size,
+                      mean_prompt=float(mean_prompt), mean_completion=float(mean_completion))
+
+
+def format_decode_plan(plan: DecodePlan, title: str) -> str:
+    """Human-readable decode report in GB (1e9 bytes), with its assumptions."""
+    gb = lambda n: f"{n / 1e9:10.2f} GB"  # noqa: E731
+    per_slot_paged = plan.pages_per_slot * plan.page_size * plan.kv_per_token
+    return "\n".join([
+        title,
+        f"  {'device':<34}{gb(plan.device_bytes)}",
+        f"  {'generator weights':<34}{gb(plan.weights)}",
+        f"  {'reserve':<34}{gb(plan.reserve)} ({1 - plan.usable_fraction:.0%} of the device not "
+        f"taken by XLA + {plan.workspace / 1e9:.1f} GB decode/prefill workspace)",
+        f"  {'KV budget':<34}{gb(plan.kv_budget)}",
+        f"  {'KV per token':<34}{plan.kv_per_token:10,d} B (2 x layers x kv_heads x head_dim x dtype bytes)",
+        f"  (a) no paging: {plan.max_len} tokens per slot = {plan.max_len * plan.kv_per_token / 1e9:.3f} GB "
+        f"-> {plan.slots_unpaged} slots",
+        f"  (b) paging, page_size {plan.page_size}: assumed mean prompt {plan.mean_prompt:,.0f} + mean "
+        f"completion {plan.mean_completion:,.0f} tokens; slots at staggered points of their completions "
+        f"hold prompt + completion / 2 = {plan.live_tokens_per_slot:,.0f} live tokens on average -> "
+        f"{plan.pages_per_slot} pages = {per_slot_paged / 1e9:.3f} GB per slot -> {plan.slots_paged} slots "
+        f"(EngineConfig(num_slots={plan.slots_paged}, page_size={plan.page_size}, "
+        f"num_pages={plan.num_pages}))",
+        f"      if all slots were at prompt + completion at once (synchronized start): "
+        f"{plan.pages_per_slot_synchronized} pages per slot -> {plan.slots_paged_synchronized} slots",
+    ])
+
+
 def plan_memory(config: ModelConfig, mesh_shape: Sequence[int] | Mapping[str, int], *, microbatch: int,
                 seq_len: int, remat_policy: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
                 logprob_chunk: int = 512, kv_slots: int = 0, platform: str = "gpu") -> MemoryPlan:
@@ -164,8 +281,21 @@ def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> s
     return "\n".join(lines)
 
 
+def recipe_decode_defaults() -> dict[str, float]:
+    """max_len, mean prompt and mean completion of the recipe (configs/scalerl_8b.py): max_len =
+    max_prompt_tokens + max_new_tokens; prompt = max_prompt_tokens (an upper bound: prompts are at
+    most that long); completion = the think budget's midpoint (think_budget_min + max) / 2."""
+    from scalerl_jax import recipe  # the CLI's defaults only; models/ does not depend on the recipe
+    config = recipe.scalerl_8b()
+    return {"max_len": config.data.max_prompt_tokens + config.sampler.max_new_tokens,
+            "mean_prompt": config.data.max_prompt_tokens,
+            "mean_completion": (config.sampler.think_budget_min + config.sampler.think_budget_max) / 2}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    defaults = recipe_decode_defaults()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", default="all", choices=("all", "train", "decode"))
     parser.add_argument("--preset", default="llama3.1-8b")
     parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor sizes")
     parser.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch (global)")
@@ -177,9 +307,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--logprob_chunk", type=int, default=512)
     parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
     parser.add_argument("--usable_fraction", type=float, default=0.9)
+    parser.add_argument("--max_len", type=int, default=int(defaults["max_len"]),
+                        help="decode: tokens per slot (prompt + completion)")
+    parser.add_argument("--page_size", type=int, default=16, help="decode: tokens per KV page")
+    parser.add_argument("--mean_prompt", type=float, default=defaults["mean_prompt"],
+                        help="decode: mean prompt tokens (default: the recipe's max_prompt_tokens)")
+    parser.add_argument("--mean_completion", type=float, default=defaults["mean_completion"],
+                        help="decode: mean completion tokens (default: the recipe's think budget midpoint)")
+    parser.add_argument("--device_gb", type=float, default=DEVICE_MEMORY_GB["H200 141GB"],
+                        help="decode: device memory (GB)")
+    parser.add_argument("--workspace_gb", type=float, default=4.0,
+                        help="decode: scratch kept free for the decode step and prefill")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
     config = get_preset(args.preset, **overrides)
+    if args.report in ("all", "decode"):
+        plan = plan_decode(config, max_len=args.max_len, page_size=args.page_size, mean_prompt=args.mean_prompt,
+                           mean_completion=args.mean_completion, device_gb=args.device_gb,
+                           usable_fraction=args.usable_fraction, workspace_gb=args.workspace_gb)
+        print(format_decode_plan(plan, f"decode: {args.preset} ({config.dtype}, fp32_head={config.fp32_head}) on "
+                                       f"one {args.device_gb:g} GB device, max_len {args.max_len}"))
+    if args.report == "decode":
+        return
     mesh = [int(s) for s in args.mesh.split(",")]
     plan = plan_memory(config, mesh, microbatch=args.microbatch, seq_len=args.seq_len, remat_policy=args.remat,
                        logprob_chunk=args.logprob_chunk, kv_slots=args.kv_slots, platform=args.platform)
