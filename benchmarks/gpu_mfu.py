@@ -1,26 +1,26 @@
-"""MFU of the RL train step on the accelerators present (ready to run when a GPU is lent).
+"""MFU of the RL train step with the recipe's settings on an 8B-shaped slice (GPU script).
 
 Runs the real jitted step (chunked fp32-head log-probs, CISPO loss, microbatched gradients,
-AdamW with fp32 master weights) on random weights of a preset, at `--seq_len` tokens per
-sequence (default 8,192), all devices in one FSDP mesh (1, n, 1). Reports the median step time,
-train tokens/s, achieved model TFLOP/s per device and MFU against the device's peak dense bf16
-FLOP/s. Model FLOPs per token (scalerl_jax/train/flops.py):
+AdamW with fp32 master weights) on random weights of a preset cut to `--layers` layers (default
+llama3.1-8b dims with 4 layers, so params, grads and optimizer state fit one H200), at
+`--seq_len` tokens per sequence (default 16,384, the recipe's longest), all devices in one FSDP
+mesh (1, n, 1), with the recipe's model settings (recipe.scalerl_8b(): remat policy, attention_impl
+'auto' = cuDNN flash attention on GPU, head_precision 'bf16x3', bf16 body, logprob chunk). Reports
+the median step time, train tokens/s, achieved model TFLOP/s per device and MFU against the
+device's peak dense bf16 FLOP/s (train/flops.py). Model FLOPs per token:
 
     6 N + 6 L h e (T + 1),   N = L (2 d h e + 2 d k e + 3 d f) + d V
 
 (N the weights used in matmuls, incl. the LM head; the attention term counts the causal half of
-QK^T and AV, forward + backward; recomputation under remat is NOT counted).
-
-`--preset auto` takes llama3.1-8b when its training state (about 20 bytes per parameter: bf16
-params and grads, fp32 master, fp32 Adam moments, fp32 grad accumulator) fits in 85% of the
-devices' memory, else llama3.2-1b (one H100/H200). Target: >= 45% MFU on one H100/H200.
+QK^T and AV, forward + backward; recomputation under remat is NOT counted, and the bf16x3 head,
+three bf16 passes on tensor cores, counts once). With few layers the head is a large share of N
+(printed): the slice's MFU is a lower bound of the full 32-layer model's. Goal: >= 40% on one H200.
 
   source launch/xla_flags_gpu.sh
-  python benchmarks/gpu_mfu.py --preset auto --seq_len 8192 --seqs_per_device 8
-  # Each microbatch holds one sequence per device (microbatches = seqs_per_device). If memory
-  # runs out (e.g. 8B on 80 GB cards), try --remat dots_with_no_batch_dims or --remat full.
-  # CPU smoke run: python benchmarks/gpu_mfu.py --preset tiny-llama --seq_len 64 \
-  #     --seqs_per_device 2 --prompt_len 16 --attention_impl xla --steps 2 --peak_tflops 1
+  python benchmarks/gpu_mfu.py --layers 4 --seq_len 16384 --seqs_per_device 4
+  # Each microbatch holds one sequence per device (microbatches = seqs_per_device).
+  # CPU smoke run: python benchmarks/gpu_mfu.py --preset tiny-llama --layers 0 --seq_len 64 \
+  #     --seqs_per_device 2 --prompt_len 16 --steps 2 --warmup 1 --peak_tflops 1
 """
 from __future__ import annotations
 
@@ -32,45 +32,12 @@ import jax
 import numpy as np
 from flax import nnx
 
+from scalerl_jax import recipe
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
+from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer,
                                make_train_step, synthetic_train_batch, train_step_flops)
-
-# Peak dense (no sparsity) bf16 tensor-core TFLOP/s by device kind substring, from NVIDIA's
-# data sheets; the first match wins, so more specific names come first.
-PEAK_BF16_TFLOPS = (
-    ("H100 PCIe", 756.0),
-    ("H100", 989.4),
-    ("H200", 989.4),
-    ("GH200", 989.4),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("L40S", 362.1),
-)
-BYTES_PER_PARAM_TRAINING = 2 + 2 + 4 + 8 + 4  # params, grads, fp32 master, Adam m+v, accumulator
-
-
-def peak_tflops(device: jax.Device) -> float | None:
-  kind = getattr(device, "device_kind", "")
-  for name, tflops in PEAK_BF16_TFLOPS:
-    if name in kind:
-      return tflops
-  return None
-
-
-def device_memory_bytes(device: jax.Device) -> int | None:
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  return None if not stats else stats.get("bytes_limit")
-
-
-def choose_preset(requested: str, devices) -> str:
-  if requested != "auto":
-    return requested
-  memory = device_memory_bytes(devices[0])
-  need = BYTES_PER_PARAM_TRAINING * get_preset("llama3.1-8b").num_params() / len(devices)
-  if memory is not None and need < 0.85 * memory:
-    return "llama3.1-8b"
-  return "llama3.2-1b"
+from scalerl_jax.train.flops import matmul_params, peak_bf16_flops_per_s, train_flops_per_token
 
 
 def init_params(config, mesh):
@@ -84,17 +51,20 @@ def init_params(config, mesh):
 
 
 def main():
+  model = recipe.scalerl_8b().model
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", default="auto")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--seq_len", type=int, default=8192)
-  parser.add_argument("--prompt_len", type=int, default=1024)
-  parser.add_argument("--seqs_per_device", type=int, default=8,
+  parser.add_argument("--preset", default=model.preset)
+  parser.add_argument("--layers", type=int, default=4, help="layers of the slice; 0 = the preset's")
+  parser.add_argument("--dtype", default=model.dtype)
+  parser.add_argument("--seq_len", type=int, default=16384)
+  parser.add_argument("--prompt_len", type=int, default=2048)
+  parser.add_argument("--seqs_per_device", type=int, default=4,
                       help="sequences per device per step, one per device in each microbatch")
-  parser.add_argument("--remat", default="none")
-  parser.add_argument("--attention_impl", default="cudnn")
-  parser.add_argument("--logprob_chunk", type=int, default=1024)
-  parser.add_argument("--steps", type=int, default=8, help="timed steps")
+  parser.add_argument("--remat", default=model.remat_policy)
+  parser.add_argument("--attention_impl", default=model.attention_impl)
+  parser.add_argument("--head_precision", default=model.head_precision)
+  parser.add_argument("--logprob_chunk", type=int, default=model.logprob_chunk)
+  parser.add_argument("--steps", type=int, default=5, help="timed steps")
   parser.add_argument("--warmup", type=int, default=2)
   parser.add_argument("--peak_tflops", type=float, default=None,
                       help="per-device peak; default from the device kind")
@@ -102,14 +72,20 @@ def main():
 
   devices = jax.devices()
   batch_size = args.seqs_per_device * len(devices)
-  preset = choose_preset(args.preset, devices)
-  config = get_preset(preset, dtype=args.dtype, remat_policy=args.remat, scan_layers=True,
-                      attention_impl=args.attention_impl, fp32_head=True)
-  peak = args.peak_tflops or peak_tflops(devices[0])
+  overrides = dict(dtype=args.dtype, remat_policy=args.remat, scan_layers=True, fp32_head=True,
+                   attention_impl=args.attention_impl, head_precision=args.head_precision)
+  if args.layers:
+    overrides["num_layers"] = args.layers
+  config = get_preset(args.preset, **overrides)
+  peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else peak_bf16_flops_per_s(devices[0].device_kind)
+  platform = devices[0].platform
+  head_share = 6 * config.hidden_size * config.vocab_size / train_flops_per_token(config, args.seq_len)
   print(f"jax {jax.__version__}; {len(devices)} x {devices[0].device_kind}; peak bf16 "
-        f"{peak} TFLOP/s per device; preset {preset} ({config.num_params():,} params), "
-        f"dtype {args.dtype}, remat {args.remat}, attention {args.attention_impl}; "
-        f"{batch_size} x {args.seq_len} tokens per step in {args.seqs_per_device} microbatches")
+        f"{peak_flops and peak_flops / 1e12} TFLOP/s per device; {args.preset} with {config.num_layers} "
+        f"layers ({config.num_params():,} params, {matmul_params(config):,} in matmuls), dtype {args.dtype}, "
+        f"remat {args.remat}, attention {args.attention_impl} -> {resolve_attention_impl(config, platform)} "
+        f"on {platform}, head {args.head_precision}; {batch_size} x {args.seq_len} tokens per step in "
+        f"{args.seqs_per_device} microbatches; LM head = {head_share:.0%} of model FLOPs")
 
   mesh = make_mesh((1, -1, 1), devices=devices)
   graphdef, params = init_params(config, mesh)
@@ -155,7 +131,7 @@ def main():
   tokens = batch_size * args.seq_len
   print(f"step {median * 1e3:.1f} ms (median of {len(times)}, min {min(times) * 1e3:.1f}); "
         f"{tokens / median:,.0f} train tokens/s; model FLOPs/step {flops:.3e}")
-  mfu = f"{100 * tflops_per_device / peak:.1f}%" if peak else "n/a (pass --peak_tflops)"
+  mfu = f"{1e14 * tflops_per_device / peak_flops:.1f}% (goal >= 40%)" if peak_flops else "n/a (pass --peak_tflops)"
   print(f"achieved {tflops_per_device:.1f} TFLOP/s per device; MFU {mfu}")
   print(f"loss {float(metrics['train/loss']):.4f}, grad norm {float(metrics['train/grad_norm']):.3f}")
 
