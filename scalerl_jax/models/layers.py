@@ -8,7 +8,7 @@ q `[embed, heads, head_dim]`, k/v `[embed, kv_heads, head_dim]`, o `[heads, head
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +181,108 @@ def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, l
     return out.reshape(batch, length, heads, dim).astype(q.dtype)
 
 
+def paged_decode_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int,
+                               page_table: jax.Array, lengths: jax.Array, *, window: int,
+                               pages_per_block: int) -> jax.Array:
+    """Attention of one query per slot, q [S, H, D], over its keys s < lengths[slot] kept in pages.
+
+    k/v_pages [L, N, P, K, D] is one pool of N pages of P tokens (read in place, layer `layer`);
+    slot b's key at position s is k_pages[layer, page_table[b, s // P], s % P]. Only the pages
+    below `window` (static; every length must be <= window) are read, `pages_per_block` pages at
+    a time (one gather each), with the online softmax of `decode_attention` in float32, so scratch
+    memory is one block. Page ids outside [0, N) read zeros and are always masked (their keys are
+    at or past the slot's length). A slot of length 0 gives zeros. Returns [S, H, D] in q's dtype.
+    """
+    slots, heads, dim = q.shape
+    _, num_pages, page_size, kv_heads, _ = k_pages.shape
+    window_pages = -(-window // page_size)
+    block_pages = min(pages_per_block, window_pages)
+    num_blocks = -(-window_pages // block_pages)
+    block = block_pages * page_size
+    qg = q.reshape(slots, 1, kv_heads, heads // kv_heads, dim).astype(jnp.float32) / np.sqrt(dim)
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def read(pool: jax.Array, pages: jax.Array) -> jax.Array:  # [S, block, K, 1, D] float32
+        piece = pool.at[layer, pages].get(mode="fill", fill_value=0)  # [S, block_pages, P, K, D]
+        return piece.reshape(slots, block, kv_heads, 1, dim).astype(jnp.float32)
+
+    def step(carry: tuple[jax.Array, jax.Array, jax.Array], index: jax.Array):
+        running_max, normalizer, acc = carry
+        first_page = index * block_pages
+        start_page = jnp.minimum(first_page, window_pages - block_pages)  # last block may overlap
+        pages = jax.lax.dynamic_slice_in_dim(page_table, start_page, block_pages, axis=1)
+        key_index = start_page * page_size + jnp.arange(block)
+        valid = ((key_index >= first_page * page_size)[None, :]
+                 & (key_index[None, :] < lengths[:, None]))[..., None, None]  # [S, block, 1, 1]
+        scores = jnp.where(valid, jnp.sum(qg * read(k_pages, pages), axis=-1), -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # [S, K, G]
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        weights = jnp.where(valid, jnp.exp(scores - safe_max[:, None]), 0.0)
+        rescale = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+        normalizer = normalizer * rescale + jnp.sum(weights, axis=1)
+        acc = acc * rescale[..., None] + jnp.sum(weights[..., None] * read(v_pages, pages), axis=1)
+        return (new_max, normalizer, acc), None
+
+    stats = (slots, kv_heads, heads // kv_heads)
+    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (dim,), jnp.float32))
+    (_, normalizer, acc), _ = jax.lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
+    out = acc / jnp.where(normalizer > 0, normalizer, 1.0)[..., None]
+    return out.reshape(slots, heads, dim).astype(q.dtype)
+
+
+DECODE_KERNELS = ("auto", "xla", "pallas")
+
+
+def resolve_decode_kernel(name: str, platform: str) -> str:
+    """'xla' or 'pallas': the paged decode attention `name` means on `platform`. 'auto' is 'xla'
+    everywhere until the Pallas kernel has been measured on a GPU (benchmarks/gpu_check.sh)."""
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"decode kernel {name!r}: expected one of {DECODE_KERNELS}")
+    return "xla" if name == "auto" else name
+
+
+def grouped_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array | int,
+                            page_table: jax.Array, lengths: jax.Array, *, window: int, pages_per_block: int,
+                            kernel: str) -> jax.Array:
+    """`paged_decode_attention_xla` (kernel 'xla') or the Pallas kernel ('pallas') per page group.
+
+    k/v_pool [L, G, N, P, K, D]: G groups of N pages; slots are split into G equal consecutive
+    groups (slot b in group b // (S / G)) and a slot's page ids index its own group's pages. The
+    groups are mapped with `jax.vmap` (a batch dimension of every gather), so a pool sharded over
+    G with the slots sharded alike is read without moving pages between devices.
+    """
+    groups = k_pool.shape[1]
+    slots = q.shape[0]
+
+    def per_group(x: jax.Array) -> jax.Array:
+        return x.reshape(groups, slots // groups, *x.shape[1:])
+
+    if kernel == "pallas":
+        from scalerl_jax.models.paged_attention import paged_decode_attention
+
+        def attend(q_g, k_g, v_g, table_g, lengths_g):
+            return paged_decode_attention(q_g, k_g, v_g, layer, table_g, lengths_g,
+                                          pages_per_block=pages_per_block)
+    else:
+        def attend(q_g, k_g, v_g, table_g, lengths_g):
+            return paged_decode_attention_xla(q_g, k_g, v_g, layer, table_g, lengths_g, window=window,
+                                              pages_per_block=pages_per_block)
+
+    out = jax.vmap(attend, in_axes=(0, 1, 1, 0, 0))(per_group(q), k_pool, v_pool, per_group(page_table),
+                                                    per_group(lengths))
+    return out.reshape(q.shape)
+
+
+def write_kv_pages(pool: jax.Array, layer: jax.Array | int, groups: jax.Array, pages: jax.Array,
+                   offsets: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool[layer, groups[i], pages[i], offsets[i]] = rows[i] for every index i (one scatter, in place
+    when donated). pool [L, G, N, P, K, D]; groups/pages/offsets int [...]; rows [..., K, D]. Entries
+    with a page id outside [0, N) are dropped."""
+    layer_index = jnp.full(pages.shape, layer, jnp.int32)
+    return pool.at[layer_index, groups, pages, offsets].set(rows.astype(pool.dtype), mode="drop")
+
+
 class Attention(nnx.Module):
     """GQA self-attention with optional q/k/v bias, o bias and per-head q/k RMSNorm (Qwen3)."""
 
@@ -259,6 +361,42 @@ class Attention(nnx.Module):
         return self._output(attended), cache
 
 
+    def forward_paged(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
+                      pages: "PagedView") -> tuple[jax.Array, KVCache]:
+        """Decode (x [S, 1, D], one token per slot) against the paged cache {'k', 'v'} [L, G, N, P, K, D].
+
+        Writes this token's k/v at page `pages.write_page[b]`, row `pages.write_offset[b]` of slot b's
+        group (a dropped write where the page id is out of range), then attends to the slot's keys
+        s < pages.lengths[b] (`grouped_paged_attention`).
+        """
+        q, k, v = self._project(x, positions)
+        cache = {name: write_kv_pages(cache[name], layer, pages.write_group, pages.write_page,
+                                      pages.write_offset, rows[:, 0])
+                 for name, rows in (("k", k), ("v", v))}
+        attended = grouped_paged_attention(q[:, 0], cache["k"], cache["v"], layer, pages.table, pages.lengths,
+                                           window=pages.window, pages_per_block=pages.pages_per_block,
+                                           kernel=pages.kernel)
+        return self._output(attended[:, None]), cache
+
+
+class PagedView(NamedTuple):
+    """Where one decode step writes and reads in the paged KV cache (per slot, leading axis S).
+
+    table int32 [S, M]: the slot's page ids (in its group); lengths int32 [S]: keys s < lengths are
+    read; write_group / write_page / write_offset int32 [S]: where this step's k/v go. Static:
+    window (every length <= window), pages_per_block, kernel ('xla' / 'pallas').
+    """
+
+    table: jax.Array
+    lengths: jax.Array
+    write_group: jax.Array
+    write_page: jax.Array
+    write_offset: jax.Array
+    window: int
+    pages_per_block: int
+    kernel: str
+
+
 def write_kv_rows(stacked: jax.Array, layer: jax.Array | int, positions: jax.Array, rows: jax.Array) -> jax.Array:
     """stacked[layer, b, positions[b, t]] = rows[b, t] for every b, t (one scatter, in place when donated).
 
@@ -314,5 +452,12 @@ class DecoderLayer(nnx.Module):
                        window: int, block: int) -> tuple[jax.Array, KVCache]:
         """As `__call__`, attending through (and updating) layer `layer` of the stacked KV cache."""
         attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache, layer, window, block)
+        h = x + attended
+        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache
+
+    def forward_paged(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
+                      pages: PagedView) -> tuple[jax.Array, KVCache]:
+        """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`)."""
+        attended, cache = self.attn.forward_paged(self.attn_norm(x), positions, cache, layer, pages)
         h = x + attended
         return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache

@@ -51,6 +51,7 @@ QUERY_AXES = ("batch", "length", "activation_heads", None)
 KV_AXES = ("batch", "length", "activation_kv_heads", None)
 LOGITS_AXES = ("batch", "length", "activation_vocab")
 KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+PAGED_KV_CACHE_AXES = ("layers", "batch", "kv_pages", "length", "kv_heads", "head_dim")
 
 _SHARDING_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
 

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig
-from scalerl_jax.models.layers import DecoderLayer, KVCache, RMSNorm, dtype_of, make_param
+from scalerl_jax.models.layers import DecoderLayer, KVCache, PagedView, RMSNorm, dtype_of, make_param
 
 _NnxList = getattr(nnx, "List", list)
 
@@ -154,6 +154,25 @@ class Transformer(nnx.Module):
         block = window if block is None else int(block)
         if block < 1:
             raise ValueError(f"forward_cached: block={block} must be >= 1")
+        return self._through_layers(
+            tokens, cache, lambda layer, h, c, index: layer.forward_cached(h, positions, c, index, window, block))
+
+    def forward_paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                      pages: PagedView) -> tuple[jax.Array, KVCache]:
+        """Final-normed hidden [S, 1, D] of one decode step and the updated paged cache.
+
+        cache {'k', 'v'}: [L, G, N, P, K, D] page pools (`init_kv_pages`), carried whole through the
+        layer loop; each layer writes this step's K/V where `pages` says and reads each slot's keys
+        below `pages.lengths` (`layers.Attention.forward_paged`).
+        """
+        return self._through_layers(
+            tokens, cache, lambda layer, h, c, index: layer.forward_paged(h, positions, c, index, pages))
+
+    def _through_layers(self, tokens: jax.Array, cache: KVCache,
+                        apply: Callable[[DecoderLayer, jax.Array, KVCache, Any], tuple[jax.Array, KVCache]]
+                        ) -> tuple[jax.Array, KVCache]:
+        """Embed, fold `apply(layer, h, cache, layer_index)` over the layers (a scan when stacked),
+        final norm; the cache is carried through the loop."""
         x = self.embed(tokens)
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.layers)
@@ -161,13 +180,13 @@ class Transformer(nnx.Module):
             def step(carry: tuple[jax.Array, KVCache], xs: tuple[Any, jax.Array]):
                 h, c = carry
                 layer_state, index = xs
-                return nnx.merge(graphdef, layer_state).forward_cached(h, positions, c, index, window, block), None
+                return apply(nnx.merge(graphdef, layer_state), h, c, index), None
 
             layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             (x, cache), _ = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
         else:
             for index, layer in enumerate(self.layers):
-                x, cache = layer.forward_cached(x, positions, cache, index, window, block)
+                x, cache = apply(layer, x, cache, index)
         return self.final_norm(x), cache
 
 
@@ -229,6 +248,26 @@ def init_kv_cache(config: ModelConfig, batch: int, max_len: int, *, dtype: str |
     if mesh is None:
         return zeros()
     spec = sharding.logical_to_spec(sharding.KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="kv_cache")
+    out = NamedSharding(mesh, spec)
+    return jax.jit(zeros, out_shardings={"k": out, "v": out})()
+
+
+def init_kv_pages(config: ModelConfig, *, groups: int, pages_per_group: int, page_size: int,
+                  dtype: str | None = None, mesh: Mesh | None = None,
+                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+    """Zero paged KV cache {'k', 'v'}, each [num_layers, groups, pages_per_group, page_size,
+    num_kv_heads, head_dim] (logical axes `sharding.PAGED_KV_CACHE_AXES`: groups like the batch,
+    so each device holds the pages of its own slots). dtype defaults to the body dtype."""
+    shape = (config.num_layers, groups, pages_per_group, page_size, config.num_kv_heads, config.head_dim)
+    cache_dtype = dtype_of(dtype or config.dtype)
+
+    def zeros() -> KVCache:
+        return {"k": jnp.zeros(shape, cache_dtype), "v": jnp.zeros(shape, cache_dtype)}
+
+    if mesh is None:
+        return zeros()
+    spec = sharding.logical_to_spec(sharding.PAGED_KV_CACHE_AXES, rules, mesh=mesh, shape=shape,
+                                    name="paged kv_cache")
     out = NamedSharding(mesh, spec)
     return jax.jit(zeros, out_shardings={"k": out, "v": out})()
 

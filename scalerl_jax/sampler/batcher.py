@@ -6,8 +6,13 @@
    cache and continue under the new params: PipelineRL's in-flight update);
 3. prefill pending requests (FIFO) into free slots, grouped by prefill length bucket, each group
    split into calls of at most `max_prefill_rows` rows padded to a power of two (bounded compiles);
-4. dispatch the next jitted multi-step `generate` chunk and start copying its outputs to the host;
-5. while that chunk runs, turn the previous chunk's outputs into per-request token lists and
+   a request is admitted only while its slot's page group can hold its prompt and first chunk and
+   still cover the next chunk of the sequences already running there;
+4. if a page group cannot cover the next chunk of its running sequences (they grew), preempt the
+   youngest there until it can: the request goes back to the front of the queue and starts over
+   (`sampler/preempted` counts them; never happens with the default, fully provisioned pool);
+5. dispatch the next jitted multi-step `generate` chunk and start copying its outputs to the host;
+6. while that chunk runs, turn the previous chunk's outputs into per-request token lists and
    return the `Completion`s that finished in it.
 So results come back one chunk after the one that produced them and the host work of step 5
 overlaps device compute. Each generated token records the params version of its chunk.
@@ -80,6 +85,7 @@ class _SlotRecord:
     """Host-side accumulation for the request occupying one slot."""
 
     request: Request
+    admitted: int  # admission order (larger = younger; the youngest is preempted first)
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -118,6 +124,7 @@ class ContinuousBatcher:
         self._queue: collections.deque[Request] = collections.deque()
         self._live_ids: set[Hashable] = set()
         self._inflight: _Chunk | None = None
+        self._admissions = 0
         self.last_push_seconds = 0.0
         self.counters = collections.Counter()
 
@@ -185,6 +192,13 @@ class ContinuousBatcher:
         self.counters["param_pushes"] += 1
         return seconds
 
+    def warm_up(self, max_prompt_length: int) -> None:
+        """Compile every engine call the decode loop can make for prompts up to `max_prompt_length`
+        tokens (`Engine.warm_up`), so none compiles later; only before any request runs."""
+        if not self.idle:
+            raise ValueError("ContinuousBatcher.warm_up must run before any request")
+        self._state = self.engine.warm_up(self._params, self._state, max_prompt_length=max_prompt_length)
+
     def run_chunk(self) -> list[Completion]:
         """One loop turn (module docstring); returns requests that finished in the previous chunk."""
         previous, self._inflight = self._inflight, None
@@ -197,6 +211,7 @@ class ContinuousBatcher:
             self.engine.release_slots(finished)
         self._adopt_pending_params()
         self._fill_free_slots()
+        self._preempt_for_pages()
         if self.num_active:
             self._state, result = self.engine.generate(self._params, self._state)
             for leaf in jax.tree.leaves(result):
@@ -249,9 +264,14 @@ class ContinuousBatcher:
     def _fill_free_slots(self) -> None:
         cfg = self.engine.config
         free = [slot for slot, record in enumerate(self._slots) if record is None]
-        taken = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
         groups: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
-        for slot, request in zip(free, taken):
+        while self._queue and free:
+            request = self._queue[0]
+            slot = next((slot for slot in free if self._reserve(slot, len(request.prompt_tokens))), None)
+            if slot is None:
+                break  # FIFO: later requests wait for the pages this one needs
+            self._queue.popleft()
+            free.remove(slot)
             bucket = prefill_bucket(len(request.prompt_tokens), min_bucket=cfg.min_prefill_bucket,
                                     max_len=cfg.max_len)
             groups[bucket].append((slot, request))
@@ -259,7 +279,30 @@ class ContinuousBatcher:
             for start in range(0, len(group), cfg.max_prefill_rows):
                 self._insert_group(bucket, group[start:start + cfg.max_prefill_rows])
             for slot, request in group:
-                self._slots[slot] = _SlotRecord(request)
+                self._slots[slot] = _SlotRecord(request, admitted=self._admissions)
+                self._admissions += 1
+
+    def _reserve(self, slot: int, prompt_length: int) -> bool:
+        """Pages for a request in `slot`, kept only if its group still covers the next chunk of the
+        sequences running there."""
+        if not self.engine.reserve(slot, prompt_length):
+            return False
+        if self.engine.pages.group_of(slot) in self.engine.chunk_shortfall():
+            self.engine.release_slots([slot])
+            return False
+        return True
+
+    def _preempt_for_pages(self) -> None:
+        """Evict the youngest running sequence of each page group short of pages for the next chunk
+        until none is; their requests go back to the front of the queue."""
+        while short := self.engine.chunk_shortfall():
+            candidates = [(record.admitted, slot) for slot, record in enumerate(self._slots)
+                          if record is not None and self.engine.pages.group_of(slot) in short]
+            _, slot = max(candidates)
+            self._state = self.engine.evict(self._state, [slot])
+            self._queue.appendleft(self._slots[slot].request)
+            self._slots[slot] = None
+            self.counters["preempted"] += 1
 
     def _insert_group(self, bucket: int, group: list[tuple[int, Request]]) -> None:
         cfg = self.engine.config

@@ -1,9 +1,14 @@
 """JetStream-style decode engine: `prefill`, `insert` and `generate` over a fixed pool of slots.
 
-Layout. The decode state holds one preallocated KV cache `[layers, slots, max_len, kv_heads,
-head_dim]` (the model's `init_kv_cache`) and, per slot, the token to feed next, its position, a
-PRNG key, budgets, stop tokens and the length-control state machine. Every call is jitted; the
-decode state is donated, so the cache is updated in place.
+Layout. The decode state holds a paged KV cache: pools `[layers, G, N, P, kv_heads, head_dim]`
+(the model's `init_kv_pages`: G page groups, one per device the slots are sharded over, of N pages
+of P = `page_size` tokens) and, per slot, the token to feed next, its position, a PRNG key,
+budgets, stop tokens and the length-control state machine. Which pages a slot holds is host state
+(`pages.PageTable`): pages are taken as a sequence grows (before each chunk, for the positions it
+can reach) and given back when it ends, so memory follows the live tokens and a pool smaller than
+slots x max_len (`num_pages`) serves more slots than a contiguous cache could. The table is an
+input of every call. Every call is jitted; the decode state is donated, so the cache is updated
+in place.
 
 - `prefill(params, tokens[N, Tb], true_length[N]) -> Prefix`: runs the prompts (right padded to
   a power-of-two bucket `Tb`) through `forward_cached` into a fresh `[layers, N, Tb, ...]` cache.
@@ -11,23 +16,27 @@ decode state is donated, so the cache is updated in place.
   rewrites its own K/V entry and samples the first completion token, so all sampling and
   length-control logic lives in one place (the decode step).
 - `insert(prefix, state, slots[N], settings) -> state`: copies the prefix caches into the slots'
-  rows `[:, slot, :Tb]` and resets the slots' per-slot fields. Rows whose slot index is
-  `num_slots` (padding of the request batch to a power of two) are dropped.
+  pages (positions < Tb that the slot holds pages for) and resets the slots' per-slot fields. Rows
+  whose slot index is `num_slots` (padding of the request batch to a power of two) are dropped.
 - `generate(params, state) -> (state, ChunkResult)`: up to `chunk_size` decode steps in one
   `lax.while_loop` (it stops early once every slot is idle). Each step feeds every slot's last
-  token at its position, writes its K/V into the cache in place (one row per slot per layer),
+  token at its position, writes its K/V into its page in place (one row per slot per layer),
   takes the fp32 logits of the head, and emits one token per active slot: a sampled one (see
   `sampling.py`) or, while the slot is being interrupted, the next token of the forced phrase
   (logprob 0, sampled False).
 
-Live window. Decode attention reads only cache positions < W, where W is fixed per chunk (one
-compile per W): the smallest power-of-two multiple of `min_decode_window` (capped at `max_len`)
+Live window. Decode attention reads only each slot's pages below its length (the Pallas kernel)
+or, portably, its pages below a window W fixed per chunk (one compile per W): the smallest power-of-two multiple of `min_decode_window` (capped at `max_len`)
 that covers every position the chunk can feed. The engine knows this without asking the device:
 it keeps, on the host, an upper bound of each slot's next position + 1 (the prompt length at
 insert, plus `chunk_size` per chunk since), so a step costs O(live tokens), not O(max_len). The
 bound assumes one engine drives one decode state (the latest from `init_decode_state`); if it is
 ever wrong, the chunk stops before any slot would feed a position >= W (checked on the device,
-inside the loop's condition), so results stay exact and later chunks, with larger bounds, go on.
+inside the loop's condition, as is every slot staying inside the pages it holds), so results stay
+exact and later chunks, with larger bounds, go on.
+
+Compiles. `warm_up` compiles every prefill shape up to a prompt length, every window and the
+eviction call before decoding starts, so none happens on the decode path later.
 
 Length control (forced interruption) runs inside the jitted chunk as a per-slot state machine:
 phase THINK counts sampled thinking tokens; if the last `len(end_think_ids)` sampled tokens equal
@@ -39,9 +48,10 @@ budget. A stop token (only a sampled one) ends the sequence in any phase, so a s
 think budget means no phrase. Inside the chunk is chosen over host-side forcing so that an
 interruption costs no extra host round trip or recompile.
 
-Inactive slots still run through the step (static shapes) but change nothing; their cache row is
-dead until the next insert overwrites positions [0, Tb) and decoding overwrites each later
-position before it can be attended to (the model attends to key index <= query position only).
+Inactive slots still run through the step (static shapes) but change nothing (their writes are
+dropped). A slot's pages hold stale keys until an insert overwrites positions [0, Tb) and decoding
+overwrites each later position before it can be attended to (attention reads keys below the
+query's position + 1 only).
 """
 
 from __future__ import annotations
@@ -57,8 +67,10 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, use_mesh_rules
-from scalerl_jax.models.transformer import init_kv_cache
+from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
+from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
+from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
+from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
 
 PHASE_THINK = 0
@@ -134,6 +146,12 @@ class EngineConfig:
     into the attention reductions; unmeasured here).
     `min_decode_window`: smallest decode attention window (see `Engine.generate`; windows double
     up to `max_len`, one `generate` compile each).
+    `page_size`: tokens per KV page. `num_pages`: pages in the shared pool (0 = num_slots x
+    ceil(max_len / page_size): every slot can reach max_len at once and nothing is ever preempted;
+    fewer pages serve as many slots as the live tokens allow, the batcher preempting the youngest
+    sequence when a group runs short). `decode_kernel`: 'xla' (blockwise attention over the live
+    window's pages, every backend), 'pallas' (`models.paged_attention`, reads each slot's own
+    length; GPU) or 'auto' (`layers.resolve_decode_kernel`).
     """
 
     num_slots: int
@@ -147,12 +165,18 @@ class EngineConfig:
     interruption: InterruptionConfig | None = None
     decode_block: int = 0
     min_decode_window: int = 256
+    page_size: int = 16
+    num_pages: int = 0
+    decode_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_block < 0:
             raise ValueError(f"EngineConfig.decode_block={self.decode_block} must be >= 0 (0 = by backend)")
+        if self.num_pages < 0:
+            raise ValueError(f"EngineConfig.num_pages={self.num_pages} must be >= 0 (0 = every slot at max_len)")
+        resolve_decode_kernel(self.decode_kernel, "cpu")
         for name in ("num_slots", "max_len", "chunk_size", "max_stop_tokens", "min_prefill_bucket",
-                     "max_prefill_rows", "min_decode_window"):
+                     "max_prefill_rows", "min_decode_window", "page_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
         if self.max_len < 2:
@@ -166,7 +190,7 @@ class EngineConfig:
 class DecodeState(NamedTuple):
     """Per-slot decode state (leading axis = slot). Donated to every engine call."""
 
-    cache: Any  # the model's KV cache pytree, [layers, slots, max_len, ...] leaves
+    cache: Any  # the paged KV cache, [layers, groups, pages, page_size, ...] leaves
     tokens: jax.Array  # int32[S] token to feed at the next step (last prompt or generated token)
     positions: jax.Array  # int32[S] position of `tokens` in its sequence
     keys: jax.Array  # PRNG key[S]; step n samples with fold_in(key, n)
@@ -265,13 +289,25 @@ class Engine:
             logging.warning("EngineConfig.max_len=%d exceeds the model's max_position_embeddings=%d",
                             config.max_len, model_config.max_position_embeddings)
         self.compile_counts: dict[str, int] = {"prefill": 0, "insert": 0, "prefill_insert": 0,
-                                               "generate": 0}
+                                               "generate": 0, "evict": 0}
         self._signatures: set[tuple] = set()
         self._prefill_jit = jax.jit(self._prefill)
         self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
         self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
+        self._evict_jit = jax.jit(lambda state, mask: state._replace(active=state.active & ~mask),
+                                  donate_argnums=(0,))
         self._live_bound = np.zeros((config.num_slots,), np.int64)
+        self.page_groups = _batch_shards(mesh, self.rules)
+        self.pages_per_slot = pages_for(config.max_len, config.page_size)
+        total_pages = config.num_pages or config.num_slots * self.pages_per_slot
+        if total_pages % self.page_groups:
+            raise ValueError(f"EngineConfig.num_pages={total_pages} must split into {self.page_groups} "
+                             "page groups (one per device the slots are sharded over)")
+        self.pages_per_group = total_pages // self.page_groups
+        self.pages = self._new_page_table()
+        platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+        self.decode_kernel = resolve_decode_kernel(config.decode_kernel, platform)
 
     # ----------------------------------------------------------------------------- public API
     def init_decode_state(self) -> DecodeState:
@@ -299,8 +335,10 @@ class Engine:
         if self.mesh is not None:
             state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
         self._live_bound[:] = 0
-        return state._replace(cache=init_kv_cache(self.model_config, slots, cfg.max_len,
-                                                  mesh=self.mesh, rules=self.rules))
+        self.pages = self._new_page_table()
+        return state._replace(cache=init_kv_pages(
+            self.model_config, groups=self.page_groups, pages_per_group=self.pages_per_group,
+            page_size=cfg.page_size, mesh=self.mesh, rules=self.rules))
 
     def prefill(self, params: Any, tokens: Any, true_length: Any) -> Prefix:
         """K/V of right-padded host prompts `tokens` int32[N, Tb] (or [Tb]), lengths `true_length`."""
@@ -316,11 +354,10 @@ class Engine:
                settings: SlotSettings) -> DecodeState:
         """Place the prefix rows into `slots` (int32[N]; `num_slots` = drop that row); donates `state`."""
         slots = np.asarray(slots, np.int32).reshape(-1)
-        bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
         self._count("insert", jax.tree.leaves(prefix.cache)[0].shape)
-        self._note_inserted(slots, np.full(slots.shape, bucket))
+        self._note_inserted(slots, np.asarray(prefix.true_length))
         with self._mesh_context():
-            return self._insert_jit(prefix, state, slots, settings)
+            return self._insert_jit(prefix, state, slots, settings, self._table_rows(slots))
 
     def prefill_insert(self, params: Any, state: DecodeState, tokens: Any, true_length: Any,
                        slots: Any, settings: SlotSettings) -> DecodeState:
@@ -330,20 +367,86 @@ class Engine:
         self._count("prefill_insert", tokens.shape)
         self._note_inserted(slots, true_length)
         with self._mesh_context():
-            return self._prefill_insert_jit(params, state, tokens, true_length, slots, settings)
+            return self._prefill_insert_jit(params, state, tokens, true_length, slots, settings,
+                                            self._table_rows(slots))
 
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, ChunkResult]:
-        """Run up to `chunk_size` decode steps over all slots, attending over the live window; donates `state`."""
+        """Run up to `chunk_size` decode steps over all slots, attending over the live window; donates `state`.
+
+        First gives every live slot the pages its next `chunk_size` positions need (RuntimeError
+        naming the groups if the pool is short: resolve `chunk_shortfall` first, e.g. by `evict`).
+        """
+        needs = self._chunk_needs()
+        short = self.pages.shortfall(needs)
+        if short:
+            raise RuntimeError(f"paged KV cache: page groups {short} (group: pages missing) cannot "
+                               f"cover the next chunk; evict slots first (Engine.chunk_shortfall)")
+        for slot, length in needs.items():
+            self.pages.grow(slot, length)
         window = self.decode_window()
         self._count("generate", (window,))
-        self._live_bound = np.minimum(self._live_bound + self.config.chunk_size, self.config.max_len)
+        live = self._live_bound > 0
+        self._live_bound[live] = np.minimum(self._live_bound[live] + self.config.chunk_size, self.config.max_len)
         with self._mesh_context():
-            return self._generate_jit(params, state, window)
+            return self._generate_jit(params, state, window, self.pages.table.copy(), self._held_lengths())
 
     def release_slots(self, slots: Any) -> None:
-        """Slots whose request finished (inactive on the device) no longer widen the window; an
-        insert sets their bound again."""
-        self._live_bound[np.asarray(slots, np.int64)] = 0
+        """Slots whose request finished (inactive on the device) give their pages back and no longer
+        widen the window; an insert sets their bound again."""
+        for slot in np.asarray(slots, np.int64).reshape(-1):
+            self._live_bound[slot] = 0
+            self.pages.release(int(slot))
+
+    def reserve(self, slot: int, prompt_length: int) -> bool:
+        """Take pages for a request of `prompt_length` tokens about to be inserted into free `slot`:
+        its prompt and first chunk. False (nothing taken) if the slot's group lacks them."""
+        reach = min(prompt_length + self.config.chunk_size - 1, self.config.max_len)
+        return self.pages.grow(slot, reach)
+
+    def chunk_shortfall(self) -> dict[int, int]:
+        """Page groups that cannot cover the next chunk of their live slots: {group: pages missing}."""
+        return self.pages.shortfall(self._chunk_needs())
+
+    def evict(self, state: DecodeState, slots: Any) -> DecodeState:
+        """Stop `slots` (live requests preempted to free pages): they turn inactive on the device and
+        give their pages back; donates `state`. Their requests must be inserted again from scratch."""
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        mask = np.zeros((self.config.num_slots,), bool)
+        mask[slots] = True
+        self.release_slots(slots)
+        self._count("evict", ())
+        with self._mesh_context():
+            return self._evict_jit(state, mask)
+
+    def warm_up(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> DecodeState:
+        """Compile, before decoding starts, every call the decode path can make later: prefill_insert
+        for every (row bucket, length bucket) up to `max_prompt_length`, generate for every window,
+        and evict. Runs them on no slot (every row dropped, every slot idle), so `state`, which must
+        have no live slot, comes back unchanged; donates `state`."""
+        cfg = self.config
+        if self._live_bound.any():
+            raise ValueError("Engine.warm_up needs a decode state with no live slot")
+        idle_table = np.full((cfg.num_slots, self.pages_per_slot), self.pages_per_group, np.int32)
+        top = prefill_bucket(max_prompt_length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
+        with self._mesh_context():
+            for bucket in _doublings(min(cfg.min_prefill_bucket, top), top):
+                for rows in _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows)):
+                    dropped = np.full((rows,), cfg.num_slots, np.int32)
+                    settings = host_settings(
+                        seeds=np.zeros(rows), streams=np.zeros(rows), max_new_tokens=np.ones(rows),
+                        temperature=np.zeros(rows), stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
+                        interrupt=np.zeros(rows, bool))
+                    self._count("prefill_insert", (rows, bucket))
+                    state = self._prefill_insert_jit(params, state, np.zeros((rows, bucket), np.int32),
+                                                     np.ones((rows,), np.int32), dropped, settings,
+                                                     self._table_rows(dropped))
+            for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
+                self._count("generate", (window,))
+                state, _ = self._generate_jit(params, state, window, idle_table,
+                                              np.zeros((cfg.num_slots,), np.int32))
+            self._count("evict", ())
+            state = self._evict_jit(state, np.zeros((cfg.num_slots,), bool))
+        return state
 
     def decode_window(self) -> int:
         """W of the next chunk: covers positions up to max(live bound) + chunk_size - 2 (module doc)."""
@@ -358,9 +461,37 @@ class Engine:
         return use_mesh_rules(self.mesh, self.rules)
 
     def _note_inserted(self, slots: np.ndarray, lengths: np.ndarray) -> None:
-        """Host bound of the inserted slots: next position + 1 <= prompt length (padding rows dropped)."""
-        kept = slots < self.config.num_slots
-        self._live_bound[slots[kept]] = lengths[kept]
+        """Host bound of the inserted slots: next position + 1 <= prompt length (padding rows dropped);
+        each gets pages for its prompt (RuntimeError if its group lacks them: `reserve` first)."""
+        for slot, length in zip(slots.tolist(), lengths.tolist()):
+            if slot >= self.config.num_slots:
+                continue
+            if not self.pages.grow(slot, length):
+                raise RuntimeError(
+                    f"paged KV cache: slot {slot} needs {self.pages.missing(slot, length)} pages for a "
+                    f"{length}-token prompt; group {self.pages.group_of(slot)} has "
+                    f"{self.pages.free_pages(self.pages.group_of(slot))} free")
+            self._live_bound[slot] = length
+
+    def _new_page_table(self) -> PageTable:
+        return PageTable(num_slots=self.config.num_slots, groups=self.page_groups,
+                         pages_per_group=self.pages_per_group, page_size=self.config.page_size,
+                         pages_per_slot=self.pages_per_slot)
+
+    def _table_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Page table rows of `slots` (all out of range for a dropped row, slot == num_slots)."""
+        padded = np.concatenate([self.pages.table, np.full((1, self.pages_per_slot), self.pages_per_group,
+                                                           np.int32)])
+        return padded[np.minimum(slots, self.config.num_slots)]
+
+    def _held_lengths(self) -> np.ndarray:
+        """int32[S]: positions each slot holds pages for (pages x page_size, capped at max_len)."""
+        return np.minimum(self.pages.held * self.config.page_size, self.config.max_len).astype(np.int32)
+
+    def _chunk_needs(self) -> dict[int, int]:
+        """{live slot: positions its next chunk can reach (bound + chunk_size - 1, capped at max_len)}."""
+        reach = np.minimum(self._live_bound + self.config.chunk_size - 1, self.config.max_len)
+        return {int(slot): int(reach[slot]) for slot in np.flatnonzero(self._live_bound)}
 
     def _count(self, name: str, shape: tuple) -> None:
         signature = (name, tuple(shape))
@@ -389,17 +520,23 @@ class Engine:
         return Prefix(cache=cache, last_token=last_token, true_length=true_length)
 
     def _prefill_insert(self, params: Any, state: DecodeState, tokens: jax.Array,
-                        true_length: jax.Array, slots: jax.Array,
-                        settings: SlotSettings) -> DecodeState:
-        return self._insert(self._prefill(params, tokens, true_length), state, slots, settings)
+                        true_length: jax.Array, slots: jax.Array, settings: SlotSettings,
+                        tables: jax.Array) -> DecodeState:
+        return self._insert(self._prefill(params, tokens, true_length), state, slots, settings, tables)
 
     def _insert(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
-                settings: SlotSettings) -> DecodeState:
+                settings: SlotSettings, tables: jax.Array) -> DecodeState:
+        """`tables` int32 [N, pages_per_slot]: the inserted slots' page table rows."""
         cfg = self.config
         bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
+        positions = jnp.arange(bucket)
+        pages = tables[:, positions // cfg.page_size]  # [N, Tb]; out of range where not held
+        offsets = jnp.broadcast_to(positions % cfg.page_size, pages.shape)
+        groups = jnp.broadcast_to((jnp.minimum(slots, cfg.num_slots - 1) // self._slots_per_group())[:, None],
+                                  pages.shape)
 
-        def put_cache(full: jax.Array, part: jax.Array) -> jax.Array:
-            return full.at[:, slots, :bucket].set(part.astype(full.dtype), mode="drop")
+        def put_cache(pool: jax.Array, part: jax.Array) -> jax.Array:
+            return pool.at[:, groups, pages, offsets].set(part.astype(pool.dtype), mode="drop")
 
         def put(field: jax.Array, value: jax.Array) -> jax.Array:
             return field.at[slots].set(jnp.asarray(value).astype(field.dtype), mode="drop")
@@ -441,15 +578,36 @@ class Engine:
             stopped=put(state.stopped, falses),
         )
 
-    def _decode_step(self, model: Any, state: DecodeState, window: int) -> tuple[DecodeState, tuple]:
+    def _paged_view(self, state: DecodeState, window: int, table: jax.Array, held: jax.Array) -> PagedView:
+        """Where each slot writes this step (its page, or nowhere if idle) and the keys it reads
+        (positions <= its own, inside the pages it holds)."""
+        cfg = self.config
+        feed = self._feed_positions(state)
+        page = jnp.take_along_axis(table, (feed // cfg.page_size)[:, None], axis=1)[:, 0]
+        block = self._decode_block()
+        return PagedView(
+            table=table, lengths=jnp.where(state.active, jnp.minimum(feed + 1, held), 0),
+            write_group=jnp.arange(cfg.num_slots, dtype=jnp.int32) // self._slots_per_group(),
+            write_page=jnp.where(state.active, page, self.pages_per_group),
+            write_offset=feed % cfg.page_size, window=window,
+            pages_per_block=(pages_for(window, cfg.page_size) if block is None
+                             else max(1, block // cfg.page_size)),
+            kernel=self.decode_kernel)
+
+    def _slots_per_group(self) -> int:
+        return self.config.num_slots // self.page_groups
+
+    def _decode_step(self, model: Any, state: DecodeState, window: int, table: jax.Array,
+                     held: jax.Array) -> tuple[DecodeState, tuple]:
         """One token for every active slot: (new state, (token, logprob, sampled, emitted)) per slot.
 
-        Attention reads cache positions < `window`; the caller ensures active slots feed below it.
+        Attention reads the slot's keys below its position + 1 (inside `window`); the caller ensures
+        active slots feed below the window and inside the pages they hold (`held` positions).
         """
         cfg = self.config
         feed_positions = self._feed_positions(state)
-        hidden, cache = model.forward_cached(state.tokens[:, None], feed_positions[:, None],
-                                             state.cache, window=window, block=self._decode_block())
+        hidden, cache = model.forward_paged(state.tokens[:, None], feed_positions[:, None], state.cache,
+                                            self._paged_view(state, window, table, held))
         logits = model.head(hidden[:, 0]).astype(jnp.float32)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
         drawn, drawn_logprob = sample_tokens(logits, step_keys, state.temperature,
@@ -503,7 +661,8 @@ class Engine:
         """Where each slot's next token is written (its position, kept inside the cache)."""
         return jnp.minimum(state.positions, self.config.max_len - 1)
 
-    def _generate(self, params: Any, state: DecodeState, window: int) -> tuple[DecodeState, ChunkResult]:
+    def _generate(self, params: Any, state: DecodeState, window: int, table: jax.Array,
+                  held: jax.Array) -> tuple[DecodeState, ChunkResult]:
         model = nnx.merge(self.graphdef, params)
         slots, chunk = self.config.num_slots, self.config.chunk_size
         outputs = (jnp.full((slots, chunk), PAD_TOKEN, jnp.int32),
@@ -512,12 +671,13 @@ class Engine:
 
         def keep_going(carry):
             step, current, _ = carry
-            inside = jnp.all(~current.active | (self._feed_positions(current) < window))
+            feed = self._feed_positions(current)
+            inside = jnp.all(~current.active | ((feed < window) & (feed < held)))
             return (step < chunk) & jnp.any(current.active) & inside
 
         def body(carry):
             step, current, outs = carry
-            current, emitted = self._decode_step(model, current, window)
+            current, emitted = self._decode_step(model, current, window, table, held)
             outs = tuple(jax.lax.dynamic_update_index_in_dim(buf, value, step, axis=1)
                          for buf, value in zip(outs, emitted))
             return step + 1, current, outs
@@ -530,6 +690,23 @@ class Engine:
         # The per-slot fields are separate output buffers from the state's (which the next call
         # donates); the batcher reads them after dispatching that call (tested via the batcher).
         return state, result
+
+
+def _doublings(first: int, last: int) -> list[int]:
+    """first, 2 first, 4 first, ... below last, then last."""
+    values = [first]
+    while values[-1] < last:
+        values.append(min(values[-1] * 2, last))
+    return values
+
+
+def _batch_shards(mesh: Mesh | None, rules: Rules) -> int:
+    """Devices the slots (logical axis 'batch') are split over on `mesh` (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    axes = logical_to_spec(("batch",), rules, mesh=mesh)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([mesh.shape[axis] for axis in axes]))
 
 
 def host_settings(
