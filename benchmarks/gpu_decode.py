@@ -3,8 +3,10 @@
 Random weights of a preset (default llama3.1-8b, bf16 body with the fp32 LM head at the recipe's
 `head_precision` 'bf16x3', as the generator runs it), `--slots` decode slots all busy: prompts of
 `--prompt_len` tokens prefilled, budgets long enough that no slot finishes while timed (the slots
-are long-lived: they sit at live length ~prompt_len, as a slot does half-way through a recipe
-completion). The KV cache is paged (`--page_size`, `--num_pages`) and decode attention runs with
+are long-lived: they sit at live length ~prompt_len; the default 7,936 is about a recipe slot's
+mean live length, prompt 2,048 + half of an ~11k completion, and keeps the 'xla' kernel's window,
+a power of two, at 8,192 for the whole run). All slots share one length, so this does not show the
+'xla' kernel's cost under staggered lengths, where its window follows the longest slot. The KV cache is paged (`--page_size`, `--num_pages`) and decode attention runs with
 `--decode_kernel` ('xla' blockwise over each slot's live pages, 'pallas' the paged kernel, 'auto').
 Times `--chunks` chunks of `--chunk_size` decode steps after a warm-up chunk that compiles (steps
 and tokens are read from the slots' positions on the device), and reports per slot count:
@@ -136,6 +138,9 @@ def measure(args: argparse.Namespace, config, graphdef, params, slots: int, peak
     tokens, steps = int(advanced.sum()), int(advanced.max())
     if tokens != slots * steps:
         print(f"WARNING: {tokens} tokens in {steps} steps x {slots} slots: some slot was idle while timed")
+    if engine.compile_counts["generate"] > 1:
+        print(f"WARNING: generate compiled {engine.compile_counts['generate']} times: a decode window "
+              "changed while timed, so the timing includes a compile")
     step_time = seconds / steps
     weights = weight_bytes_read(params, config, slots)
     live_kv = live_keys_read(positions_before, positions_after) * kv_bytes_per_token(config) / steps
@@ -158,7 +163,7 @@ def main() -> None:
     parser.add_argument("--head_precision", default="bf16x3", help="the recipe's FP32-head algorithm")
     parser.add_argument("--attention_impl", default="auto", help="prefill attention (auto: cuDNN on GPU)")
     parser.add_argument("--slots", default="64", help="comma-separated slot counts")
-    parser.add_argument("--prompt_len", type=int, default=8192)
+    parser.add_argument("--prompt_len", type=int, default=7936)
     parser.add_argument("--max_len", type=int, default=16384)
     parser.add_argument("--page_size", type=int, default=16)
     parser.add_argument("--num_pages", type=int, default=-1,

@@ -1,15 +1,18 @@
-"""Pallas paged decode attention vs an XLA reference on the same random paged inputs (GPU check).
+"""Pallas vs XLA paged decode attention on the same random paged inputs, and both vs a dense reference (GPU check).
 
 Inputs follow the engine's paged layout: pools k/v [L, N, P, K, D], a shuffled page table
 [S, M] (slot s's position t lives in page page_table[s, t // P], row t % P; entries past a slot's
 pages point out of range, N, and must never be read), ragged lengths [S] including 0 (idle slot:
 output 0), 1, a page boundary and the maximum M * P, and one query token per slot q [S, H, D]
-(H = K * G). The reference gathers every slot's pages into a dense [S, M * P, K, D] array and
-takes a float32 masked softmax over keys t < lengths[s] with scale 1 / sqrt(D) - plain XLA ops,
-independent of the kernel. Checks max |pallas - reference| against a per-dtype tolerance on a
-nonzero `layer` (the other layer holds garbage), then times both (median of `--repeats`) and
-reports the kernel's achieved bandwidth on the live K/V bytes it must read (sum of lengths x K x
-D x 2 x dtype bytes). Exits 1 on a mismatch.
+(H = K * G). The two kernels the engine selects by `EngineConfig.decode_kernel`:
+`paged_attention.paged_decode_attention` ('pallas') and `layers.paged_decode_attention_xla`
+('xla', blockwise over the pages below window = max_len) run on a nonzero `layer` (the other layer
+holds garbage). The dense reference gathers every slot's pages into a [S, M * P, K, D] array and
+takes a float32 masked softmax over keys t < lengths[s] with scale 1 / sqrt(D) (plain XLA ops,
+independent of both). Checks max |pallas - xla| and each against the reference with a per-dtype
+tolerance (exit 1 on a mismatch), then times the three (median of `--repeats`) and reports the
+achieved bandwidth on the live K/V bytes a kernel must read (sum of lengths x K x D x 2 x dtype
+bytes).
 
   python benchmarks/gpu_paged_check.py                 # GPU: 64 slots, 8B-shaped heads, up to 16k
   # CPU smoke run (Pallas interpret mode):
@@ -28,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalerl_jax.models.layers import paged_decode_attention_xla
 from scalerl_jax.models.paged_attention import paged_decode_attention
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -101,24 +105,34 @@ def main() -> int:
     interpret = jax.default_backend() == "cpu"
     q, k_pages, v_pages, page_table, lengths = random_paged_inputs(args, np.random.default_rng(args.seed))
     layer = jnp.int32(1)
-    kernel = jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=args.pages_per_block,
-                                                       interpret=interpret))
-    reference = jax.jit(reference_attention)
+    kernels = {
+        "pallas": jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=args.pages_per_block,
+                                                            interpret=interpret)),
+        "xla": jax.jit(lambda *a: paged_decode_attention_xla(*a, window=args.max_len,
+                                                             pages_per_block=args.pages_per_block)),
+        "reference": jax.jit(reference_attention),
+    }
     inputs = (q, k_pages, v_pages, layer, page_table, lengths)
-    got = np.asarray(kernel(*inputs), np.float32)
-    want = np.asarray(reference(*inputs), np.float32)
-    error = float(np.max(np.abs(got - want)))
-    ok = error <= TOLERANCE[args.dtype] and np.all(got[np.asarray(lengths) == 0] == 0)
+    outputs = {name: np.asarray(fn(*inputs), np.float32) for name, fn in kernels.items()}
+    tolerance = TOLERANCE[args.dtype]
     print(f"{jax.devices()[0].device_kind}: {args.slots} slots, lengths {int(lengths.min())}..{int(lengths.max())} "
           f"(sum {int(lengths.sum()):,}), H {args.heads} K {args.kv_heads} D {args.head_dim}, page {args.page_size}, "
-          f"{args.dtype}, interpret={interpret}: max |pallas - xla reference| = {error:.3g} "
-          f"(tolerance {TOLERANCE[args.dtype]:g}) -> {'OK' if ok else 'MISMATCH'}")
-    pallas_s = median_seconds(lambda: kernel(*inputs), args.repeats)
-    reference_s = median_seconds(lambda: reference(*inputs), args.repeats)
+          f"{args.dtype}, pallas interpret={interpret}; tolerance {tolerance:g}")
+    ok = True
+    for a, b in (("pallas", "xla"), ("pallas", "reference"), ("xla", "reference")):
+        error = float(np.max(np.abs(outputs[a] - outputs[b])))
+        ok &= error <= tolerance
+        print(f"  max |{a} - {b}| = {error:.3g} -> {'OK' if error <= tolerance else 'MISMATCH'}")
+    idle = np.asarray(lengths) == 0
+    for name in ("pallas", "xla"):
+        if np.any(outputs[name][idle] != 0):
+            ok = False
+            print(f"  MISMATCH: {name} gives nonzero output for an idle slot (length 0)")
     live_bytes = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
-    print(f"pallas {pallas_s * 1e3:.3f} ms ({live_bytes / pallas_s / 1e9:.0f} GB/s on {live_bytes / 1e9:.3f} GB "
-          f"of live K/V), xla dense-gather reference {reference_s * 1e3:.3f} ms; reference / pallas = "
-          f"{reference_s / pallas_s:.2f}x (median of {args.repeats})")
+    seconds = {name: median_seconds(lambda fn=fn: fn(*inputs), args.repeats) for name, fn in kernels.items()}
+    print("  " + ", ".join(f"{name} {1e3 * t:.3f} ms ({live_bytes / t / 1e9:.0f} GB/s)" for name, t in seconds.items())
+          + f" on {live_bytes / 1e9:.3f} GB of live K/V (median of {args.repeats}); xla / pallas = "
+          f"{seconds['xla'] / seconds['pallas']:.2f}x")
     return 0 if ok else 1
 
 
