@@ -157,7 +157,9 @@ class DecodePlan:
     prompt + completion, so with slots at staggered points of their completions (steady state of
     continuous batching) a slot holds on average prompt + completion / 2 tokens: the pool is sized
     for ceil(that / page_size) pages per slot. If all slots started together (synchronized, e.g.
-    a cold start) they would reach prompt + completion at once: `pages_per_slot_synchronized`.
+    a cold start) they would reach prompt + completion at once: `pages_per_slot_synchronized`. A pool
+    sized for the mean runs short when the slots' live tokens rise above it; the engine then preempts
+    its youngest sequence (sampler.engine), so the mean sizing trades slots for occasional preemption.
     """
     device_bytes: int
     usable_fraction: float
@@ -242,7 +244,8 @@ def format_decode_plan(plan: DecodePlan, title: str) -> str:
         f"{plan.pages_per_slot} pages = {per_slot_paged / 1e9:.3f} GB per slot -> {plan.slots_paged} slots "
         f"(EngineConfig(num_slots={plan.slots_paged}, page_size={plan.page_size}, "
         f"num_pages={plan.num_pages}))",
-        f"      if all slots were at prompt + completion at once (synchronized start): "
+        f"      live tokens above the mean make the engine preempt its youngest sequence; if all slots "
+        f"were at prompt + completion at once (synchronized start): "
         f"{plan.pages_per_slot_synchronized} pages per slot -> {plan.slots_paged_synchronized} slots",
     ])
 
