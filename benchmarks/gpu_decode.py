@@ -6,8 +6,10 @@ Random weights of a preset (default llama3.1-8b, bf16 body with the fp32 LM head
 are long-lived: they sit at live length ~prompt_len; the default 7,936 is about a recipe slot's
 mean live length, prompt 2,048 + half of an ~11k completion, and keeps the 'xla' kernel's window,
 a power of two, at 8,192 for the whole run). All slots share one length, so this does not show the
-'xla' kernel's cost under staggered lengths, where its window follows the longest slot. The KV cache is paged (`--page_size`, `--num_pages`) and decode attention runs with
-`--decode_kernel` ('xla' blockwise over each slot's live pages, 'pallas' the paged kernel, 'auto').
+'xla' kernel's cost under staggered lengths, where its window follows the longest slot. The KV
+cache is paged (`--page_size`, `--num_pages`) and decode attention runs with `--decode_kernel`
+('xla' blockwise over the pages below the chunk's window, 'pallas' the paged kernel over each
+slot's live pages, 'auto').
 Times `--chunks` chunks of `--chunk_size` decode steps after a warm-up chunk that compiles (steps
 and tokens are read from the slots' positions on the device), and reports per slot count:
 
@@ -44,7 +46,6 @@ import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

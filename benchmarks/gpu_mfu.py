@@ -29,7 +29,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
 from scalerl_jax import recipe
