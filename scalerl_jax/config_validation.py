@@ -18,6 +18,7 @@ import ml_collections
 
 from scalerl_jax import recipe
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS
+from scalerl_jax.models.layers import DECODE_KERNELS
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
 # sections whose keys the user names (extra evaluation sets).
@@ -35,13 +36,14 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.head_precision": HEAD_PRECISIONS,
     "model.attention_impl": ATTENTION_IMPLS,
+    "sampler.decode_kernel": DECODE_KERNELS,
     "nan_policy": ("skip", "stop"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 BOOLS = (
     "model.fp32_head", "model.scan_layers", "data.use_chat_template", "rl.zero_variance_filter",
     "rl.refill_zero_variance", "rl.no_positive_resampling", "rl.mask_truncated_completions",
-    "mesh.require_accelerator",
+    "mesh.require_accelerator", "sampler.compile_ahead",
 )
 STRINGS = (
     "model.preset", "model.checkpoint", "model.remat_policy", "data.path", "data.data_dir",
@@ -104,7 +106,7 @@ NUMBERS: dict[str, Bound] = {
     "sampler.temperature": POSITIVE, "sampler.top_p": Bound(0, 1, low_open=True),
     "sampler.top_k": NON_NEGATIVE_INT, "sampler.num_slots": COUNT, "sampler.chunk_steps": COUNT,
     "sampler.max_new_tokens": COUNT, "sampler.think_budget_min": COUNT, "sampler.think_budget_max": COUNT,
-    "sampler.answer_budget": COUNT,
+    "sampler.answer_budget": COUNT, "sampler.page_size": COUNT, "sampler.num_pages": NON_NEGATIVE_INT,
     "schedule.k": COUNT, "schedule.queue_groups": NON_NEGATIVE_INT,
     "optimizer.lr": POSITIVE, "optimizer.warmup_steps": NON_NEGATIVE_INT, "optimizer.b1": BETA,
     "optimizer.b2": BETA, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
@@ -277,11 +279,13 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
             "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway")
 
 
-# Keys a resumed run may change: how long it runs and how often it evaluates, saves and logs.
+# Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, and how
+# the sampler holds and reads its KV cache (not what it samples).
 RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep", "log_every",
                      "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode",
                      "distributed.connect_timeout_s", "distributed.heartbeat_s", "distributed.heartbeat_timeout_s",
-                     "distributed.reply_timeout_s")
+                     "distributed.reply_timeout_s", "sampler.page_size", "sampler.num_pages",
+                     "sampler.decode_kernel", "sampler.compile_ahead")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:

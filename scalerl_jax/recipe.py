@@ -97,6 +97,10 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.sampler.answer_budget = 2_048
     c.sampler.interruption_phrase = INTERRUPTION_PHRASE
     c.sampler.think_end = "</think>"
+    c.sampler.page_size = 16  # tokens per KV page
+    c.sampler.num_pages = 0  # KV pages per generator (0: every slot can reach max_len at once)
+    c.sampler.decode_kernel = "auto"  # 'xla' | 'pallas' (GPU) | 'auto' (= 'xla' until measured)
+    c.sampler.compile_ahead = True  # compile every decode-path shape before the first request
 
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "pipeline"  # 'pipeline' (PipelineRL-k) | 'ppo_off_policy'

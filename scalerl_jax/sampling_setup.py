@@ -69,11 +69,13 @@ def max_sequence_length(config: ml_collections.ConfigDict) -> int:
 
 
 def make_engine_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> EngineConfig:
-    """The sampler engine of `sampler`: slots, cache length, sampling knobs, stop ids, interruption."""
+    """The sampler engine of `sampler`: slots, cache length, sampling knobs, stop ids, interruption,
+    KV pages and the decode attention kernel."""
     s = config.sampler
     return EngineConfig(num_slots=s.num_slots, max_len=max_sequence_length(config), chunk_size=s.chunk_steps,
                         top_k=s.top_k, top_p=s.top_p, max_stop_tokens=len(tokens.stop_ids),
-                        interruption=make_interruption(config, tokens))
+                        interruption=make_interruption(config, tokens), page_size=s.page_size,
+                        num_pages=s.num_pages, decode_kernel=s.decode_kernel)
 
 
 def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:

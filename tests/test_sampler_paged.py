@@ -191,3 +191,18 @@ def test_sharded_decode_moves_no_page_between_devices(params):
                 match.group(1), np.float32)).itemsize
             sizes.append(itemsize * int(np.prod([int(d) for d in match.group(2).split(",") if d] or [1])))
     assert sizes and max(sizes) < shard_bytes / 8, (max(sizes), shard_bytes)
+
+
+@pytest.mark.slow
+def test_pallas_kernel_in_the_engine_gives_the_tokens_of_the_xla_path(params):
+    """(slow: ~1 min of interpret mode) decode_kernel='pallas' (interpret mode on CPU) decodes the same greedy tokens and log-probs as
+    the portable blockwise attention, with slots refilled mid-run on a short pool."""
+    graphdef, state = params
+    common = dict(num_slots=2, max_len=48, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2,
+                  min_decode_window=16, page_size=8, num_pages=8)
+    reqs = requests(3, max_new=12)
+    want, _ = drain(Engine(graphdef, CONFIG, EngineConfig(decode_kernel="xla", **common)), state, reqs)
+    got, _ = drain(Engine(graphdef, CONFIG, EngineConfig(decode_kernel="pallas", **common)), state, reqs)
+    for i in range(len(reqs)):
+        assert got[i].tokens == want[i].tokens, i
+        np.testing.assert_allclose(got[i].logprobs, want[i].logprobs, atol=1e-5, rtol=0)

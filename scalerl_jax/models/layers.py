@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from scalerl_jax.models import sharding
+from scalerl_jax.models import paged_attention, sharding
 from scalerl_jax.models.config import ModelConfig
 
 KVCache = dict[str, jax.Array]
@@ -250,7 +250,8 @@ def grouped_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, 
     k/v_pool [L, G, N, P, K, D]: G groups of N pages; slots are split into G equal consecutive
     groups (slot b in group b // (S / G)) and a slot's page ids index its own group's pages. The
     groups are mapped with `jax.vmap` (a batch dimension of every gather), so a pool sharded over
-    G with the slots sharded alike is read without moving pages between devices.
+    G with the slots sharded alike is read without moving pages between devices. The Pallas kernel
+    ignores `window` (it reads each slot's own length); off GPU it runs in interpret mode (tests only).
     """
     groups = k_pool.shape[1]
     slots = q.shape[0]
@@ -259,11 +260,11 @@ def grouped_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, 
         return x.reshape(groups, slots // groups, *x.shape[1:])
 
     if kernel == "pallas":
-        from scalerl_jax.models.paged_attention import paged_decode_attention
+        interpret = jax.default_backend() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
 
         def attend(q_g, k_g, v_g, table_g, lengths_g):
-            return paged_decode_attention(q_g, k_g, v_g, layer, table_g, lengths_g,
-                                          pages_per_block=pages_per_block)
+            return paged_attention.paged_decode_attention(q_g, k_g, v_g, layer, table_g, lengths_g,
+                                                          pages_per_block=pages_per_block, interpret=interpret)
     else:
         def attend(q_g, k_g, v_g, table_g, lengths_g):
             return paged_decode_attention_xla(q_g, k_g, v_g, layer, table_g, lengths_g, window=window,

@@ -68,6 +68,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
+from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
 from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
 from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
 from scalerl_jax.sampler.pages import PageTable, pages_for
@@ -79,6 +80,7 @@ PHASE_ANSWER = 2
 
 PAD_TOKEN = -1  # Entry of ChunkResult.tokens where a slot emitted nothing at that step.
 CPU_DECODE_BLOCK = 256  # EngineConfig.decode_block=0 on CPU
+PALLAS_PAGES_PER_BLOCK = 8  # pages the Pallas decode kernel reads per block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +310,10 @@ class Engine:
         self.pages = self._new_page_table()
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.decode_kernel = resolve_decode_kernel(config.decode_kernel, platform)
+        problems = triton_shape_problems(head_dim=model_config.head_dim, page_size=config.page_size,
+                                         pages_per_block=PALLAS_PAGES_PER_BLOCK)
+        if self.decode_kernel == "pallas" and platform in GPU_PLATFORMS and problems:
+            raise ValueError(f"EngineConfig.decode_kernel='pallas' on {platform}: {problems}")
 
     # ----------------------------------------------------------------------------- public API
     def init_decode_state(self) -> DecodeState:
@@ -590,7 +596,8 @@ class Engine:
             write_group=jnp.arange(cfg.num_slots, dtype=jnp.int32) // self._slots_per_group(),
             write_page=jnp.where(state.active, page, self.pages_per_group),
             write_offset=feed % cfg.page_size, window=window,
-            pages_per_block=(pages_for(window, cfg.page_size) if block is None
+            pages_per_block=(PALLAS_PAGES_PER_BLOCK if self.decode_kernel == "pallas"
+                             else pages_for(window, cfg.page_size) if block is None
                              else max(1, block // cfg.page_size)),
             kernel=self.decode_kernel)
 
