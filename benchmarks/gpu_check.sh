@@ -11,8 +11,7 @@
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]                      # default: $OUT, else ./gpu_check_out
 #   PYTHON=/path/to/python benchmarks/gpu_check.sh DIR      # a python with jax[cuda] (default: python)
-#   GPU_CHECK_SMOKE=1 benchmarks/gpu_check.sh DIR           # CPU smoke run: the stages at tiny shapes
-#                                                           # (no decode_pallas: the engine's Pallas path is GPU-only)
+#   GPU_CHECK_SMOKE=1 benchmarks/gpu_check.sh DIR           # CPU smoke run: the same stages at tiny shapes
 # GPU_CHECK_BUDGET_S (default 570) caps the whole run: a stage gets min(its limit, time left) and is
 # skipped (and counted as failed) when under 15 s remain.
 set -u
@@ -67,10 +66,11 @@ if [[ "$smoke" == 1 ]]; then
   stage env 60 "$python" -c "import jax; print(jax.__version__, jax.devices())"
   stage paged_attention 120 "$python" benchmarks/gpu_paged_check.py --slots 4 --max_len 64 --page_size 4 \
     --heads 4 --kv_heads 2 --head_dim 16 --pages_per_block 2 --dtype float32 --repeats 1
-  # The engine's 'pallas' decode compiles for GPU only (the kernel itself ran above in interpret mode).
-  stage decode_xla 120 "$python" benchmarks/gpu_decode.py --preset tiny-llama --slots 4 --prompt_len 8 \
-    --max_len 64 --page_size 4 --chunk_size 4 --chunks 2 --decode_kernel xla --peak_tbs 0.05 \
-    --out "$out/decode_xla.json"
+  for kernel in xla pallas; do  # on CPU the engine runs the Pallas kernel in interpret mode
+    stage "decode_$kernel" 120 "$python" benchmarks/gpu_decode.py --preset tiny-llama --slots 4 --prompt_len 8 \
+      --max_len 64 --page_size 4 --chunk_size 4 --chunks 2 --decode_kernel "$kernel" --peak_tbs 0.05 \
+      --out "$out/decode_$kernel.json"
+  done
   stage mfu 120 "$python" benchmarks/gpu_mfu.py --preset tiny-llama --layers 0 --seq_len 64 \
     --seqs_per_device 2 --prompt_len 16 --steps 2 --warmup 1 --peak_tflops 1
   stage decode_scaling 240 "$python" benchmarks/bench_decode_scaling.py --repeats 1 --skip_generation

@@ -285,12 +285,14 @@ def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> s
 
 
 def recipe_decode_defaults() -> dict[str, float]:
-    """max_len, mean prompt and mean completion of the recipe (configs/scalerl_8b.py): max_len =
-    max_prompt_tokens + max_new_tokens; prompt = max_prompt_tokens (an upper bound: prompts are at
-    most that long); completion = the think budget's midpoint (think_budget_min + max) / 2."""
+    """max_len, page size, mean prompt and mean completion of the recipe (configs/scalerl_8b.py):
+    max_len = max_prompt_tokens + max_new_tokens; page_size = sampler.page_size; prompt =
+    max_prompt_tokens (an upper bound: prompts are at most that long); completion = the think
+    budget's midpoint (think_budget_min + max) / 2."""
     from scalerl_jax import recipe  # the CLI's defaults only; models/ does not depend on the recipe
     config = recipe.scalerl_8b()
     return {"max_len": config.data.max_prompt_tokens + config.sampler.max_new_tokens,
+            "page_size": config.sampler.page_size,
             "mean_prompt": config.data.max_prompt_tokens,
             "mean_completion": (config.sampler.think_budget_min + config.sampler.think_budget_max) / 2}
 
@@ -312,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--usable_fraction", type=float, default=0.9)
     parser.add_argument("--max_len", type=int, default=int(defaults["max_len"]),
                         help="decode: tokens per slot (prompt + completion)")
-    parser.add_argument("--page_size", type=int, default=16, help="decode: tokens per KV page")
+    parser.add_argument("--page_size", type=int, default=int(defaults["page_size"]),
+                        help="decode: tokens per KV page (default: the recipe's sampler.page_size)")
     parser.add_argument("--mean_prompt", type=float, default=defaults["mean_prompt"],
                         help="decode: mean prompt tokens (default: the recipe's max_prompt_tokens)")
     parser.add_argument("--mean_completion", type=float, default=defaults["mean_completion"],
