@@ -5,9 +5,10 @@ config back, then wires the builders below: the policy's checkpoint and tokenize
 prompts, the device meshes, the trainer, the sampler engine, the scorer, the evaluator, and the
 step reporter that writes metrics and checkpoints; the pipeline (`pipeline/`) runs them.
 
-Threads: the pipeline's generator and trainer threads; `StepReporter.on_step` (metrics,
+Threads: the pipeline's generator, scoring and trainer threads; `StepReporter.on_step` (metrics,
 evaluation, checkpoints) runs in the trainer thread between steps, while the train state is not
-donated.
+donated, and the first evaluation in the same thread before the first step (`Pipeline.on_start`):
+evaluation samples on the generators' own batchers (`Pipeline.sample_eval`).
 """
 from __future__ import annotations
 
