@@ -30,9 +30,9 @@ and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
 
 Stopping. The trainer stops after `num_steps`; `request_stop()` or SIGINT/SIGTERM (handled when
 `run()` is called from the main thread) stop it after the current step and its `on_step` (a
-second SIGINT raises KeyboardInterrupt at once). An exception in either thread closes the buffer, which wakes and
-stops the other; `run()` then re-raises that exception (with its traceback) in the calling
-thread. Groups still queued at the end are listed in the result, never reported as trained.
+second SIGINT raises KeyboardInterrupt at once). An exception in any thread closes the link and
+its buffer, which wakes and stops the others; `run()` then re-raises that exception (with its
+traceback) in the calling thread. Groups still queued at the end are listed in the result, never reported as trained.
 """
 
 from __future__ import annotations
@@ -189,9 +189,10 @@ class Pipeline:
     donate `state`). `push_params(state, version)` sends new params to every generator (default:
     `update_params` of `state.params`) and returns when they have them. `on_step(record)` is
     called in the trainer thread after each step; `on_start()` once before the first batch, with
-    the generators running (e.g. the first evaluation). `remote_generators`: (name, serve(link, stop_event)), each run
-    in its own thread beside the others and guarded the same way (an error in one stops all),
-    serving a generator of another process with this pipeline's `LocalLink`. `clock` measures
+    the generators running (e.g. the first evaluation). `remote_generators`: (name,
+    serve(link, stop_event)), each run in its own thread beside the others and guarded the same
+    way (an error in one stops all), serving a generator of another process with this pipeline's
+    `LocalLink`. `clock` measures
     waits and throughput.
     """
 
