@@ -152,7 +152,9 @@ class LocalLink:
     (`reward_fn(prompt, completions) -> n rewards`) and puts it in the buffer, or discards it when
     `zero_variance == 'refill'` and all rewards are equal; groups are scored one at a time, in
     the order they finished. Tokens and completions are counted when their group is scored,
-    whichever generator made them. `evaluate` (the trainer's side) queues evaluation requests
+    whichever generator made them. What the reward function records (e.g. the prompt pool's
+    pass rates) lands when the group is scored, possibly after later prompt draws, as it always
+    did with generators in other processes. `evaluate` (the trainer's side) queues evaluation requests
     for the generators and waits for their completions (module docstring).
     `hold_admission()`: while held, admission is refused (evaluations still run).
     Thread safe. `close()` closes the buffer and wakes every waiter here with `PipelineStopped`.
