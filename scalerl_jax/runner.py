@@ -5,9 +5,10 @@ config back, then wires the builders below: the policy's checkpoint and tokenize
 prompts, the device meshes, the trainer, the sampler engine, the scorer, the evaluator, and the
 step reporter that writes metrics and checkpoints; the pipeline (`pipeline/`) runs them.
 
-Threads: the pipeline's generator and trainer threads; `StepReporter.on_step` (metrics,
+Threads: the pipeline's generator, scoring and trainer threads; `StepReporter.on_step` (metrics,
 evaluation, checkpoints) runs in the trainer thread between steps, while the train state is not
-donated.
+donated, and the first evaluation in the same thread before the first step (`Pipeline.on_start`):
+evaluation samples on the generators' own batchers (`Pipeline.sample_eval`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from scalerl_jax.distributed.remote_generator import (GeneratorPush, LinkService
                                                      first_version)
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.trainer_group import TrainerGroup, TrainerOps, follow, report_restored
-from scalerl_jax.distributed.transport import EVAL, TRAIN, LeaderTransport, Routes, plan_routes, transfer_id
+from scalerl_jax.distributed.transport import TRAIN, LeaderTransport, Routes, plan_routes
 from scalerl_jax.distributed.watchdog import Heartbeat
 from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender, push_local
 from scalerl_jax.distributed.wiring import (ProcessLinks, connect_processes, start_transfer_server,
@@ -53,7 +54,7 @@ from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine
 from scalerl_jax.sampling_setup import (check_think_end, interrupts, make_engine_config, make_prompt_encoder,
-                                       make_reward_config, make_sample_fn, max_sequence_length)
+                                       make_reward_config, max_sequence_length)
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer,
                                make_train_step)
@@ -243,10 +244,10 @@ def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenize
 # ---------------------------------------------------------------------------------------------
 
 class Evaluator:
-    """Every evaluation set, sampled by `sample_eval(params, version, prompts, seed_offset)` (on a
-    generator's evaluation batcher: `transport.LeaderTransport.sample_eval`), scored here.
+    """Every evaluation set, sampled by `sample_eval(version, prompts, seed_offset)` (on the
+    generators' own batchers, beside training: `Pipeline.sample_eval`), scored here.
 
-    `__call__(params, version)` returns the metrics of all sets (held-out under `eval/`, extras
+    `__call__(version)` returns the metrics of all sets (held-out under `eval/`, extras
     under `eval_<name>/`) and appends, for the first `eval.samples_logged` held-out prompts, every
     sample (rendered prompt, completion, extracted answer, gold, reward, finish reason) to
     `WORKDIR/samples.jsonl`. Request i of an evaluation at version v samples with the PRNG stream
@@ -254,25 +255,25 @@ class Evaluator:
     """
 
     def __init__(self, config: ml_collections.ConfigDict, task: TaskData, source: PolicySource,
-                 sample_eval: Callable[[Any, int, list[list[int]], int], list[Completion]], reward_config,
+                 sample_eval: Callable[[int, list[list[int]], int], list[Completion]], reward_config,
                  verify_pool, samples_path: str):
         self._config, self._task, self._source = config, task, source
         self._sample_eval, self._reward_config, self._pool = sample_eval, reward_config, verify_pool
         self._samples_path = samples_path
 
-    def __call__(self, params, version: int) -> dict[str, float]:
+    def __call__(self, version: int) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for eval_set in self._task.eval_sets:
-            metrics.update(self._evaluate(eval_set, params, version))
+            metrics.update(self._evaluate(eval_set, version))
         return metrics
 
-    def _evaluate(self, eval_set: EvalSet, params, version: int) -> dict[str, float]:
+    def _evaluate(self, eval_set: EvalSet, version: int) -> dict[str, float]:
         samples = self._config.eval.samples_per_prompt
         problems = [p for p in eval_set.problems for _ in range(samples)]
         captured: dict[str, Any] = {}
 
         def sample(prompts):
-            captured["completions"] = self._sample_eval(params, version, prompts, version << 20)
+            captured["completions"] = self._sample_eval(version, prompts, version << 20)
             return captured["completions"]
 
         def score(texts, golds):
@@ -337,7 +338,7 @@ class StepReporter:
             writer.write(version, metrics)
 
     def evaluate(self, version: int) -> dict[str, float]:
-        metrics = self._evaluator(self.state.params, version)
+        metrics = self._evaluator(version)
         self.last_eval = (version, metrics["eval/pass_rate"])
         return metrics
 
@@ -476,14 +477,14 @@ def check_custom_reward(config: ml_collections.ConfigDict) -> None:
 class TransferSide:
     """This process's weight-transfer pieces: offers (trainer processes) and pulls (generators)."""
 
-    offer: Callable[[str, int, Any], None] | None  # (purpose, transfer id, params)
-    pull: Callable[[int], Any] | None  # transfer id -> params on this generator's shardings
+    offer: Callable[[str, int, Any], None] | None  # (purpose, transfer id = version, params)
+    pull: Callable[[int], Any] | None  # version -> params on this generator's shardings
 
 
 def build_transfer(config: ml_collections.ConfigDict, roles: Roles, routes: Routes, abstract_params: Any,
                    trainer_mesh: jax.sharding.Mesh | None) -> TransferSide:
-    """Senders on trainer processes (one per purpose: training targets, the evaluating generator)
-    and a receiver on a generator process that gets its params by transfer; nothing otherwise."""
+    """A sender on trainer processes and a receiver on a generator process that gets its params by
+    transfer; nothing otherwise."""
     needs_pull = roles.process in routes.transfer_generators
     if not routes.transfer_generators or not (roles.is_trainer or needs_pull):
         return TransferSide(None, None)
@@ -493,8 +494,6 @@ def build_transfer(config: ml_collections.ConfigDict, roles: Roles, routes: Rout
     offer = None
     if roles.is_trainer:
         senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
-        if routes.eval_by_transfer:
-            senders[EVAL] = ParamsSender(trainer_mesh, server, targets([routes.evaluator]))
         offer = lambda purpose, ident, params: senders[purpose].offer(params, ident)
     pull = None
     if needs_pull:
@@ -577,9 +576,7 @@ def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: Poli
     params, version = first_version(params_connection, pull=transfer.pull, timeout_s=d.reply_timeout_s)
     batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed)
     stop = threading.Event()
-    inbox = ParamsInbox(params_connection, pull=transfer.pull, batcher=batcher, timeout_s=d.reply_timeout_s,
-                        evaluate=(_remote_evaluation(config, engine, source, params, version)
-                                  if roles.process == plan_routes(roles).evaluator else None))
+    inbox = ParamsInbox(params_connection, pull=transfer.pull, batcher=batcher, timeout_s=d.reply_timeout_s)
     errors: list[BaseException] = []
 
     def receive():
@@ -602,48 +599,26 @@ def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: Poli
     logging.info("generator: %d chunks, %.1f s decoding", stats.chunks, stats.busy_s)
 
 
-def _remote_evaluation(config: ml_collections.ConfigDict, engine: Engine, source: PolicySource, params: Any,
-                       version: int) -> Callable[[Any, int, list[list[int]], int], list[Completion]]:
-    """The evaluating generator's `evaluate(params, version, prompts, seed_offset)`, on a batcher of
-    its own (a second KV cache, on this process only) that starts from the generator's buffers."""
-    eval_batcher = ContinuousBatcher(_second_engine(engine), params, version=version, seed=config.seed + 1)
-
-    def evaluate(params, version, prompts, seed_offset):
-        eval_batcher.update_params(params, version, copy=False)
-        return make_sample_fn(eval_batcher, config, source.tokens.stop_ids, seed_offset=seed_offset)(prompts)
-
-    return evaluate
-
-
-def _second_engine(engine: Engine) -> Engine:
-    """An engine like `engine` for a second decode state: an engine tracks the live window of one
-    decode state only (`sampler/engine.py`), and the evaluation batcher runs beside the generator's."""
-    return Engine(engine.graphdef, engine.model_config, engine.config, mesh=engine.mesh, rules=engine.rules)
-
-
 def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
     """What every generator's requests share (the same on every process)."""
     return sampling_settings(build_pipeline_config(config, tokens, None, (), 0))
 
 
-def _leader_batchers(config: ml_collections.ConfigDict, source: PolicySource, trainer: Trainer, meshes: Meshes,
-                     routes: Routes, transfer: TransferSide, group: TrainerGroup,
-                     start_step: int) -> tuple[ContinuousBatcher | None, ContinuousBatcher | None]:
+def _leader_batcher(config: ml_collections.ConfigDict, source: PolicySource, trainer: Trainer, meshes: Meshes,
+                    routes: Routes, transfer: TransferSide, group: TrainerGroup,
+                    start_step: int) -> ContinuousBatcher | None:
     """Offers version `start_step` to the generators fed by transfer; then the leader's own
-    generator and evaluation batchers holding it (None, None without generator devices here)."""
+    generator batcher holding it (None without generator devices here). It also evaluates."""
     if routes.transfer_generators:
-        ident = transfer_id(start_step, TRAIN)
-        group.offer(ident, TRAIN, lambda: transfer.offer(TRAIN, ident, trainer.state.params))
+        group.offer(start_step, TRAIN, lambda: transfer.offer(TRAIN, start_step, trainer.state.params))
     if meshes.generator is None:
-        return None, None
+        return None
     engine = build_engine(config, trainer.graphdef, trainer.model_config, source.tokens, meshes.generator)
     if transfer.pull is not None:
-        params = transfer.pull(transfer_id(start_step, TRAIN))
+        params = transfer.pull(start_step)
     else:
         params = push_local(trainer.state.params, param_shardings(trainer.state.params, meshes.generator))
-    # Both read the same buffers until their first update (batchers never donate params).
-    return (ContinuousBatcher(engine, params, version=start_step, seed=config.seed),
-            ContinuousBatcher(_second_engine(engine), params, version=start_step, seed=config.seed + 1))
+    return ContinuousBatcher(engine, params, version=start_step, seed=config.seed)
 
 
 def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
@@ -682,15 +657,11 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
     group.check_restored(None if saved is None else saved["step"], timeout_s=config.distributed.reply_timeout_s)
     remote_params = [c for p, c in links.of_role("params").items()] if links else []
     remote = GeneratorPush(remote_params, timeout_s=config.distributed.reply_timeout_s) if remote_params else None
-    batchers = _leader_batchers(config, source, trainer, meshes, routes, transfer, group, start_step)
-    transport = LeaderTransport(
-        routes, group=group, offer=transfer.offer, local_batcher=batchers[0],
-        local_eval_batcher=batchers[1], local_pull=transfer.pull, remote=remote,
-        eval_connection=links.of_role("params").get(routes.evaluator) if links else None,
-        sample_local=lambda batcher, prompts, offset: make_sample_fn(
-            batcher, config, source.tokens.stop_ids, seed_offset=offset)(prompts))
+    batcher = _leader_batcher(config, source, trainer, meshes, routes, transfer, group, start_step)
+    transport = LeaderTransport(routes, group=group, offer=transfer.offer, local_batcher=batcher,
+                                local_pull=transfer.pull, remote=remote)
     if remote is not None:
-        remote.announce(start_step, transfer_id(start_step, TRAIN))  # the offer was made with the local one
+        remote.announce(start_step)  # the offer was made with the local one
 
     reward_config = make_reward_config(config)
     verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
@@ -700,29 +671,33 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
         from scalerl_jax.wandb_sink import WandbSink  # optional extra
         writers.append(WandbSink(project=config.logging.wandb_project, mode=config.logging.wandb_mode,
                                  workdir=workdir, config=config_json(config)))
-    evaluator = Evaluator(config, task, source, transport.sample_eval, reward_config, verify_pool,
-                          os.path.join(workdir, SAMPLES_FILE))
-    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, group, trainer.state,
-                            flat_config(config))
 
     def prompt_source() -> Prompt:
         index = run_state.pool.next_prompts(1)[0]
         return Prompt(index, tuple(task.train_prompts[index]))
 
+    pipeline = Pipeline(
+        build_pipeline_config(config, source.tokens, trainer.model_config, roles.trainer_devices, start_step),
+        batcher=batcher, prompt_source=prompt_source,
+        reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
+        train_step=group.train_step, train_state=trainer.state, push_params=transport.push, remote_generators=[
+            (f"link-{process}", LinkService(conn, timeout_s=config.distributed.reply_timeout_s).serve)
+            for process, conn in (links.of_role("control").items() if links else [])])
+    # Evaluation samples on the pipeline's generators, so it runs inside the pipeline's trainer thread.
+    evaluator = Evaluator(config, task, source, pipeline.sample_eval, reward_config, verify_pool,
+                          os.path.join(workdir, SAMPLES_FILE))
+    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, group, trainer.state,
+                            flat_config(config))
+    pipeline.on_step = reporter.on_step
+
+    def first_evaluation() -> None:
+        initial = reporter.evaluate(0)
+        reporter.write(0, {**initial, **run_state.meter.metrics(), "compute/unit": "device_hours"})
+        logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
+
+    pipeline.on_start = first_evaluation if start_step == 0 else None
     run_state.meter.start(meshes.num_devices)
     try:
-        if start_step == 0:
-            initial = reporter.evaluate(0)
-            reporter.write(0, {**initial, **run_state.meter.metrics(), "compute/unit": "device_hours"})
-            logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
-        pipeline = Pipeline(
-            build_pipeline_config(config, source.tokens, trainer.model_config, roles.trainer_devices, start_step),
-            batcher=batchers[0], prompt_source=prompt_source,
-            reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
-            train_step=group.train_step, train_state=trainer.state, push_params=transport.push,
-            on_step=reporter.on_step, remote_generators=[
-                (f"link-{process}", LinkService(conn, timeout_s=config.distributed.reply_timeout_s).serve)
-                for process, conn in (links.of_role("control").items() if links else [])])
         result = pipeline.run()
         reporter.state = result.train_state
         if result.version > start_step and result.version % config.checkpoint.every != 0:

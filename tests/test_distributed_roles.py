@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from scalerl_jax.distributed.roles import assign_roles
 from scalerl_jax.distributed.trainer_group import local_rows, process_rows
-from scalerl_jax.distributed.transport import plan_routes, transfer_id
+from scalerl_jax.distributed.transport import plan_routes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +27,7 @@ def test_trainer_on_one_process_generator_on_the_other():
     assert [r.is_leader for r in roles] == [True, False]
     assert roles[1].is_generator and not roles[1].is_trainer and roles[0].followers == ()
     routes = plan_routes(roles[0])
-    assert routes.transfer_generators == (1,) and routes.evaluator == 1 and routes.eval_by_transfer
+    assert routes.transfer_generators == (1,)
 
 
 def test_trainer_spanning_both_processes_has_a_follower_that_also_generates():
@@ -38,7 +38,6 @@ def test_trainer_spanning_both_processes_has_a_follower_that_also_generates():
     assert roles[1].followers == (1,) and roles[1].is_generator and not roles[1].is_leader
     routes = plan_routes(roles[0])
     assert routes.transfer_generators == (1,)  # the trainer is not all on process 1
-    assert routes.evaluator == 1 and routes.eval_by_transfer
 
 
 def test_generators_spanning_both_processes():
@@ -46,7 +45,7 @@ def test_generators_spanning_both_processes():
     assert roles[0].generator_processes == (0, 1) and roles[0].trainer_processes == (0,)
     assert roles[0].is_leader and roles[0].is_generator and roles[0].trainer_is_local
     routes = plan_routes(roles[0])
-    assert routes.transfer_generators == (1,) and routes.evaluator == 0 and not routes.eval_by_transfer
+    assert routes.transfer_generators == (1,)  # process 0's generator is fed in place
 
 
 def test_one_process_is_everything_and_transfers_nothing():
@@ -59,11 +58,6 @@ def test_a_process_without_devices_of_either_set_is_refused():
     # four processes, but only processes 0..2 show devices
     with pytest.raises(ValueError, match=r"processes \[3\] without a generator or trainer device"):
         assign_roles(devices(3, 1), 0.5, 0, 4)
-
-
-def test_transfer_ids_of_training_and_evaluation_never_collide():
-    ids = {transfer_id(v, purpose) for v in range(50) for purpose in ("train", "eval")}
-    assert len(ids) == 100
 
 
 def test_process_rows_follow_the_batch_sharding():

@@ -1,4 +1,5 @@
-"""Plain-data forms of what crosses the host channel: admissions, completions and batch rows.
+"""Plain-data forms of what crosses the host channel: admissions, evaluation requests, completions
+and batch rows.
 
 Everything becomes dicts of numbers, strings and numpy arrays (the channel's wire format has no
 pickle), and comes back as the same dataclasses, field for field.
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from scalerl_jax.pipeline.generator import Admission
+from scalerl_jax.pipeline.generator import Admission, EvalItem
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.sampler.batcher import Completion
 
@@ -24,6 +25,16 @@ def admission_to_message(admission: Admission) -> dict[str, Any]:
 def admission_from_message(message: dict[str, Any]) -> Admission:
     prompt = Prompt(message["key"], tuple(int(t) for t in message["tokens"]))
     return Admission(int(message["group_id"]), prompt, int(message["version"]), int(message["index"]))
+
+
+def eval_item_to_message(item: EvalItem) -> dict[str, Any]:
+    return {"job": item.job, "index": item.index, "tokens": np.asarray(item.prompt, np.int32), "seed": item.seed,
+            "version": item.version}
+
+
+def eval_item_from_message(message: dict[str, Any]) -> EvalItem:
+    return EvalItem(int(message["job"]), int(message["index"]), tuple(int(t) for t in message["tokens"]),
+                    int(message["seed"]), int(message["version"]))
 
 
 def completion_to_message(completion: Completion) -> dict[str, Any]:

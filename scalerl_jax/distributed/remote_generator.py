@@ -1,18 +1,19 @@
 """Generators in other processes: the link they use, the leader's service for it, and the inbox
-through which they receive params versions and evaluation jobs.
+through which they receive params versions.
 
 A generator process runs the ordinary `GeneratorLoop` on its own engine and local mesh, with a
 `RemoteLink` in place of the in-process `LocalLink`: each link call is one request over its
 *control* connection to the leader, where a `LinkService` thread answers it by calling the
-leader's `LocalLink` (so admission, prompt draws, seed indices and scoring stay in one place, in
-one order, whatever the number of generators). When the leader's buffer closes, every answer is
-`{"stopped": true}` and the remote loop ends as the local one does (`PipelineStopped`).
+leader's `LocalLink` (so admission, prompt draws, seed indices, scoring and evaluation jobs stay
+in one place, in one order, whatever the number of generators). Evaluation requests reach a
+remote generator as they reach the local one (`take_evaluations`) and run on its one batcher.
+When the leader's buffer closes, every answer is `{"stopped": true}` and the remote loop ends as
+the local one does (`PipelineStopped`).
 
-Its *params* connection carries the leader's announcements: "version v is offered" (the
+Its *params* connection carries the leader's announcements "version v is offered": the
 generator pulls it through the weight transfer, hands it to its batcher to adopt at the next
-chunk boundary, and acknowledges) and "evaluate these prompts with version v" (it pulls v into
-its evaluation batcher, samples, and answers with the completions). `GeneratorPush` is the
-leader's side: announce to every generator, then wait for every acknowledgement.
+chunk boundary, and acknowledges. `GeneratorPush` is the leader's side: announce to every
+generator, then wait for every acknowledgement.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from absl import logging
 
 from scalerl_jax.distributed.messages import (admission_from_message, admission_to_message,
-                                              completion_from_message, completion_to_message)
-from scalerl_jax.pipeline.generator import Admission, GeneratorCounters, GeneratorStats, LocalLink
+                                              completion_from_message, completion_to_message,
+                                              eval_item_from_message, eval_item_to_message)
+from scalerl_jax.pipeline.generator import Admission, EvalItem, GeneratorCounters, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.queue import PipelineStopped
 from scalerl_jax.sampler.batcher import Completion
 
@@ -59,6 +61,13 @@ class RemoteLink:
                     "chunks": now.chunks - self._reported.chunks, "busy_s": now.busy_s - self._reported.busy_s})
         self._reported = now
 
+    def take_evaluations(self, version: int, limit: int) -> list[EvalItem]:
+        reply = self._call({"op": "take_evaluations", "version": version, "limit": limit})
+        return [eval_item_from_message(item) for item in reply["items"]]
+
+    def finish_evaluations(self, completions: Sequence[Completion]) -> None:
+        self._call({"op": "finish_evaluations", "completions": [completion_to_message(c) for c in completions]})
+
     def epoch(self) -> int:
         return int(self._call({"op": "epoch"})["epoch"])
 
@@ -73,8 +82,8 @@ class LinkService:
     `serve(link, stop)` answers its `RemoteLink` requests with the leader's `LocalLink` until the
     buffer closes: then it answers `stopped` to the generator's next request (a running generator
     asks at least once per chunk) and returns, so the generator always learns that the pipeline
-    ended. A request that fails on the leader (a reward function that raises) raises here, which
-    stops the pipeline, and the generator is told so.
+    ended. A request that fails on the leader raises here, which stops the pipeline, and the
+    generator is told so (a reward function that raises fails on the leader's scoring thread).
     """
 
     def __init__(self, connection: Connection, *, timeout_s: float):
@@ -90,6 +99,14 @@ class LinkService:
             completions = [completion_from_message(c, list(admission.prompt.tokens)) for c in message["completions"]]
             link.finish(admission, completions)
             link.record_generator_time(int(message["chunks"]), float(message["busy_s"]))
+            return {}
+        if op == "take_evaluations":
+            items = link.take_evaluations(int(message["version"]), int(message["limit"]))
+            return {"items": [eval_item_to_message(item) for item in items]}
+        if op == "finish_evaluations":
+            link.finish_evaluations([
+                completion_from_message(c, link.evaluation_prompt(tuple(c["request_id"])))
+                for c in message["completions"]])
             return {}
         if op == "epoch":
             return {"epoch": link.epoch()}
@@ -118,24 +135,22 @@ def first_version(connection: Connection, *, pull: Callable[[int], Any], timeout
     message = connection.recv(timeout_s, "the first params version")
     if message.get("op") != "params":
         raise ValueError(f"expected the first params version from the leader, got {message.get('op')!r}")
-    params, version = pull(int(message["transfer_id"])), int(message["version"])
+    version = int(message["version"])
+    params = pull(version)
     connection.send({"op": "pulled", "version": version})
     return params, version
 
 
 class ParamsInbox:
-    """A generator process's thread that adopts announced params versions and runs evaluation jobs.
+    """A generator process's thread that adopts announced params versions.
 
-    `pull(transfer_id) -> params` fetches params onto this generator's shardings (weight
-    transfer); `batcher` adopts training versions; `evaluate(params, version, prompts,
-    seed_offset) -> completions` runs an evaluation job (on this process's evaluation batcher).
+    `pull(version) -> params` fetches params onto this generator's shardings (weight transfer,
+    under transfer id `version`); `batcher` adopts them at its next chunk boundary.
     """
 
-    def __init__(self, connection: Connection, *, pull: Callable[[int], Any], batcher: Any,
-                 evaluate: Callable[[Any, int, list[list[int]], int], list[Completion]] | None,
-                 timeout_s: float):
+    def __init__(self, connection: Connection, *, pull: Callable[[int], Any], batcher: Any, timeout_s: float):
         self._connection, self._pull, self._batcher = connection, pull, batcher
-        self._evaluate, self._timeout_s = evaluate, timeout_s
+        self._timeout_s = timeout_s
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -146,16 +161,8 @@ class ParamsInbox:
                 return
             if op == "params":
                 version = int(message["version"])
-                self._batcher.update_params(self._pull(int(message["transfer_id"])), version, copy=False)
+                self._batcher.update_params(self._pull(version), version, copy=False)
                 self._connection.send({"op": "pulled", "version": version})
-            elif op == "evaluate":
-                if self._evaluate is None:
-                    raise RuntimeError("the leader sent an evaluation job to a process that does not evaluate")
-                params = self._pull(int(message["transfer_id"]))
-                prompts = [list(map(int, p)) for p in message["prompts"]]
-                completions = self._evaluate(params, int(message["version"]), prompts, int(message["seed_offset"]))
-                self._connection.send({"op": "evaluated", "completions": [completion_to_message(c)
-                                                                          for c in completions]})
             else:
                 raise ValueError(f"unknown message {op!r} from the leader")
 
@@ -166,20 +173,13 @@ class GeneratorPush:
     def __init__(self, connections: Sequence[Connection], *, timeout_s: float):
         self._connections, self._timeout_s = list(connections), timeout_s
 
-    def announce(self, version: int, transfer_id: int) -> None:
+    def announce(self, version: int) -> None:
         for connection in self._connections:
-            connection.send({"op": "params", "version": version, "transfer_id": transfer_id})
+            connection.send({"op": "params", "version": version})
         for connection in self._connections:
             reply = connection.recv(self._timeout_s, f"the pull of params version {version}")
             if reply.get("op") != "pulled" or int(reply["version"]) != version:
                 raise RuntimeError(f"{connection.peer} answered {reply} to the push of version {version}")
-
-    def evaluate(self, connection: Connection, version: int, transfer_id: int, prompts: list[list[int]],
-                 seed_offset: int) -> list[Completion]:
-        connection.send({"op": "evaluate", "version": version, "transfer_id": transfer_id,
-                         "prompts": prompts, "seed_offset": seed_offset})
-        reply = connection.recv(self._timeout_s, f"the evaluation of version {version}")
-        return [completion_from_message(c, prompt) for c, prompt in zip(reply["completions"], prompts)]
 
     def stop(self) -> None:
         for connection in self._connections:

@@ -3,32 +3,46 @@ link through which it asks the group buffer for work and hands back finished com
 
 `GeneratorLoop.run()` is the same code for a generator thread in the trainer's process and for a
 generator process of a multi-host run; only the `GeneratorLink` differs. While the pending
-requests do not cover the free slots (plus `admission_slack`) it asks the link to admit a prompt
-at the sampler's current params version and queues the prompt's n requests; it runs one sampler
-chunk at a time and hands every prompt whose n completions are back to `link.finish`. With
-nothing to run and admission refused it waits on the link (back-pressure), first adopting any
-params pushed meanwhile.
+requests do not cover the free slots (plus `admission_slack`) it first takes evaluation requests
+(priority), then asks the link to admit prompts at the sampler's current params version and
+queues each prompt's n requests; it runs one sampler chunk at a time, hands evaluation
+completions back to `link.finish_evaluations` and every prompt whose n completions are back to
+`link.finish`. With nothing to run and admission refused it waits on the link (back-pressure),
+first adopting any params pushed meanwhile.
 
-`LocalLink` is the link over the group buffer itself: admission, the prompt draw, the seed index
-and scoring happen under one lock, so several generators (threads serving remote processes and a
-local one) may share it. Request seeds depend on (run seed, admission version, index of the group
+Evaluation shares the generator's batcher (its engine, KV cache and params): the trainer pushes
+params version v, then asks for an evaluation of v (`LocalLink.evaluate`) and waits for it, so no
+newer version can reach a generator before the evaluation is back. A generator takes an
+evaluation request only once its batcher decodes with version >= v, hence exactly v, which
+`finish_evaluations` checks token by token. Request i of an evaluation samples with stream
+`seed_offset + i` and the batcher's run seed, whichever generator serves it and whatever else
+its batch holds.
+
+`LocalLink` is the link over the group buffer itself: admission, the prompt draw and the seed
+index happen under one lock, so several generators (threads serving remote processes and a local
+one) may share it. Request seeds depend on (run seed, admission version, index of the group
 among those admitted at that version, sample): the index is counted here, once for all
-generators, so no two generators sample with the same stream.
+generators, so no two generators sample with the same stream. Rewards are computed off the
+generators: `finish` queues the group for `run_scorer`, one scoring thread that scores groups in
+the order they finished and puts them in the buffer.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
 from scalerl_jax.pipeline.group import Group, Prompt
-from scalerl_jax.pipeline.queue import GroupBuffer
-from scalerl_jax.sampler.batcher import Request
+from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
+from scalerl_jax.sampler.batcher import Completion, Request
+
+EVAL_TAG = "eval"  # first element of an evaluation request's id: (EVAL_TAG, job, index)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +56,27 @@ class Admission:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalItem:
+    """One evaluation request: sample `prompt` with stream `seed` on params `version` (the
+    generator takes it once its batcher decodes with that version)."""
+
+    job: int
+    index: int
+    prompt: tuple[int, ...]
+    seed: int
+    version: int
+
+    @property
+    def request_id(self) -> tuple[str, int, int]:
+        return (EVAL_TAG, self.job, self.index)
+
+
+def is_evaluation(request_id: Hashable) -> bool:
+    """Whether a sampler request id is an evaluation request's (`EvalItem.request_id`)."""
+    return isinstance(request_id, tuple) and len(request_id) == 3 and request_id[0] == EVAL_TAG
+
+
+@dataclasses.dataclass(frozen=True)
 class GeneratorStats:
     """Cumulative generator-side counters."""
 
@@ -51,7 +86,7 @@ class GeneratorStats:
     completions: int = 0  # of finished groups
     groups_finished: int = 0
     groups_discarded: int = 0  # zero-variance groups dropped on arrival ('refill')
-    score_s: float = 0.0  # time inside reward_fn
+    score_s: float = 0.0  # time inside reward_fn (on the scoring thread)
 
 
 class GeneratorCounters:
@@ -80,6 +115,12 @@ class GeneratorLink(Protocol):
     def finish(self, admission: Admission, completions: Sequence[Any]) -> None:
         """Hand over the n completions of an admitted prompt (in sample order)."""
 
+    def take_evaluations(self, version: int, limit: int) -> list[EvalItem]:
+        """Up to `limit` waiting evaluation requests of params versions <= `version` (oldest first)."""
+
+    def finish_evaluations(self, completions: Sequence[Completion]) -> None:
+        """Hand back completions of evaluation requests (request ids `EvalItem.request_id`)."""
+
     def epoch(self) -> int:
         """Counter bumped by every params push (see `GroupBuffer.epoch`)."""
 
@@ -95,13 +136,28 @@ def request_seed(base_seed: int, admit_version: int, index: int, sample: int) ->
     return int(state[0])
 
 
+@dataclasses.dataclass
+class _EvalJob:
+    """An evaluation in progress: its params version, prompts, and the completions back so far."""
+
+    version: int
+    prompts: list[tuple[int, ...]]
+    done: dict[int, Completion] = dataclasses.field(default_factory=dict)
+
+
 class LocalLink:
     """`GeneratorLink` over the group buffer, the prompt source and the reward function.
 
-    `finish` scores the completions (`reward_fn(prompt, completions) -> n rewards`) and puts the
-    group in the buffer, or discards it when `zero_variance == 'refill'` and all rewards are equal.
-    Thread safe: admission with its prompt draw, and scoring, each run under a lock. Tokens and
-    completions are counted here, when their group is finished, whichever generator made them.
+    `finish` queues the group for the scoring thread (`run_scorer`), which scores it
+    (`reward_fn(prompt, completions) -> n rewards`) and puts it in the buffer, or discards it when
+    `zero_variance == 'refill'` and all rewards are equal; groups are scored one at a time, in
+    the order they finished. Tokens and completions are counted when their group is scored,
+    whichever generator made them. What the reward function records (e.g. the prompt pool's
+    pass rates) lands when the group is scored, possibly after later prompt draws, as it always
+    did with generators in other processes. `evaluate` (the trainer's side) queues evaluation requests
+    for the generators and waits for their completions (module docstring).
+    `hold_admission()`: while held, admission is refused (evaluations still run).
+    Thread safe. `close()` closes the buffer and wakes every waiter here with `PipelineStopped`.
     """
 
     def __init__(self, buffer: GroupBuffer, *, prompt_source: Callable[[], Prompt],
@@ -111,10 +167,33 @@ class LocalLink:
         self._prompt_source, self._reward_fn = prompt_source, reward_fn
         self._samples, self._zero_variance = samples_per_prompt, zero_variance
         self._counters, self._clock = counters, clock
-        self._admit_lock, self._score_lock = threading.Lock(), threading.Lock()
+        self._admit_lock = threading.Lock()
         self._admitted_at: collections.Counter = collections.Counter()  # groups admitted per version
+        # Guards everything below: the scoring queue, evaluations, the admission hold, closing.
+        self._cond = threading.Condition()
+        self._to_score: collections.deque[tuple[Admission, Sequence[Any]]] = collections.deque()
+        self._eval_queue: collections.deque[EvalItem] = collections.deque()
+        self._jobs: dict[int, _EvalJob] = {}
+        self._next_job = 0
+        self._held = False
+        self._closed = False
 
+    def _raise_if_closed(self) -> None:
+        if self._closed:
+            raise PipelineStopped("generator link closed")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.buffer.close()
+
+    # ------------------------------------------------------------------ training groups
     def admit(self, version: int) -> Admission | None:
+        with self._cond:
+            self._raise_if_closed()
+            if self._held:
+                return None
         with self._admit_lock:
             group_id = self.buffer.try_admit(version)
             if group_id is None:
@@ -124,19 +203,36 @@ class LocalLink:
             return Admission(group_id, self._prompt_source(), version, index)
 
     def finish(self, admission: Admission, completions: Sequence[Any]) -> None:
+        early = [v for c in completions for v in c.versions[:1] if v < admission.version]
+        if early:
+            raise RuntimeError(f"group {admission.group_id}: first token version {min(early)} is older than "
+                               f"its admission version {admission.version}")
+        with self._cond:
+            self._raise_if_closed()
+            self._to_score.append((admission, completions))
+            self._cond.notify_all()
+
+    def run_scorer(self, stop: threading.Event) -> None:
+        """The scoring thread: scores finished groups until the link closes (`PipelineStopped`);
+        a reward function that raises ends it with that error."""
+        del stop  # closing the link ends it
+        while True:
+            with self._cond:
+                while not self._to_score:
+                    self._raise_if_closed()
+                    self._cond.wait()
+                admission, completions = self._to_score.popleft()
+            self._score(admission, completions)
+
+    def _score(self, admission: Admission, completions: Sequence[Any]) -> None:
         start = self._clock()
-        with self._score_lock:
-            rewards = np.asarray(self._reward_fn(admission.prompt, completions), np.float32)
+        rewards = np.asarray(self._reward_fn(admission.prompt, completions), np.float32)
         score_s = self._clock() - start
         if rewards.shape != (self._samples,):
             raise ValueError(f"reward_fn returned shape {rewards.shape} for group {admission.group_id}; "
                              f"expected ({self._samples},)")
         group = Group(group_id=admission.group_id, prompt=admission.prompt, admit_version=admission.version,
                       completions=completions, rewards=rewards)
-        early = [v for v in group.first_versions if v < group.admit_version]
-        if early:
-            raise RuntimeError(f"group {admission.group_id}: first token version {min(early)} is older than "
-                               f"its admission version {group.admit_version}")
         produced = dict(generated_tokens=sum(len(c.tokens) for c in completions), completions=len(completions),
                         score_s=score_s)
         if self._zero_variance == "refill" and np.all(rewards == rewards[0]):
@@ -150,11 +246,83 @@ class LocalLink:
         """Chunks run and seconds spent in them by a generator of another process."""
         self._counters.add(chunks=chunks, busy_s=busy_s)
 
+    @contextlib.contextmanager
+    def hold_admission(self) -> Iterator[None]:
+        """Refuses admission inside the block (generators keep decoding and evaluating)."""
+        with self._cond:
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
+
     def epoch(self) -> int:
         return self.buffer.epoch
 
     def wait_admissible(self, version: int, *, epoch: int, timeout: float) -> bool:
+        with self._cond:
+            self._raise_if_closed()
+            if self._takeable(version):
+                return False
+            if self._held:
+                self._cond.wait(timeout)
+                self._raise_if_closed()
+                return False
         return self.buffer.wait_admissible(version, epoch=epoch, timeout=timeout)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, version: int, prompts: Sequence[Sequence[int]], seed_offset: int) -> list[Completion]:
+        """Samples each prompt once on the generators' params `version` (request i with stream
+        `seed_offset + i`) and returns the completions in prompt order. The caller must have
+        pushed `version` to every generator and push nothing newer before this returns."""
+        with self._cond:
+            self._raise_if_closed()
+            job = self._next_job
+            self._next_job += 1
+            self._jobs[job] = _EvalJob(version, [tuple(int(t) for t in p) for p in prompts])
+            self._eval_queue.extend(EvalItem(job, i, prompt, seed_offset + i, version)
+                                    for i, prompt in enumerate(self._jobs[job].prompts))
+            self._cond.notify_all()
+        self.buffer.notify()  # wakes generators waiting on the buffer
+        with self._cond:
+            while len(self._jobs[job].done) < len(prompts):
+                self._raise_if_closed()
+                self._cond.wait()
+            done = self._jobs.pop(job).done
+        return [done[i] for i in range(len(prompts))]
+
+    def _takeable(self, version: int) -> bool:
+        return bool(self._eval_queue) and self._eval_queue[0].version <= version
+
+    def take_evaluations(self, version: int, limit: int) -> list[EvalItem]:
+        with self._cond:
+            self._raise_if_closed()
+            taken = []
+            while len(taken) < limit and self._takeable(version):
+                taken.append(self._eval_queue.popleft())
+            return taken
+
+    def evaluation_prompt(self, request_id: Hashable) -> list[int]:
+        """The prompt of an evaluation request in progress (for completions sent without it)."""
+        _, job, index = request_id
+        with self._cond:
+            return list(self._jobs[job].prompts[index])
+
+    def finish_evaluations(self, completions: Sequence[Completion]) -> None:
+        with self._cond:
+            self._raise_if_closed()
+            for completion in completions:
+                _, job_id, index = completion.request_id
+                job = self._jobs[job_id]
+                newer = sorted(set(completion.versions) - {job.version})
+                if newer:
+                    raise RuntimeError(
+                        f"evaluation of params version {job.version} (request {index}) sampled tokens with "
+                        f"versions {newer}: a params version was pushed before the evaluation returned")
+                job.done[index] = completion
+            self._cond.notify_all()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +340,8 @@ class SamplingSettings:
 
 
 class GeneratorLoop:
-    """Keeps `batcher`'s slots busy with prompts admitted through `link` (module docstring).
+    """Keeps `batcher`'s slots busy with evaluation requests and prompts admitted through `link`
+    (module docstring).
 
     `run(stop)` returns when `stop` is set; it raises whatever the link raises (e.g.
     `PipelineStopped` when the buffer closes, or a lost peer). `counters` receives the chunks run
@@ -184,20 +353,30 @@ class GeneratorLoop:
         self.batcher, self.link, self.settings = batcher, link, settings
         self._counters, self._clock = counters, clock
 
+    def _request(self, request_id: Hashable, prompt: Sequence[int], seed: int) -> Request:
+        s = self.settings
+        return Request(request_id=request_id, prompt_tokens=prompt, max_new_tokens=s.max_new_tokens, seed=seed,
+                       temperature=s.temperature, stop_tokens=s.stop_tokens, interrupt=s.interrupt)
+
     def _requests(self, admission: Admission) -> list[Request]:
         s = self.settings
-        return [Request(request_id=(admission.group_id, sample), prompt_tokens=admission.prompt.tokens,
-                        max_new_tokens=s.max_new_tokens,
-                        seed=request_seed(s.seed, admission.version, admission.index, sample),
-                        temperature=s.temperature, stop_tokens=s.stop_tokens, interrupt=s.interrupt)
+        return [self._request((admission.group_id, sample), admission.prompt.tokens,
+                              request_seed(s.seed, admission.version, admission.index, sample))
                 for sample in range(s.samples_per_prompt)]
+
+    def _room(self) -> int:
+        """Requests the batcher may still queue: its free slots plus the slack, less those pending."""
+        return self.batcher.num_free_slots + self.settings.admission_slack - self.batcher.num_pending
 
     def run(self, stop: threading.Event) -> None:
         batcher, s = self.batcher, self.settings
         assembling: dict[int, tuple[Admission, dict[int, Any]]] = {}
         while not stop.is_set():
             version = batcher.version
-            while batcher.num_pending < batcher.num_free_slots + s.admission_slack:
+            if self._room() > 0:
+                for item in self.link.take_evaluations(version, self._room()):
+                    batcher.add_request(self._request(item.request_id, item.prompt, item.seed))
+            while self._room() > 0:
                 admission = self.link.admit(version)
                 if admission is None:
                     break
@@ -213,7 +392,12 @@ class GeneratorLoop:
             start = self._clock()
             completions = batcher.run_chunk()
             self._counters.add(chunks=1, busy_s=self._clock() - start)
+            evaluated = [c for c in completions if is_evaluation(c.request_id)]
+            if evaluated:
+                self.link.finish_evaluations(evaluated)
             for completion in completions:
+                if is_evaluation(completion.request_id):
+                    continue
                 group_id, sample = completion.request_id
                 admission, done = assembling[group_id]
                 done[sample] = completion

@@ -4,38 +4,46 @@ Generator thread (`generator.py`'s `GeneratorLoop` over this pipeline's `LocalLi
 sampler's decode slots busy. While the pending requests do not cover the free slots (plus
 `admission_slack`), it asks the group buffer to admit a prompt at the sampler's current params
 version (the prompt comes from `prompt_source`) and queues its n requests. It runs one sampler
-chunk at a time; when all n completions of a prompt are back they are scored with `reward_fn`
-and the group goes to the buffer. With nothing to run and admission refused it blocks on the
-buffer (back-pressure), first adopting any params pushed meanwhile. Generators of other
-processes (multi-host) share the same `LocalLink` through `remote_generators` services.
+chunk at a time; when all n completions of a prompt are back the group goes to the scoring
+thread (`LocalLink.run_scorer`: `reward_fn`, then the buffer), so the generator thread only
+decodes. With nothing to run and admission refused it blocks on the buffer (back-pressure),
+first adopting any params pushed meanwhile. Generators of other processes (multi-host) share
+the same `LocalLink` through `remote_generators` services.
 
 Trainer thread: takes the batch the schedule selects (waiting if needed), builds the padded
 arrays (`batching.py`), runs the train step and reports a `StepRecord` through `on_step`
-(metrics, per-completion versions, the new train state). Then it pushes params version v + 1 to
-the sampler (`push_params`, by default `batcher.update_params`: a `jax.device_put` copy onto the
-sampler's shardings, adopted at the sampler's next chunk boundary while in-flight sequences keep
-their KV cache). `on_step` runs before the push, so under PPO-off-policy-k a checkpoint taken there
-at a phase boundary sees no prompt drawn for the next phase yet. `pipeline/push_s` reports the
-previous step's push.
+(metrics, per-completion versions, the new train state), after pushing params version v + 1 to
+the sampler when the schedule asks for it (`push_params`, by default `batcher.update_params`: a
+`jax.device_put` copy onto the sampler's shardings, adopted at the sampler's next chunk boundary
+while in-flight sequences keep their KV cache; `pipeline/push_s`).
+
+Evaluation. `sample_eval(version, prompts, seed_offset)`, called from `on_step` (or `on_start`,
+before the first batch) in the trainer thread, samples on the generators' own batchers through
+the link (`generator.py`): it pushes `version` first if the schedule did not, and no newer
+version can be pushed until it returns (the trainer is the only pusher and is inside it). Under
+PPO-off-policy-k admission is held while `on_start` / `on_step` run, so a checkpoint taken there
+at a phase boundary sees no prompt drawn for the next phase yet, and that step's evaluation runs
+alone on the engine (its samples do not depend on a phase's generation beside it).
 
 The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by back-pressure)
 and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
 
 Stopping. The trainer stops after `num_steps`; `request_stop()` or SIGINT/SIGTERM (handled when
-`run()` is called from the main thread) stop it after the current step (a second SIGINT raises
-KeyboardInterrupt at once). An exception in either thread closes the buffer, which wakes and
-stops the other; `run()` then re-raises that exception (with its traceback) in the calling
-thread. Groups still queued at the end are listed in the result, never reported as trained.
+`run()` is called from the main thread) stop it after the current step and its `on_step` (a
+second SIGINT raises KeyboardInterrupt at once). An exception in any thread closes the link and
+its buffer, which wakes and stops the others; `run()` then re-raises that exception (with its
+traceback) in the calling thread. Groups still queued at the end are listed in the result, never reported as trained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -177,12 +185,14 @@ class Pipeline:
     `version`), or None when this process has no generator devices (multi-host: generators in
     other processes come in through `link` and `remote_generators`).
     `prompt_source()` -> `Prompt`; `reward_fn(prompt, completions)` -> n floats (called by the
-    generator that finished the group, under `link`'s lock). `train_step(state, batch)` ->
-    (state, metrics) (may donate `state`). `push_params(state, version)` sends new params to every
-    generator (default: `update_params` of `state.params`). `on_step(record)` is called in the
-    trainer thread after each step. `remote_generators`: (name, serve(link, stop_event)), each run
-    in its own thread beside the others and guarded the same way (an error in one stops all),
-    serving a generator of another process with this pipeline's `LocalLink`. `clock` measures
+    scoring thread, one group at a time). `train_step(state, batch)` -> (state, metrics) (may
+    donate `state`). `push_params(state, version)` sends new params to every generator (default:
+    `update_params` of `state.params`) and returns when they have them. `on_step(record)` is
+    called in the trainer thread after each step; `on_start()` once before the first batch, with
+    the generators running (e.g. the first evaluation). `remote_generators`: (name,
+    serve(link, stop_event)), each run in its own thread beside the others and guarded the same
+    way (an error in one stops all), serving a generator of another process with this pipeline's
+    `LocalLink`. `clock` measures
     waits and throughput.
     """
 
@@ -192,6 +202,7 @@ class Pipeline:
                  train_step: Callable[[Any, dict], tuple[Any, dict]], train_state: Any,
                  push_params: Callable[[Any, int], Any] | None = None,
                  on_step: Callable[[StepRecord], None] | None = None,
+                 on_start: Callable[[], None] | None = None,
                  remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
                  clock: Callable[[], float] = time.monotonic):
         self.config = config
@@ -210,12 +221,14 @@ class Pipeline:
         self.train_step = train_step
         self.push_params = push_params or (
             lambda state, version: batcher.update_params(state.params, version))
-        self.on_step = on_step
+        self.on_step, self.on_start = on_step, on_start
         self.clock = clock
         self.length_buckets = power_of_two_buckets(
             min(config.min_length_bucket, config.max_seq_len), config.max_seq_len)
         self._train_state = train_state
         self._version = config.first_version
+        self._pushed_version = config.first_version  # the newest version every generator holds
+        self._reporting = threading.Lock()  # held by the trainer across push, on_start and on_step
         self._trained_ids: list[int] = []
         self._generator_stats = GeneratorCounters()
         self.link = LocalLink(self.buffer, prompt_source=prompt_source, reward_fn=reward_fn,
@@ -243,7 +256,7 @@ class Pipeline:
             raise RuntimeError("Pipeline.run() may be called once per Pipeline")
         self._started = True
         start = self.clock()
-        loops = [("trainer", self._trainer_loop)]
+        loops = [("trainer", self._trainer_loop), ("scorer", functools.partial(self.link.run_scorer, self._stop))]
         if self.batcher is not None:
             loops.append(("generator", self._generator_loop))
         loops += [(name, functools.partial(serve, self.link, self._stop)) for name, serve in self._remote_generators]
@@ -254,14 +267,17 @@ class Pipeline:
             for thread in threads:
                 thread.start()
             while any(thread.is_alive() for thread in threads):
-                if self._stop_requested.is_set() and not self._stop.is_set():
-                    self.buffer.close()  # a waiting trainer leaves now, a training one after its step
+                # A waiting trainer leaves now, a training or reporting one after its step and on_step.
+                if (self._stop_requested.is_set() and not self._stop.is_set()
+                        and self._reporting.acquire(blocking=False)):
+                    self.link.close()
+                    self._reporting.release()
                 for thread in threads:
                     thread.join(timeout=self.config.poll_s)
         finally:
             self._stop.set()
             self._stop_requested.set()
-            self.buffer.close()
+            self.link.close()
             for thread in threads:
                 thread.join(timeout=self.config.join_timeout_s)
             for signum, handler in previous_handlers.items():
@@ -313,18 +329,47 @@ class Pipeline:
                     logging.error("pipeline %s thread also failed: %r", name, error)
         finally:
             self._stop.set()
-            self.buffer.close()
+            self.link.close()
 
     # ------------------------------------------------------------------ generator
     def _generator_loop(self) -> None:
         GeneratorLoop(self.batcher, self.link, self.sampling, self._generator_stats, clock=self.clock).run(self._stop)
 
     # ------------------------------------------------------------------ trainer
+    @contextlib.contextmanager
+    def _reporting_step(self) -> Iterator[None]:
+        """Push, `on_start`, `on_step`: a stop request waits for them to end; under
+        PPO-off-policy-k admission is held meanwhile (module docstring)."""
+        hold = self.link.hold_admission() if self.config.schedule == "ppo_off_policy" else contextlib.nullcontext()
+        with self._reporting, hold:
+            yield
+
+    def _push(self, state: Any, version: int) -> float:
+        """Pushes params `version` to every generator and wakes them; seconds taken."""
+        start = self.clock()
+        self.push_params(state, version)
+        self._pushed_version = version
+        self.buffer.notify()
+        return self.clock() - start
+
+    def sample_eval(self, version: int, prompts: Sequence[Sequence[int]], seed_offset: int) -> list[Any]:
+        """Samples each prompt once on the generators' params `version`, the trainer's newest
+        (request i with stream `seed_offset + i`); only from `on_start` / `on_step` (module
+        docstring). Pushes `version` first if the schedule did not."""
+        if version != self._version:
+            raise ValueError(f"sample_eval(version={version}): the trainer holds version {self._version}; "
+                             "only the newest version can be evaluated")
+        if self._pushed_version != version:
+            self._push(self._train_state, version)
+        return self.link.evaluate(version, prompts, seed_offset)
+
     def _trainer_loop(self) -> None:
         cfg = self.config
         totals = _Totals(start=self.clock())
         state = self._train_state
-        push_s = 0.0  # the previous step's push
+        if self.on_start is not None:
+            with self._reporting_step():
+                self.on_start()
         while (self._version - cfg.first_version < cfg.num_steps
                and not self._stop_requested.is_set()):
             wait_before = self.buffer.waits().trainer_waiting_for_data
@@ -343,34 +388,31 @@ class Pipeline:
             step_s = self.clock() - step_start
             self._train_state = state
             self._version += 1
-            self._trained_ids.extend(g.group_id for g in groups)
-            totals.completions += info.num_completions
-            totals.tokens += info.completion_tokens + sum(
-                len(g.prompt.tokens) * len(g.completions) for g in groups)
-            waits = self.buffer.waits()
-            metrics = dict(train_metrics)
-            metrics.update(step_metrics(
-                groups, info, version=version, counts=counts, waits=waits,
-                generator=self._generator_stats.snapshot(), totals=totals,
-                elapsed=max(self.clock() - totals.start, 1e-9),
-                wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s,
-                step_flops=(None if cfg.train_step_flops is None
-                            else cfg.train_step_flops(cfg.rows, info.sequence_length)),
-                peak_flops_per_s=cfg.peak_flops_per_s))
-            metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
-            totals.discarded = counts.discarded
-            if self.on_step is not None:
-                self.on_step(StepRecord(
-                    version=version, group_ids=tuple(g.group_id for g in groups),
-                    first_versions=tuple(v for g in groups for v in g.first_versions),
-                    last_versions=tuple(v for g in groups for v in g.last_versions),
-                    lags=tuple(int(x) for x in lags(groups, version)), metrics=metrics,
-                    groups=tuple(groups), train_state=state))
-            push_start = self.clock()
-            if self.schedule.should_push(self._version):
-                self.push_params(state, self._version)
-            push_s = self.clock() - push_start
-            self.buffer.notify()
+            with self._reporting_step():
+                push_s = self._push(state, self._version) if self.schedule.should_push(self._version) else 0.0
+                self._trained_ids.extend(g.group_id for g in groups)
+                totals.completions += info.num_completions
+                totals.tokens += info.completion_tokens + sum(
+                    len(g.prompt.tokens) * len(g.completions) for g in groups)
+                waits = self.buffer.waits()
+                metrics = dict(train_metrics)
+                metrics.update(step_metrics(
+                    groups, info, version=version, counts=counts, waits=waits,
+                    generator=self._generator_stats.snapshot(), totals=totals,
+                    elapsed=max(self.clock() - totals.start, 1e-9),
+                    wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s,
+                    step_flops=(None if cfg.train_step_flops is None
+                                else cfg.train_step_flops(cfg.rows, info.sequence_length)),
+                    peak_flops_per_s=cfg.peak_flops_per_s))
+                metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
+                totals.discarded = counts.discarded
+                if self.on_step is not None:
+                    self.on_step(StepRecord(
+                        version=version, group_ids=tuple(g.group_id for g in groups),
+                        first_versions=tuple(v for g in groups for v in g.first_versions),
+                        last_versions=tuple(v for g in groups for v in g.last_versions),
+                        lags=tuple(int(x) for x in lags(groups, version)), metrics=metrics,
+                        groups=tuple(groups), train_state=state))
 
 
 @dataclasses.dataclass
