@@ -574,7 +574,7 @@ def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: Poli
     engine = build_engine(config, graphdef, model_config, source.tokens, meshes.generator)
     params_connection = links.leader["params"]
     params, version = first_version(params_connection, pull=transfer.pull, timeout_s=d.reply_timeout_s)
-    batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed)
+    batcher = build_batcher(config, engine, params, version)
     stop = threading.Event()
     inbox = ParamsInbox(params_connection, pull=transfer.pull, batcher=batcher, timeout_s=d.reply_timeout_s)
     errors: list[BaseException] = []
@@ -618,7 +618,20 @@ def _leader_batcher(config: ml_collections.ConfigDict, source: PolicySource, tra
         params = transfer.pull(start_step)
     else:
         params = push_local(trainer.state.params, param_shardings(trainer.state.params, meshes.generator))
-    return ContinuousBatcher(engine, params, version=start_step, seed=config.seed)
+    return build_batcher(config, engine, params, start_step)
+
+
+def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any, version: int) -> ContinuousBatcher:
+    """The generator's batcher holding `params` at `version`; with `sampler.compile_ahead`, every
+    decode-path program for prompts up to `data.max_prompt_tokens` is compiled before it returns,
+    so no compile stalls decoding later (`Engine.warm_up`)."""
+    batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed)
+    if config.sampler.compile_ahead:
+        start = time.perf_counter()
+        batcher.warm_up(config.data.max_prompt_tokens)
+        logging.info("generator: compiled %d decode-path programs ahead in %.1f s",
+                     sum(engine.compile_counts.values()), time.perf_counter() - start)
+    return batcher
 
 
 def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
