@@ -41,6 +41,7 @@ CHOICES = {
 BOOLS = (
     "model.fp32_head", "model.scan_layers", "data.use_chat_template", "rl.zero_variance_filter",
     "rl.refill_zero_variance", "rl.no_positive_resampling", "rl.mask_truncated_completions",
+    "batch.sort_by_length",
     "mesh.require_accelerator",
 )
 STRINGS = (
@@ -97,7 +98,7 @@ NUMBERS: dict[str, Bound] = {
     "data.reward_correct": FINITE, "data.reward_incorrect": FINITE, "data.verify_timeout_s": POSITIVE,
     "data.verify_workers": COUNT,
     "batch.prompts_per_step": COUNT, "batch.generations_per_prompt": Bound(2, integer=True),
-    "batch.microbatches": COUNT,
+    "batch.microbatches": COUNT, "batch.length_buckets_per_octave": COUNT,
     "rl.eps_max": POSITIVE, "rl.eps_low": BETA, "rl.eps_high": NON_NEGATIVE,
     "rl.positive_pass_rate": Bound(0, 1, low_open=True),
     "rl.length_penalty_max": COUNT, "rl.length_penalty_cache": COUNT,

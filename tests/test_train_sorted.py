@@ -91,7 +91,7 @@ def _groups(seed=0):
 
 
 ROWS, MICROBATCHES = 16, 4
-BUCKETS = octave_buckets(4, 64, 4)
+BUCKETS = (8, 16, 40, 64)
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,12 @@ def _assert_close(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
-CASES = [("cispo", "prompt", "batch"), ("cispo", "sample", "prompt"), ("dapo", "token", "batch"),
-         ("grpo", "prompt", "none"), ("gspo", "sample", "batch")]
+# Fast cases: cispo with prompt and a clipped objective with token aggregation; sample
+# aggregation and the other objectives run with -m slow (each case compiles 7 programs).
+CASES = [("cispo", "prompt", "batch"), ("dapo", "token", "batch"),
+         pytest.param("cispo", "sample", "prompt", marks=pytest.mark.slow),
+         pytest.param("grpo", "prompt", "none", marks=pytest.mark.slow),
+         pytest.param("gspo", "sample", "batch", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("objective,aggregation,normalization", CASES)
@@ -160,16 +164,17 @@ def test_sorted_step_equals_unsorted_step(model_parts, objective, aggregation, n
       np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
   _assert_close(got_state.params, want_state.params)
   _assert_close(got_state.opt_state, want_state.opt_state)
-  # the same rows in the sorted order: microbatch 0 is the same, so every metric matches
-  _, _, permuted = _run(graphdef, params, config, _permuted(batch, sorted_batch))
-  np.testing.assert_allclose(got["train/logp_mismatch_first_mb"],
-                             permuted["train/logp_mismatch_first_mb"], rtol=1e-6)
+  if objective == "cispo":  # the same rows in the sorted order: the same microbatch 0
+    _, _, permuted = _run(graphdef, params, config, _permuted(batch, sorted_batch))
+    np.testing.assert_allclose(got["train/logp_mismatch_first_mb"],
+                               permuted["train/logp_mismatch_first_mb"], rtol=1e-6)
+    assert got["train/logp_mismatch_first_mb"] != pytest.approx(want["train/logp_mismatch_first_mb"])
   assert got["train/update_applied"] == 1.0 and want["train/num_loss_tokens"] > 0
   if objective in ("dapo", "grpo"):
     assert want["train/clip_frac"] > 0  # the clipped branch is exercised
   # sequence lengths sorted: 60 55 50 43 | 35 34 31 22 | 17 13 12 10 | 6 5 4 0 (padding row)
   assert info.padded_shapes == ((16, 64),)
-  assert sorted_info.padded_shapes == ((4, 64), (4, 40), (4, 20), (4, 6))
+  assert sorted_info.padded_shapes == ((4, 64), (4, 40), (4, 40), (4, 8))
   assert sorted_info.padding_frac < info.padding_frac
   assert sorted_info.sampled_tokens == info.sampled_tokens
 
@@ -195,6 +200,7 @@ def test_sorted_layout_deals_rows_like_the_unsorted_step():
   assert sorted((first > 0).sum(1).tolist()) == sorted(lengths)[-4:]  # longest first
 
 
+@pytest.mark.slow
 def test_sharded_sorted_step_equals_unsharded(model_parts):
   """Mesh (data 2, fsdp 2, tensor 2): 4 rows per microbatch over 4 batch shards."""
   graphdef, params = model_parts
@@ -222,8 +228,8 @@ def test_compiles_once_per_microbatch_shape(model_parts):
   batch, _ = build_train_batch(_groups(), rows=ROWS, length_buckets=BUCKETS,
                                microbatches=MICROBATCHES)
   state, _ = step(state, batch)
-  first = step.num_traces  # prepare, zeros, update, and 4 distinct microbatch shapes
-  assert first == 3 + 4
+  first = step.num_traces  # prepare, zeros, update, and microbatch shapes 64, 40, 8
+  assert first == 3 + 3
   state, _ = step(state, batch)
   assert step.num_traces == first
   shorter, _ = build_train_batch(_groups()[1:], rows=ROWS, length_buckets=BUCKETS,
@@ -231,7 +237,8 @@ def test_compiles_once_per_microbatch_shape(model_parts):
   lengths = {shorter[sorted_batch_key("tokens", m)].shape[1] for m in range(MICROBATCHES)}
   seen = {batch[sorted_batch_key("tokens", m)].shape[1] for m in range(MICROBATCHES)}
   step(state, shorter)
-  assert step.num_traces == first + len(lengths - seen) and lengths - seen
+  assert lengths - seen == {16}  # 55 50 43 35 | 34 31 17 13 | 12 10 6 4 | 0 0 0 0
+  assert step.num_traces == first + 1
 
 
 def test_bad_sorted_batch_names_the_key(model_parts):
