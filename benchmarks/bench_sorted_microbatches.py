@@ -143,9 +143,9 @@ def device_part(args) -> None:
   for name, (step, _, _, info, times) in zip(("unsorted", "sorted 8/oct"), runs):
     median = statistics.median(times)
     rates.append(info.sequence_tokens / median)
-    print(f"  {name:<13} padding {info.padding_frac:6.1%}  shapes {sorted(set(t for _, t in info.padded_shapes))}"
-          f"  {median * 1e3:8.1f} ms/step  {rates[-1]:9.0f} trained tokens/s  "
-          f"(compiled programs: {step.num_traces})")
+    shapes = sorted({t for _, t in info.padded_shapes})
+    print(f"  {name:<13} padding {info.padding_frac:6.1%}  {median * 1e3:8.1f} ms/step  "
+          f"{rates[-1]:9.0f} trained tokens/s  lengths {shapes}  compiled programs {step.num_traces}")
   print(f"  sorted / unsorted trained tokens/s: {rates[1] / rates[0]:.2f}x")
 
 

@@ -70,8 +70,9 @@ class PipelineConfig:
     an octave from `min_length_bucket` to `max_seq_len` (`batching.octave_buckets`).
     `train_step_flops(rows, sequence_length)`: model FLOPs of one train step on a padded
     [rows, sequence_length] block (summed over a sorted batch's microbatches), e.g.
-    `functools.partial(train.flops.train_step_flops, model_config)`; gives compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of
-    the trainer's devices (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
+    `functools.partial(train.flops.train_step_flops, model_config)`; gives
+    compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of the trainer's devices
+    (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
     """
 
     max_new_tokens: int

@@ -547,7 +547,9 @@ class SortedTrainStep:
   (one compile per (R, T_m); the accumulator donated), then `apply_update` (state donated).
   Same interface as `TrainStep` (call, `batch_sharding`, `batch_shards`, `num_traces`, the
   total of traces of the three). Every process of a multi-host trainer issues the same calls in
-  the same order, since the plan is the batch's keys and shapes.
+  the same order, since the plan is the batch's keys and shapes. Metrics are those of
+  `accumulate_gradients`; 'train/logp_mismatch_first_mb' is over sorted microbatch 0, which
+  holds the longest rows.
   """
 
   def __init__(self, graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
