@@ -184,8 +184,13 @@ def test_sorted_layout_deals_rows_like_the_unsorted_step():
   sum, and the tokens are those of the unsorted batch."""
   groups = _groups()
   batch, _ = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS)
-  sorted_batch, _ = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS,
-                                      microbatches=MICROBATCHES)
+  sorted_batch, info = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS,
+                                         microbatches=MICROBATCHES)
+  # sequence lengths 60 5 22 | 4 43 12 | 35 34 6 | 17 55 10 | 13 31 50: 397 tokens, in
+  # 4 x (64 + 40 + 40 + 8) = 608 positions sorted, 16 x 64 = 1024 unsorted
+  assert info.sequence_tokens == 397
+  assert info.padding_frac == pytest.approx(1 - 397 / 608)
+  assert info.sequence_length == 64 and info.longest_sequence == 60
   permuted = _permuted(batch, sorted_batch)
   for name in ("rewards", "group_ids", "sample_valid"):
     np.testing.assert_array_equal(sorted_batch[name], permuted[name])
