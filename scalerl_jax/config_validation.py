@@ -43,7 +43,7 @@ CHOICES = {
 BOOLS = (
     "model.fp32_head", "model.scan_layers", "data.use_chat_template", "rl.zero_variance_filter",
     "rl.refill_zero_variance", "rl.no_positive_resampling", "rl.mask_truncated_completions",
-    "mesh.require_accelerator", "sampler.compile_ahead",
+    "batch.sort_by_length", "mesh.require_accelerator", "sampler.compile_ahead",
 )
 STRINGS = (
     "model.preset", "model.checkpoint", "model.remat_policy", "data.path", "data.data_dir",
@@ -99,7 +99,7 @@ NUMBERS: dict[str, Bound] = {
     "data.reward_correct": FINITE, "data.reward_incorrect": FINITE, "data.verify_timeout_s": POSITIVE,
     "data.verify_workers": COUNT,
     "batch.prompts_per_step": COUNT, "batch.generations_per_prompt": Bound(2, integer=True),
-    "batch.microbatches": COUNT,
+    "batch.microbatches": COUNT, "batch.length_buckets_per_octave": COUNT,
     "rl.eps_max": POSITIVE, "rl.eps_low": BETA, "rl.eps_high": NON_NEGATIVE,
     "rl.positive_pass_rate": Bound(0, 1, low_open=True),
     "rl.length_penalty_max": COUNT, "rl.length_penalty_cache": COUNT,
@@ -279,13 +279,15 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
             "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway")
 
 
-# Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, and how
-# the sampler holds and reads its KV cache (not what it samples).
+# Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, how the
+# sampler holds and reads its KV cache (not what it samples) and how the trainer lays out a batch
+# into microbatches (not what it computes).
 RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep", "log_every",
                      "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode",
                      "distributed.connect_timeout_s", "distributed.heartbeat_s", "distributed.heartbeat_timeout_s",
                      "distributed.reply_timeout_s", "sampler.page_size", "sampler.num_pages",
-                     "sampler.decode_kernel", "sampler.compile_ahead")
+                     "sampler.decode_kernel", "sampler.compile_ahead", "batch.sort_by_length",
+                     "batch.length_buckets_per_octave")
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:

@@ -207,7 +207,7 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
         advantage_normalization=config.rl.advantage_normalization, eps_low=config.rl.eps_low,
         eps_high=config.rl.eps_high, eps_max=config.rl.eps_max, num_microbatches=config.batch.microbatches,
         temperature=config.sampler.temperature, logprob_chunk_size=config.model.logprob_chunk,
-        skip_nonfinite=config.nan_policy == "skip"), mesh=mesh, state_shardings=state_shardings,
+        skip_nonfinite=config.nan_policy == "skip", sort_by_length=config.batch.sort_by_length), mesh=mesh, state_shardings=state_shardings,
         learning_rate_schedule=learning_rate_schedule(optimizer_config))
     return Trainer(graphdef, model.config, state, step_fn)
 
@@ -743,6 +743,8 @@ def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointT
                        else "drop" if config.rl.zero_variance_filter else "none"),
         temperature=config.sampler.temperature, stop_tokens=tokens.stop_ids, interrupt=interrupts(config),
         min_length_bucket=min(32, max_sequence_length(config)), seed=config.seed, first_version=start_step,
+        length_buckets_per_octave=config.batch.length_buckets_per_octave,
+        sort_by_length=config.batch.sort_by_length, microbatches=config.batch.microbatches,
         mask_truncated=config.rl.mask_truncated_completions,
         train_step_flops=None if model_config is None else functools.partial(train_step_flops, model_config),
         peak_flops_per_s=devices_peak_flops_per_s(list(trainer_devices)) if trainer_devices else None)

@@ -1,7 +1,15 @@
-"""Groups -> the padded, static-shape train batch of `scalerl_jax.train.step` (BATCH_SPEC).
+"""Groups -> the padded, static-shape train batch of `scalerl_jax.train.step`.
 
-For G groups of n completions, row r = g * n + j holds prompt + completion j of group g, right
-padded to a length bucket T (so a run compiles once per bucket):
+Two layouts. Unsorted (`BATCH_SPEC`): one [rows, T] batch, every row padded to the length bucket
+T of the longest sequence. Sorted into M microbatches (`microbatches=M`, the step's
+`sort_by_length`; layout in `train.step.split_sorted_batch`): rows sorted by length (longest
+first), cut into M chunks of R = rows / M, each padded only to its own bucket T_m; see
+`plan_sorted_microbatches`. With finer buckets (`octave_buckets`) this removes most padding of a
+long-tailed length distribution while the loss and gradient stay those of the unsorted batch.
+
+For G groups of n completions, sample s = g * n + j holds prompt + completion j of group g, right
+padded to a length bucket T (so a run compiles once per bucket); in the unsorted layout sample s
+is row s:
   tokens[r, :P+L]            = prompt (P tokens) + completion (L tokens), 0 after
   loss_mask[r, P+i]          = 1 if completion token i was sampled (not a forced phrase token)
   behavior_logp[r, P+i]      = the sampler's log-prob of token i where loss_mask is 1, else 0
@@ -30,21 +38,35 @@ import numpy as np
 
 from scalerl_jax.data import zero_variance_filter
 from scalerl_jax.pipeline.group import Group
+from scalerl_jax.train.step import sorted_batch_key
 
 ZERO_VARIANCE_MODES = ("drop", "none")
 
 
-def power_of_two_buckets(min_length: int, max_length: int) -> tuple[int, ...]:
-    """min_length, 2 min_length, 4 min_length, ... below max_length, then max_length itself."""
+def octave_buckets(min_length: int, max_length: int, per_octave: int = 1) -> tuple[int, ...]:
+    """Length buckets `per_octave` to an octave: each octave [s, 2s) with s = min_length 2^k holds
+    s + i ceil(s / per_octave) for i = 0 .. per_octave - 1, every bucket below max_length is
+    kept, then max_length itself. A sequence of length L > min_length is padded by less than
+    ceil(s / per_octave) <= L / per_octave (+1) tokens, so under 1 / per_octave of its bucket;
+    there are at most per_octave * ceil(log2(max_length / min_length)) + 1 buckets. per_octave=1:
+    min_length, 2 min_length, 4 min_length, ... then max_length."""
     if not 1 <= min_length <= max_length:
         raise ValueError(f"length buckets: need 1 <= min_length={min_length} <= max_length={max_length}")
+    if per_octave < 1:
+        raise ValueError(f"length buckets: per_octave={per_octave} must be >= 1")
     buckets = []
-    length = min_length
-    while length < max_length:
-        buckets.append(length)
-        length *= 2
+    start = min_length
+    while start < max_length:
+        step = -(-start // per_octave)
+        buckets.extend(length for length in range(start, 2 * start, step) if length < max_length)
+        start *= 2
     buckets.append(max_length)
-    return tuple(buckets)
+    return tuple(sorted(set(buckets)))
+
+
+def power_of_two_buckets(min_length: int, max_length: int) -> tuple[int, ...]:
+    """min_length, 2 min_length, 4 min_length, ... below max_length, then max_length itself."""
+    return octave_buckets(min_length, max_length, 1)
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:
@@ -54,6 +76,41 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
             return bucket
     raise ValueError(f"train batch: a sequence of {length} tokens exceeds the largest length "
                      f"bucket {max(buckets)} (max_seq_len)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchPlan:
+    """Rows sorted into microbatches: row p of microbatch m is sample `order[m, p]` (an index into
+    the batch's samples, padding rows included), padded to `lengths[m]` tokens."""
+
+    order: np.ndarray            # int [M, R]
+    lengths: tuple[int, ...]     # T_m, one bucket per microbatch
+
+    @property
+    def padded_tokens(self) -> int:
+        """Token positions the step computes: sum over microbatches of R T_m."""
+        return int(self.order.shape[1] * sum(self.lengths))
+
+
+def plan_sorted_microbatches(lengths: Sequence[int], num_microbatches: int,
+                             length_buckets: Sequence[int]) -> MicrobatchPlan:
+    """Samples sorted by length, longest first (ties by index), cut into `num_microbatches`
+    chunks of R = B / M consecutive samples; chunk m is padded to the smallest bucket >= its
+    longest sample. Sorting makes the rows of a chunk nearly equal in length, so the padding is
+    mostly the bucket's rounding."""
+    lengths = np.asarray(lengths, np.int64)
+    rows = len(lengths)
+    if num_microbatches < 1 or rows % num_microbatches:
+        raise ValueError(f"sorted microbatches: B={rows} rows do not split into "
+                         f"num_microbatches={num_microbatches}")
+    order = np.argsort(-lengths, kind="stable").reshape(num_microbatches, rows // num_microbatches)
+    return MicrobatchPlan(order=order, lengths=tuple(pick_bucket(int(max(lengths[chunk].max(), 1)),
+                                                                 length_buckets) for chunk in order))
+
+
+def padding_fraction(lengths: Sequence[int], padded_tokens: int) -> float:
+    """1 - (sum of the sequence lengths) / (token positions computed): the share of padding."""
+    return 1.0 - float(np.sum(lengths)) / padded_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +127,14 @@ class BatchInfo:
     interrupted: int
     truncated: int
     truncated_masked: int = 0  # completions whose tokens left the loss (`mask_truncated`)
+    # (rows, T) of every padded block the step computes: ((B, T),) unsorted, ((R, T_m), ...) sorted
+    padded_shapes: tuple[tuple[int, int], ...] = ()
+    sequence_tokens: int = 0  # prompt + completion tokens of all samples (no padding)
+
+    @property
+    def padding_frac(self) -> float:
+        """Share of the computed token positions that are padding."""
+        return padding_fraction([self.sequence_tokens], sum(r * t for r, t in self.padded_shapes))
 
 
 def cut_by_length(completion) -> bool:
@@ -79,11 +144,41 @@ def cut_by_length(completion) -> bool:
     return bool(completion.truncated) and completion.finish_reason == "length"
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    """One completion as a token row: prompt + completion, its loss mask and behaviour log-probs."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logp: np.ndarray
+
+
+def _pad_rows(samples: Sequence[_Sample | None], length: int) -> dict[str, np.ndarray]:
+    """tokens / loss_mask / behavior_logp [len(samples), length], right padded (None: all 0)."""
+    arrays = {"tokens": np.zeros((len(samples), length), np.int32),
+              "loss_mask": np.zeros((len(samples), length), np.float32),
+              "behavior_logp": np.zeros((len(samples), length), np.float32)}
+    for row, sample in enumerate(samples):
+        if sample is not None:
+            for name, array in arrays.items():
+                values = getattr(sample, name)
+                array[row, :len(values)] = values
+    return arrays
+
+
 def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Sequence[int],
-                      zero_variance: str = "drop",
-                      mask_truncated: bool = False) -> tuple[dict[str, np.ndarray], BatchInfo]:
+                      zero_variance: str = "drop", mask_truncated: bool = False,
+                      microbatches: int | None = None) -> tuple[dict[str, np.ndarray], BatchInfo]:
     """The train batch dict (module docstring) and its `BatchInfo`; with `mask_truncated`, the
-    completions `cut_by_length` get loss_mask 0 (module docstring)."""
+    completions `cut_by_length` get loss_mask 0 (module docstring).
+
+    `microbatches` None: the unsorted layout (`train.step.BATCH_SPEC`), [rows, T] with T the
+    bucket of the longest sequence. `microbatches` M: the sorted layout of
+    `train.step.split_sorted_batch`, laid out by `plan_sorted_microbatches`: row p of microbatch m
+    is sample order[m, p], and the per-row arrays (rewards, group_ids, sample_valid, loss_tokens)
+    hold it at row p M + m, so that each microbatch takes rows from every batch shard as the
+    unsorted step's deal (row b in microbatch b mod M) does.
+    """
     if zero_variance not in ZERO_VARIANCE_MODES:
         raise ValueError(f"zero_variance={zero_variance!r}: expected one of {ZERO_VARIANCE_MODES}")
     if not groups:
@@ -92,18 +187,13 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
                for j, completion in enumerate(group.completions)]
     if len(samples) > rows:
         raise ValueError(f"build_train_batch: {len(samples)} completions do not fit rows={rows}")
-    longest = max(len(group.prompt.tokens) + len(c.tokens) for _, _, group, c in samples)
-    length = pick_bucket(longest, length_buckets)
-    tokens = np.zeros((rows, length), np.int32)
-    loss_mask = np.zeros((rows, length), np.float32)
-    behavior_logp = np.zeros((rows, length), np.float32)
+    sequences: list[_Sample | None] = [None] * rows
+    lengths = np.zeros((rows,), np.int64)
     rewards = np.zeros((rows,), np.float32)
     group_ids = np.arange(rows, dtype=np.int32)  # padding rows: their own (empty) groups
     real = np.zeros((rows,), bool)
     truncated_masked = 0
-    for row, (g_index, j, group, completion) in enumerate(samples):
-        prompt = group.prompt.tokens
-        start, end = len(prompt), len(prompt) + len(completion.tokens)
+    for index, (g_index, j, group, completion) in enumerate(samples):
         sampled = np.asarray(completion.sampled, bool)
         if not (len(completion.logprobs) == len(sampled) == len(completion.tokens)):
             raise ValueError(
@@ -112,26 +202,54 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         if mask_truncated and cut_by_length(completion):
             sampled = np.zeros_like(sampled)
             truncated_masked += 1
-        tokens[row, :start] = prompt
-        tokens[row, start:end] = completion.tokens
-        loss_mask[row, start:end] = sampled
-        behavior_logp[row, start:end] = np.where(sampled, completion.logprobs, 0.0)
-        rewards[row] = group.rewards[j]
-        group_ids[row] = g_index
-        real[row] = True
+        prompt = np.asarray(group.prompt.tokens, np.int32)
+        no_loss = np.zeros(len(prompt), np.float32)
+        sequences[index] = _Sample(
+            tokens=np.concatenate([prompt, np.asarray(completion.tokens, np.int32)]),
+            loss_mask=np.concatenate([no_loss, sampled.astype(np.float32)]),
+            behavior_logp=np.concatenate([no_loss, np.where(sampled, completion.logprobs, 0.0)]))
+        lengths[index] = len(prompt) + len(completion.tokens)
+        rewards[index] = group.rewards[j]
+        group_ids[index] = g_index
+        real[index] = True
     if zero_variance == "drop":
         with jax.default_device(jax.local_devices(backend="cpu")[0]):  # host math, on this process
             sample_valid, dropped = zero_variance_filter(rewards, group_ids, valid=real)
     else:
         sample_valid, dropped = real.copy(), 0
+    sample_valid = np.asarray(sample_valid, bool)
+    if microbatches is None:
+        length = pick_bucket(int(lengths.max()), length_buckets)
+        batch = {**_pad_rows(sequences, length), "rewards": rewards, "group_ids": group_ids,
+                 "sample_valid": sample_valid}
+        padded_shapes = ((rows, length),)
+        sampled_tokens = int(batch["loss_mask"].sum())
+    else:
+        batch, padded_shapes = _sorted_layout(sequences, lengths, microbatches, length_buckets, {
+            "rewards": rewards, "group_ids": group_ids, "sample_valid": sample_valid})
+        sampled_tokens = int(batch["loss_tokens"].sum())
     completions = [c for _, _, _, c in samples]
     info = BatchInfo(
         num_groups=len(groups), num_completions=len(samples), zero_variance_groups=int(dropped),
-        sequence_length=length, longest_sequence=longest,
+        sequence_length=max(t for _, t in padded_shapes), longest_sequence=int(lengths.max()),
         completion_tokens=sum(len(c.tokens) for c in completions),
-        sampled_tokens=int(loss_mask.sum()),
+        sampled_tokens=sampled_tokens,
         interrupted=sum(bool(c.interrupted) for c in completions),
-        truncated=sum(bool(c.truncated) for c in completions), truncated_masked=truncated_masked)
-    batch = {"tokens": tokens, "loss_mask": loss_mask, "behavior_logp": behavior_logp,
-             "rewards": rewards, "group_ids": group_ids, "sample_valid": np.asarray(sample_valid, bool)}
+        truncated=sum(bool(c.truncated) for c in completions), truncated_masked=truncated_masked,
+        padded_shapes=padded_shapes, sequence_tokens=int(lengths.sum()))
     return batch, info
+
+
+def _sorted_layout(sequences: Sequence[_Sample | None], lengths: np.ndarray, microbatches: int,
+                   length_buckets: Sequence[int], per_row: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...]]:
+    """The sorted layout (`build_train_batch`) and its padded (R, T_m) shapes."""
+    plan = plan_sorted_microbatches(lengths, microbatches, length_buckets)
+    dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]
+    loss_tokens = np.asarray([0.0 if s is None else float(s.loss_mask.sum()) for s in sequences],
+                             np.float32)
+    batch = {name: array[dealt] for name, array in {**per_row, "loss_tokens": loss_tokens}.items()}
+    for m, (chunk, length) in enumerate(zip(plan.order, plan.lengths)):
+        for name, array in _pad_rows([sequences[i] for i in chunk], length).items():
+            batch[sorted_batch_key(name, m)] = array
+    return batch, tuple((len(chunk), length) for chunk, length in zip(plan.order, plan.lengths))

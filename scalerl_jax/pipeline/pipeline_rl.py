@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, power_of_two_buckets
+from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, octave_buckets
 from scalerl_jax.pipeline.generator import (GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink,
                                             SamplingSettings)
 from scalerl_jax.pipeline.group import Group, Prompt, lags
@@ -72,10 +72,15 @@ class PipelineConfig:
     freed by the chunk in flight are refilled at once (None: one prompt's worth, n).
     `mask_truncated`: completions cut by the token limit leave the loss (loss mask 0) but keep
     their reward in the advantages' statistics (`batching.py`); counted in data/truncated_masked.
+    `sort_by_length`: batches in the sorted layout (`batching.py`), rows sorted by length into
+    `microbatches` microbatches each padded to its own bucket (the train step must be a
+    `SortedTrainStep` with as many microbatches); length buckets `length_buckets_per_octave` to
+    an octave from `min_length_bucket` to `max_seq_len` (`batching.octave_buckets`).
     `train_step_flops(rows, sequence_length)`: model FLOPs of one train step on a padded
-    [rows, sequence_length] batch, e.g. `functools.partial(train.flops.train_step_flops,
-    model_config)`; gives compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of
-    the trainer's devices (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
+    [rows, sequence_length] block (summed over a sorted batch's microbatches), e.g.
+    `functools.partial(train.flops.train_step_flops, model_config)`; gives
+    compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of the trainer's devices
+    (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
     """
 
     max_new_tokens: int
@@ -91,6 +96,9 @@ class PipelineConfig:
     stop_tokens: tuple[int, ...] = ()
     interrupt: bool = True
     min_length_bucket: int = 128
+    length_buckets_per_octave: int = 1
+    sort_by_length: bool = False
+    microbatches: int = 1
     admission_slack: int | None = None
     seed: int = 0
     first_version: int = 0
@@ -109,6 +117,7 @@ class PipelineConfig:
                              f"of {ZERO_VARIANCE_MODES}")
         for name, minimum in (("prompts_per_step", 1), ("samples_per_prompt", 1), ("num_steps", 0),
                               ("max_new_tokens", 1), ("max_seq_len", 2), ("min_length_bucket", 1),
+                              ("length_buckets_per_octave", 1), ("microbatches", 1),
                               ("first_version", 0)):
             if getattr(self, name) < minimum:
                 raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= {minimum}")
@@ -223,8 +232,9 @@ class Pipeline:
             lambda state, version: batcher.update_params(state.params, version))
         self.on_step, self.on_start = on_step, on_start
         self.clock = clock
-        self.length_buckets = power_of_two_buckets(
-            min(config.min_length_bucket, config.max_seq_len), config.max_seq_len)
+        self.length_buckets = octave_buckets(
+            min(config.min_length_bucket, config.max_seq_len), config.max_seq_len,
+            config.length_buckets_per_octave)
         self._train_state = train_state
         self._version = config.first_version
         self._pushed_version = config.first_version  # the newest version every generator holds
@@ -380,7 +390,8 @@ class Pipeline:
             batch, info = build_train_batch(
                 groups, rows=cfg.rows, length_buckets=self.length_buckets,
                 zero_variance="none" if cfg.zero_variance == "none" else "drop",
-                mask_truncated=cfg.mask_truncated)
+                mask_truncated=cfg.mask_truncated,
+                microbatches=cfg.microbatches if cfg.sort_by_length else None)
             step_start = self.clock()
             self._train_state = None  # the step may donate the state's buffers
             state, train_metrics = self.train_step(state, batch)
@@ -402,7 +413,8 @@ class Pipeline:
                     elapsed=max(self.clock() - totals.start, 1e-9),
                     wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s,
                     step_flops=(None if cfg.train_step_flops is None
-                                else cfg.train_step_flops(cfg.rows, info.sequence_length)),
+                                else sum(cfg.train_step_flops(rows, length)
+                                         for rows, length in info.padded_shapes)),
                     peak_flops_per_s=cfg.peak_flops_per_s))
                 metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
                 totals.discarded = counts.discarded
@@ -434,7 +446,9 @@ def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, coun
     fractions and rates are cumulative over the `elapsed` seconds of the run. Over the batch's
     completions (every completion of `groups`, whether or not in the loss): train/reward_std is
     the population std of their rewards, train/completion_len_mean / _max their generated
-    tokens (forced phrase tokens included). data/truncated_masked: completions masked out of
+    tokens (forced phrase tokens included). pipeline/sequence_length: the longest padded length
+    of the step; pipeline/padding_frac: the share of padding among the token positions the step
+    computes (`BatchInfo.padding_frac`). data/truncated_masked: completions masked out of
     the loss as cut by length. Given `step_flops` (model FLOPs of the step, padding included),
     compute/model_flops_per_s = step_flops / step_s, where step_s is the step's wall time up to
     its metrics on the host (compilation included on a new length bucket); with
@@ -466,6 +480,7 @@ def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, coun
         "pipeline/step_s": step_s,
         "pipeline/push_s": push_s,
         "pipeline/sequence_length": float(info.sequence_length),
+        "pipeline/padding_frac": info.padding_frac,
         "sampler/tokens_per_s": generator.generated_tokens / elapsed,
         "sampler/completions_per_s": generator.completions / elapsed,
         "sampler/busy_frac": generator.busy_s / elapsed,

@@ -14,12 +14,23 @@ One step on a train batch (see `BATCH_SPEC`) with B rows:
   4. AdamW update (fp32 master weights, see optimizer.py). If the loss or the gradient norm is
      not finite and `skip_nonfinite`, the state is returned unchanged and `train/finite` is 0.
 
+Length-sorted microbatches (`TrainStepConfig.sort_by_length`, `SortedTrainStep`): the host sorts
+rows by length into the M microbatches and pads each to its own length bucket T_m
+(`pipeline/batching.py`), so the batch comes as M blocks [R, T_m] (`split_sorted_batch`). The
+same sum L = sum_m L_m is then taken by three jitted programs: (1) A and the per-row aggregation
+scale s (w[b, t] = mask[b, t] s[b], `row_loss_scales`) over the whole batch, from per-row token
+counts; (2) per microbatch, grad L_m added to a donated fp32 accumulator (one compile per
+(R, T_m)); (3) the AdamW update and metrics of step 4. Loss, gradient and metrics equal those of
+the unsorted step on the same rows dealt the same way (row p M + m of the per-row arrays is row
+p of microbatch m).
+
 Precision: log-probs, losses, metrics and the gradient accumulator are fp32 whatever the body
 dtype of the model.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -34,6 +45,7 @@ from scalerl_jax.models.sharding import (DEFAULT_RULES, Rules, logical_to_spec, 
                                          use_mesh_rules)
 from scalerl_jax.rl import (AGGREGATIONS, NORMALIZATIONS, OBJECTIVES, aggregation_weights,
                             compute_advantages, per_token_policy_terms)
+from scalerl_jax.rl.groups import group_sum, safe_divide
 from scalerl_jax.train.optimizer import OptimizerState, init_optimizer_state, optimizer_update
 
 # name -> (rank, dtype kind) of the train batch; B rows, T tokens per row.
@@ -61,6 +73,7 @@ class TrainStepConfig:
   temperature: float = 1.0       # the sampler's temperature: logp of logits / temperature
   logprob_chunk_size: int = 512  # sequence chunk of the log-prob computation
   skip_nonfinite: bool = True    # keep the old state when loss or grads are NaN/inf
+  sort_by_length: bool = False   # batches in the sorted layout (split_sorted_batch); SortedTrainStep
 
   def __post_init__(self):
     for name, allowed in (("objective", OBJECTIVES), ("aggregation", AGGREGATIONS),
@@ -148,6 +161,62 @@ def validate_batch(batch: dict) -> tuple[int, int]:
     if not ok:
       raise ValueError(f"train batch[{name!r}]: dtype {dtype}, expected a {kind} dtype")
   return rows, length
+
+
+# The sorted layout: per-row arrays [B] (row p M + m is row p of microbatch m), and per
+# microbatch m the token arrays [R, T_m] under the keys `sorted_batch_key(name, m)`.
+SORTED_ROW_SPEC: dict[str, tuple[int, str]] = {
+    "rewards": (1, "float"),
+    "group_ids": (1, "int"),
+    "sample_valid": (1, "bool"),
+    "loss_tokens": (1, "float"),   # sum_t loss_mask[b, t] (sample_valid not applied)
+}
+MICROBATCH_SPEC: dict[str, tuple[int, str]] = {
+    "tokens": (2, "int"), "loss_mask": (2, "float"), "behavior_logp": (2, "float")}
+
+
+def sorted_batch_key(name: str, microbatch: int) -> str:
+  """Key of microbatch `microbatch`'s `name` array in a sorted-layout batch."""
+  return f"{name}/{microbatch}"
+
+
+def _check_array(where: str, value, shape: tuple[int, ...], kind: str) -> None:
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise ValueError(f"{where}: expected an array, got {type(value).__name__}")
+  if tuple(value.shape) != shape:
+    raise ValueError(f"{where}: shape {tuple(value.shape)}, expected {shape}")
+  dtype = np.dtype(value.dtype)
+  ok = {"int": np.issubdtype(dtype, np.integer), "float": np.issubdtype(dtype, np.floating),
+        "bool": dtype == np.bool_}[kind]
+  if not ok:
+    raise ValueError(f"{where}: dtype {dtype}, expected a {kind} dtype")
+
+
+def split_sorted_batch(batch: dict, num_microbatches: int) -> tuple[dict, list[dict]]:
+  """A sorted-layout batch -> (per-row arrays [B], [microbatch m's arrays [R, T_m] for m < M]),
+  after checking keys, shapes (B = M R) and dtypes."""
+  keys = set(SORTED_ROW_SPEC) | {sorted_batch_key(name, m) for name in MICROBATCH_SPEC
+                                 for m in range(num_microbatches)}
+  if set(batch) != keys:
+    raise ValueError(
+        f"sorted train batch for {num_microbatches} microbatches: missing key(s) "
+        f"{sorted(keys - set(batch))[:6]}, unexpected key(s) {sorted(set(batch) - keys)[:6]}")
+  rows = batch["rewards"].shape[0] if hasattr(batch["rewards"], "shape") else -1
+  if rows % num_microbatches or rows < num_microbatches:
+    raise ValueError(f"sorted train batch: B={rows} rows do not split into "
+                     f"num_microbatches={num_microbatches}")
+  for name, (_, kind) in SORTED_ROW_SPEC.items():
+    _check_array(f"sorted train batch[{name!r}]", batch[name], (rows,), kind)
+  microbatches = []
+  for m in range(num_microbatches):
+    tokens = batch[sorted_batch_key("tokens", m)]
+    length = tokens.shape[-1] if hasattr(tokens, "shape") else -1
+    for name, (_, kind) in MICROBATCH_SPEC.items():
+      key = sorted_batch_key(name, m)
+      _check_array(f"sorted train batch[{key!r}]", batch[key], (rows // num_microbatches, length),
+                   kind)
+    microbatches.append({name: batch[sorted_batch_key(name, m)] for name in MICROBATCH_SPEC})
+  return {name: batch[name] for name in SORTED_ROW_SPEC}, microbatches
 
 
 def deal_microbatches(x: jax.Array, num_microbatches: int) -> jax.Array:
@@ -246,10 +315,35 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
   grads, (per_microbatch, abs_logp_diff_max) = jax.lax.scan(body, zeros, microbatches)
 
   totals = jax.tree.map(jnp.sum, per_microbatch)
+  first = jax.tree.map(lambda x: x[0], per_microbatch)
+  row_stats = _row_stats(jnp.sum(mask, axis=1), group_ids, advantages, valid)
+  return grads, _step_metrics(config, grads, totals, first, jnp.max(abs_logp_diff_max), row_stats)
+
+
+class _RowStats(NamedTuple):
+  """Whole-batch counts of the per-row inputs."""
+
+  num_prompts: jax.Array          # prompts with a loss token
+  num_samples: jax.Array          # rows with a loss token
+  advantage_abs_mean: jax.Array   # mean |A| over valid rows
+
+
+def _row_stats(tokens_per_row, group_ids, advantages, valid) -> _RowStats:
+  rows = tokens_per_row.shape[0]
+  tokens_per_group = jax.ops.segment_sum(tokens_per_row, group_ids, num_segments=rows)
+  return _RowStats(
+      num_prompts=jnp.sum(tokens_per_group > 0).astype(jnp.float32),
+      num_samples=jnp.sum(tokens_per_row > 0).astype(jnp.float32),
+      advantage_abs_mean=jnp.sum(jnp.abs(advantages)) / jnp.maximum(
+          jnp.sum(valid.astype(jnp.float32)), 1.0))
+
+
+def _step_metrics(config: TrainStepConfig, grads, totals: _MicrobatchSums, first: _MicrobatchSums,
+                  abs_logp_diff_max, row_stats: _RowStats) -> dict:
+  """The metrics of `accumulate_gradients` from whole-batch sums, the first microbatch's sums,
+  the max |logp - behavior_logp| and the row counts."""
   tokens = totals.loss_tokens
   safe_tokens = jnp.maximum(tokens, 1.0)
-  tokens_per_group = jax.ops.segment_sum(jnp.sum(mask, axis=1), group_ids, num_segments=rows)
-  first_tokens = jnp.maximum(per_microbatch.loss_tokens[0], 1.0)
   grad_norm = optax.tree.norm(grads)
   metrics = {
       "train/loss": totals.loss,
@@ -258,13 +352,12 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
       "train/ratio_mean": totals.ratio / safe_tokens,
       "train/clip_frac": (totals.clipped_low + totals.clipped_high) / safe_tokens,
       "train/logp_mismatch": totals.abs_logp_diff / safe_tokens,
-      "train/logp_mismatch_max": jnp.max(abs_logp_diff_max),
-      "train/logp_mismatch_first_mb": per_microbatch.abs_logp_diff[0] / first_tokens,
+      "train/logp_mismatch_max": abs_logp_diff_max,
+      "train/logp_mismatch_first_mb": first.abs_logp_diff / jnp.maximum(first.loss_tokens, 1.0),
       "train/num_loss_tokens": tokens,
-      "train/num_prompts": jnp.sum(tokens_per_group > 0).astype(jnp.float32),
-      "train/num_samples": jnp.sum(jnp.sum(mask, axis=1) > 0).astype(jnp.float32),
-      "train/advantage_abs_mean": jnp.sum(jnp.abs(advantages)) / jnp.maximum(
-          jnp.sum(valid.astype(jnp.float32)), 1.0),
+      "train/num_prompts": row_stats.num_prompts,
+      "train/num_samples": row_stats.num_samples,
+      "train/advantage_abs_mean": row_stats.advantage_abs_mean,
       "train/finite": (jnp.isfinite(totals.loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
   }
   if config.objective == "cispo":
@@ -272,7 +365,7 @@ def accumulate_gradients(graphdef, params, batch: dict, config: TrainStepConfig,
   else:
     metrics["train/clip_frac_low"] = totals.clipped_low / safe_tokens
     metrics["train/clip_frac_high"] = totals.clipped_high / safe_tokens
-  return grads, metrics
+  return metrics
 
 
 def _select_tree(pred, on_true, on_false):
@@ -291,6 +384,15 @@ def train_step(graphdef, optimizer: optax.GradientTransformation, config: TrainS
   state.step counts applied updates as the optimizer's schedule count does.
   """
   grads, metrics = accumulate_gradients(graphdef, state.params, batch, config, constrain)
+  return apply_update(optimizer, config, state, grads, metrics, learning_rate_schedule)
+
+
+def apply_update(optimizer: optax.GradientTransformation, config: TrainStepConfig,
+                 state: TrainState, grads, metrics: dict,
+                 learning_rate_schedule: optax.Schedule | None = None):
+  """(new state, metrics) after the AdamW update by `grads` (step 4 of the module docstring),
+  with 'train/update_applied' and, given the schedule, 'train/lr' added to `metrics`."""
+  metrics = dict(metrics)
   if learning_rate_schedule is not None:
     metrics["train/lr"] = jnp.asarray(learning_rate_schedule(state.step), jnp.float32)
   new_params, new_opt_state = optimizer_update(optimizer, grads, state.opt_state, state.params)
@@ -364,12 +466,169 @@ class TrainStep:
       return self._jitted.lower(state, batch)
 
 
+def row_loss_scales(tokens_per_row: jax.Array, group_ids: jax.Array, aggregation: str) -> jax.Array:
+  """s[B] with `aggregation_weights(mask, group_ids)` = mask * s[:, None], from the rows' loss
+  token counts n_b = sum_t mask[b, t] alone: 'token' s = 1 / sum_b n_b; 'sample' s_b =
+  1 / (n_b S) with S the rows having n_b > 0; 'prompt' s_b = 1 / (N_g P) with N_g the tokens of
+  row b's prompt and P the prompts having N_g > 0. 0 where the denominator is 0."""
+  if aggregation == "token":
+    return jnp.broadcast_to(safe_divide(1.0, jnp.sum(tokens_per_row)), tokens_per_row.shape)
+  if aggregation == "sample":
+    return safe_divide(1.0, tokens_per_row * jnp.sum(tokens_per_row > 0))
+  if aggregation != "prompt":
+    raise ValueError(f"aggregation: expected one of {AGGREGATIONS}, got {aggregation!r}")
+  tokens_per_group = group_sum(tokens_per_row, group_ids)
+  return safe_divide(1.0, tokens_per_group[group_ids] * jnp.sum(tokens_per_group > 0))
+
+
+class _RowTerms(NamedTuple):
+  """Per-row inputs of the microbatch losses, dealt [M, R] (row p of microbatch m at [m, p])."""
+
+  advantages: jax.Array
+  scales: jax.Array   # row_loss_scales
+  valid: jax.Array    # sample_valid as float
+
+
+class _Accumulator(NamedTuple):
+  """What the microbatches add up: the fp32 gradient, the metric sums, those of microbatch 0,
+  and the running max of |logp - behavior_logp|."""
+
+  grads: Any
+  totals: _MicrobatchSums
+  first: _MicrobatchSums
+  abs_logp_diff_max: jax.Array
+
+
+def prepare_rows(rows: dict, config: TrainStepConfig) -> tuple[_RowTerms, _RowStats]:
+  """Step (1) of the sorted step: advantages and aggregation scales over the whole batch, from
+  the per-row arrays of `split_sorted_batch`, dealt into microbatches."""
+  valid = rows["sample_valid"]
+  group_ids = rows["group_ids"].astype(jnp.int32)
+  advantages = compute_advantages(rows["rewards"], group_ids,
+                                  normalization=config.advantage_normalization, valid=valid)
+  tokens_per_row = rows["loss_tokens"].astype(jnp.float32) * valid.astype(jnp.float32)
+  scales = row_loss_scales(tokens_per_row, group_ids, config.aggregation)
+  deal = lambda x: deal_microbatches(x, config.num_microbatches)
+  terms = _RowTerms(advantages=deal(advantages), scales=deal(scales),
+                    valid=deal(valid.astype(jnp.float32)))
+  return terms, _row_stats(tokens_per_row, group_ids, advantages, valid)
+
+
+def zero_accumulator(params) -> _Accumulator:
+  """An empty `_Accumulator` for `params`."""
+  zero = jnp.zeros((), jnp.float32)
+  sums = _MicrobatchSums(*([zero] * len(_MicrobatchSums._fields)))
+  return _Accumulator(grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+                      totals=sums, first=sums, abs_logp_diff_max=zero)
+
+
+def accumulate_microbatch(graphdef, config: TrainStepConfig, accumulator: _Accumulator, params,
+                          terms: _RowTerms, index: jax.Array, microbatch: dict) -> _Accumulator:
+  """Step (2) of the sorted step: adds grad L_m of microbatch `index` (arrays [R, T_m]) and its
+  metric sums to `accumulator`; w = mask * s, mask = loss_mask * sample_valid."""
+  row = lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False)
+  mask = microbatch["loss_mask"].astype(jnp.float32) * row(terms.valid)[:, None]
+  inputs = {"tokens": microbatch["tokens"].astype(jnp.int32),
+            "behavior_logp": microbatch["behavior_logp"].astype(jnp.float32),
+            "advantages": row(terms.advantages), "mask": mask,
+            "weights": mask * row(terms.scales)[:, None]}
+  grads, (sums, abs_logp_diff_max) = jax.grad(
+      lambda p: _microbatch_loss(graphdef, p, inputs, config), has_aux=True)(params)
+  return _Accumulator(
+      grads=jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), accumulator.grads, grads),
+      totals=jax.tree.map(jnp.add, accumulator.totals, sums),
+      first=jax.tree.map(lambda old, new: jnp.where(index == 0, new, old), accumulator.first, sums),
+      abs_logp_diff_max=jnp.maximum(accumulator.abs_logp_diff_max, abs_logp_diff_max))
+
+
+class SortedTrainStep:
+  """The train step on length-sorted microbatches (module docstring), as three jitted programs
+  driven by a host loop: `prepare_rows` (once per B), `accumulate_microbatch` for m = 0 .. M-1
+  (one compile per (R, T_m); the accumulator donated), then `apply_update` (state donated).
+  Same interface as `TrainStep` (call, `batch_sharding`, `batch_shards`, `num_traces`, the
+  total of traces of the three). Every process of a multi-host trainer issues the same calls in
+  the same order, since the plan is the batch's keys and shapes. Metrics are those of
+  `accumulate_gradients`; 'train/logp_mismatch_first_mb' is over sorted microbatch 0, which
+  holds the longest rows.
+  """
+
+  def __init__(self, graphdef, optimizer: optax.GradientTransformation, config: TrainStepConfig,
+               *, mesh: Mesh | None = None, state_shardings: TrainState | None = None,
+               rules: Rules = DEFAULT_RULES,
+               learning_rate_schedule: optax.Schedule | None = None):
+    if (mesh is None) != (state_shardings is None):
+      raise ValueError("SortedTrainStep: pass both mesh and state_shardings, or neither")
+    self.config = config
+    self.mesh = mesh
+    self.rules = tuple(rules)
+    self.num_traces = 0
+    self.batch_sharding: NamedSharding | None = None
+    self.batch_shards = 1
+    prepare_kw: dict[str, Any] = {}
+    zeros_kw: dict[str, Any] = {}
+    accumulate_kw: dict[str, Any] = {"donate_argnums": 0}
+    update_kw: dict[str, Any] = {"donate_argnums": 0}
+    if mesh is not None:
+      batch_spec = logical_to_spec(("batch",), rules, mesh=mesh)
+      self.batch_sharding = NamedSharding(mesh, batch_spec)
+      batch_axes = batch_spec[0] if isinstance(batch_spec[0], tuple) else (batch_spec[0],)
+      self.batch_shards = int(np.prod([mesh.shape[a] for a in batch_axes if a is not None]))
+      replicated = NamedSharding(mesh, PartitionSpec())
+      dealt = NamedSharding(mesh, PartitionSpec(None, batch_spec[0]))
+      terms = _RowTerms(dealt, dealt, dealt)
+      accumulator = _Accumulator(grads=state_shardings.params, totals=replicated,
+                                 first=replicated, abs_logp_diff_max=replicated)
+      prepare_kw.update(in_shardings=(self.batch_sharding,), out_shardings=(terms, replicated))
+      zeros_kw.update(in_shardings=(state_shardings.params,), out_shardings=accumulator)
+      accumulate_kw.update(
+          in_shardings=(accumulator, state_shardings.params, terms, replicated, self.batch_sharding),
+          out_shardings=accumulator)
+      update_kw.update(in_shardings=(state_shardings, accumulator, replicated),
+                       out_shardings=(state_shardings, replicated))
+
+    def traced(fn):
+      def counted(*args):
+        self.num_traces += 1
+        return fn(*args)
+      return counted
+
+    def update(state, accumulator, row_stats):
+      metrics = _step_metrics(config, accumulator.grads, accumulator.totals, accumulator.first,
+                              accumulator.abs_logp_diff_max, row_stats)
+      return apply_update(optimizer, config, state, accumulator.grads, metrics,
+                          learning_rate_schedule)
+
+    self._prepare = jax.jit(traced(lambda rows: prepare_rows(rows, config)), **prepare_kw)
+    self._zeros = jax.jit(traced(zero_accumulator), **zeros_kw)
+    self._accumulate = jax.jit(traced(functools.partial(accumulate_microbatch, graphdef, config)),
+                               **accumulate_kw)
+    self._update = jax.jit(traced(update), **update_kw)
+
+  def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rows, microbatches = split_sorted_batch(batch, self.config.num_microbatches)
+    per_microbatch = rows["rewards"].shape[0] // self.config.num_microbatches
+    if per_microbatch % self.batch_shards:
+      raise ValueError(f"sorted train batch: {per_microbatch} rows per microbatch are not a "
+                       f"multiple of the {self.batch_shards} batch shards")
+    with use_mesh_rules(self.mesh, self.rules):
+      terms, row_stats = self._prepare(rows)
+      accumulator = self._zeros(state.params)
+      for index, microbatch in enumerate(microbatches):
+        accumulator = self._accumulate(accumulator, state.params, terms, np.int32(index),
+                                       microbatch)
+      return self._update(state, accumulator, row_stats)
+
+
 def make_train_step(graphdef, optimizer: optax.GradientTransformation,
                     config: TrainStepConfig, *, mesh: Mesh | None = None,
                     state_shardings: TrainState | None = None,
                     rules: Rules = DEFAULT_RULES,
-                    learning_rate_schedule: optax.Schedule | None = None) -> TrainStep:
-  """The jitted step `step(state, batch) -> (state, metrics)` (state donated); pass the
-  optimizer's `learning_rate_schedule` to get 'train/lr' in the metrics (see `train_step`)."""
-  return TrainStep(graphdef, optimizer, config, mesh=mesh, state_shardings=state_shardings,
+                    learning_rate_schedule: optax.Schedule | None = None
+                    ) -> TrainStep | SortedTrainStep:
+  """The jitted step `step(state, batch) -> (state, metrics)` (state donated): a
+  `SortedTrainStep` for sorted-layout batches when `config.sort_by_length`, else a `TrainStep`;
+  pass the optimizer's `learning_rate_schedule` to get 'train/lr' in the metrics (see
+  `train_step`)."""
+  step_class = SortedTrainStep if config.sort_by_length else TrainStep
+  return step_class(graphdef, optimizer, config, mesh=mesh, state_shardings=state_shardings,
                    rules=rules, learning_rate_schedule=learning_rate_schedule)
