@@ -7,7 +7,7 @@ from flax import nnx
 
 from scalerl_jax import recipe
 from scalerl_jax.config_validation import ConfigError, validate
-from scalerl_jax.models import Transformer, get_preset, sequence_logprobs
+from scalerl_jax.models import Transformer, get_preset, init_kv_cache, sequence_logprobs
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.logprobs import token_logprobs_from_logits
 from scalerl_jax.models.memory import activation_terms, main as memory_main
@@ -158,6 +158,25 @@ def test_auto_attention_traces_cudnn_when_the_backend_is_gpu(monkeypatch):
     with pytest.raises(RuntimeError, match="cuDNN"):
         trace("bfloat16")
     assert trace("float32").shape == (2, 8, 256)
+
+
+def test_prefill_on_gpu_traces_cudnn_attention_and_decode_does_not(monkeypatch):
+    """The engine's prefill (forward_cached over several tokens of a fresh sequence) takes cuDNN flash
+    attention where 'auto' resolves to it, as training does, instead of T x T scores; a one-token
+    decode step keeps its blockwise attention over the cache."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    config = get_preset("tiny-llama", dtype="bfloat16", attention_impl="auto")
+
+    def trace(length):
+        model = Transformer(config, rngs=nnx.Rngs(0))
+        cache = init_kv_cache(config, 2, 16)
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (2, length))
+        return jax.eval_shape(lambda t: model.forward_cached(t, positions, cache)[0],
+                              jax.ShapeDtypeStruct((2, length), jnp.int32))
+
+    with pytest.raises(RuntimeError, match="cuDNN"):
+        trace(8)
+    assert trace(1).shape == (2, 1, config.hidden_size)
 
 
 def test_memory_plan_counts_scores_only_for_xla():

@@ -332,13 +332,15 @@ class Attention(nnx.Module):
         `resolve_attention_impl(config, jax.default_backend())`: cuDNN flash attention never builds
         the T x T scores; 'xla' (`grouped_attention`) does, in float32."""
         q, k, v = self._project(x, positions)
-        length = x.shape[1]
+        return self._output(self._causal_attention(q, k, v))
+
+    def _causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Query t attends to keys s <= t of the same call (see `__call__`)."""
+        batch, length = q.shape[:2]
         if resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
-            attended = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        else:
-            causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-            attended = grouped_attention(q, k, v, jnp.broadcast_to(causal, (x.shape[0], length, length)))
-        return self._output(attended)
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        return grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, length, length)))
 
     def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
                        window: int, block: int) -> tuple[jax.Array, KVCache]:
@@ -348,13 +350,18 @@ class Attention(nnx.Module):
         call's rows); positions outside [0, S) are not written. Attention reads only the first
         `window` positions of layer `layer` (every query position must be < window): one query
         row (decode) streams them `block` at a time from the cache (`decode_attention`), several
-        rows (prefill) copy the window out and use `grouped_attention`.
+        rows (prefill) copy the window out and use `grouped_attention`, or, where the attention
+        impl resolves to 'cudnn', attend causally within the call's own k/v by flash attention (no
+        T x T scores), which is the same only for a prefill at positions 0..T-1 of a fresh sequence
+        (the engine's only multi-row use).
         """
         q, k, v = self._project(x, positions)
         cache = {"k": write_kv_rows(cache["k"], layer, positions, k),
                  "v": write_kv_rows(cache["v"], layer, positions, v)}
         if x.shape[1] == 1:
             attended = decode_attention(q, cache["k"], cache["v"], layer, positions, window=window, block=block)
+        elif resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
+            attended = self._causal_attention(q, k, v)  # a prefill: positions 0..T-1, nothing before
         else:
             keys, values = (read_kv_window(cache[name], layer, window).astype(q.dtype) for name in ("k", "v"))
             mask = jnp.arange(window)[None, None, :] <= positions[:, :, None]
