@@ -1,0 +1,98 @@
+"""Run a study, then analyze it; or analyze an existing study directory.
+
+  python -m scalerl_jax.study --config=configs/tiny.py --variants=baseline,dapo,no_fp32_head,ppo_off_policy,sample_avg \
+      --seeds=3 --workdir=studies/tiny [--config.key=value ...]
+  python -m scalerl_jax.study --analyze studies/tiny
+
+Variants: 'baseline' (the --config as given) or names of recipe.LEAVE_ONE_OUT applied on top of
+it; 'loo' is the baseline and every leave-one-out variant. `--config.key=value` flags go to every
+run (after the variant's change). Each (variant, seed) runs as `python -m scalerl_jax.main` in
+WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) prints its tables
+and writes WORKDIR/study.md, curves.png and params.png.
+
+Exit status: 0 done; 1 a run failed (the same command resumes) or a curve could not be fitted;
+2 bad input (flags, study directory, metrics files).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from scalerl_jax.study import driver, report
+from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, analyze_variant, pair_orders
+from scalerl_jax.study.variants import expand_variants
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.study", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    parser.add_argument("--config", help="base config file ('file.py' or 'file.py:arg'), as main's --config")
+    parser.add_argument("--variants", default="baseline", help="comma-separated: baseline, leave-one-out names, loo")
+    parser.add_argument("--seeds", type=int, default=1, help="runs per variant (config.seed = 0 .. seeds-1)")
+    parser.add_argument("--workdir", help="the study directory")
+    parser.add_argument("--analyze", metavar="DIR", help="only analyze this study directory")
+    parser.add_argument("--cut", type=float, default=DEFAULT_CUT_FRACTION,
+                        help="fit up to this fraction of each curve's last compute (default 0.5)")
+    parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples per variant fit (0: none)")
+    parser.add_argument("--a-range", help="A grid LO,HI (default: the runs' eval.fit_a_range)")
+    return parser
+
+
+def analyze(study_dir: Path, *, cut_fraction: float, bootstrap: int, a_range: tuple[float, float] | None) -> int:
+    """Fits, prints and writes the study's report; 1 when some variant curve could not be fitted."""
+    runs = report.read_study(study_dir)
+    a_range = a_range or report.study_a_range(study_dir, runs)
+    results = [analyze_variant(name, curves, cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
+               for name, curves in runs.items()]
+    text = report.write_report(study_dir, results, pair_orders(results), cut_fraction=cut_fraction,
+                               a_range=a_range, bootstrap=bootstrap)
+    print(text)
+    print(f"wrote {study_dir / report.REPORT_FILE}, {study_dir / report.CURVES_FIGURE}, "
+          f"{study_dir / report.PARAMS_FIGURE}")
+    return 0 if all(r.mean_fit.fit is not None for r in results) else 1
+
+
+def _a_range(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    low, high = (float(x) for x in text.split(","))
+    if not 0.0 <= low <= high <= 1.0:
+        raise ValueError(f"--a-range must be LO,HI with 0 <= LO <= HI <= 1, got {text!r}")
+    return low, high
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        if not 0.0 < args.cut < 1.0:
+            raise ValueError(f"--cut must be in (0, 1), got {args.cut}")
+        if args.bootstrap < 0:
+            raise ValueError(f"--bootstrap must be >= 0, got {args.bootstrap}")
+        a_range = _a_range(args.a_range)
+        if args.analyze:
+            if overrides or args.config or args.workdir:
+                raise ValueError("--analyze DIR takes no --config, --workdir or config overrides")
+            study_dir = Path(args.analyze)
+        else:
+            if not args.config or not args.workdir:
+                raise ValueError("a study needs --config and --workdir (or --analyze DIR)")
+            if args.seeds < 1:
+                raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
+            study = driver.StudySpec(study_dir=Path(args.workdir).absolute(), base=driver.absolute_base(args.config),
+                                     variants=tuple(expand_variants(args.variants)), num_seeds=args.seeds,
+                                     overrides=driver.check_overrides(overrides))
+            status = driver.run_study(study)
+            if status != 0:
+                return status
+            study_dir = study.study_dir
+        return analyze(study_dir, cut_fraction=args.cut, bootstrap=args.bootstrap, a_range=a_range)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

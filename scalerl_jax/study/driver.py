@@ -1,0 +1,229 @@
+"""The study driver: every (variant, seed) as an ordinary `main` run, one after another, resumable.
+
+Layout of a study directory STUDY:
+  STUDY/study.json            base config, overrides, variants and seeds of the study
+  STUDY/study_log.jsonl       one line when a run is launched and one when it ends (return code, minutes)
+  STUDY/warm_start/<digest>/  the warm-started policy: built by the first run, reused by all others
+  STUDY/<variant>/seed<k>/    an ordinary run directory (config.json, metrics.jsonl, checkpoints/, ...)
+                              plus main.log (the run's output) and warm_start -> ../../warm_start
+
+Each run is a fresh process with main's own command line:
+  python -m scalerl_jax.main --config=configs/study.py:BASE,VARIANT --config.seed=k [overrides]
+      --workdir=STUDY/VARIANT/seed<k>
+so `config.seed = k` (prompt order, sampling, evaluation draws) is the only difference between
+the seeds of a variant. Runs go seed by seed (every variant at seed 0, then every variant at
+seed 1, ...), so that a study cut short still compares every variant.
+
+Finished, resumed, new. A run is finished when its metrics.jsonl holds an evaluation at step
+`num_steps` of its own config.json; finished runs are skipped. A started run that is not
+finished (a killed study) is resumed by launching main again on its workdir: main resumes from
+the run's last checkpoint and cuts metrics.jsonl back to it.
+
+Shared warm start. The runner builds or reuses WORKDIR/warm_start/<digest>, the digest covering
+the synthetic task, the warm-start keys and the prompt template. Every run's WORKDIR/warm_start
+is a link to STUDY/warm_start; variants change none of the digested keys and seeds set
+`config.seed` (not `warm_start.seed`), so every run of a study has the same digest: the first run
+builds the policy, every later one finds it complete and loads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from scalerl_jax.study.variants import study_config
+
+STUDY_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "study.py"
+STUDY_FILE = "study.json"
+STUDY_LOG = "study_log.jsonl"
+RUN_LOG = "main.log"
+WARM_START = "warm_start"
+METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG_FILE = "config.json"
+PASS_RATE_KEY = "eval/pass_rate"
+SEED_OVERRIDE = "--config.seed"
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySpec:
+    """What a study runs: `base` is a config file as `--config` takes it ('file.py' or
+    'file.py:arg'), `overrides` are `--config.key=value` flags given to every run."""
+
+    study_dir: Path
+    base: str
+    variants: tuple[str, ...]
+    num_seeds: int
+    overrides: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run of a study."""
+
+    variant: str
+    seed: int
+    workdir: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}/seed{self.seed}"
+
+
+def absolute_base(base: str) -> str:
+    """The base config spec with its file made absolute (runs do not depend on the working directory)."""
+    path, sep, arg = base.partition(":")
+    return os.path.abspath(path) + sep + arg
+
+
+def check_overrides(overrides: Sequence[str]) -> tuple[str, ...]:
+    """`--config.key=value` flags as given; anything else, or a seed (set by the study), is a ValueError."""
+    for flag in overrides:
+        if not flag.startswith("--config.") or "=" not in flag:
+            raise ValueError(f"expected config overrides as --config.key=value, got {flag!r}")
+        if flag.split("=", 1)[0] == SEED_OVERRIDE:
+            raise ValueError(f"{flag!r}: the study sets config.seed of run k to k (--seeds)")
+    return tuple(overrides)
+
+
+def plan_runs(study: StudySpec) -> list[RunSpec]:
+    """Every (variant, seed) of the study, seed by seed (module docstring)."""
+    return [RunSpec(variant, seed, study.study_dir / variant / f"seed{seed}")
+            for seed in range(study.num_seeds) for variant in study.variants]
+
+
+def _records(path: Path) -> list[dict]:
+    """The JSON objects of a jsonl file; a half-written last line (a killed writer) is ignored."""
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path} line {number}: malformed JSON") from None
+    return records
+
+
+def run_state(workdir: Path) -> str:
+    """'finished' (an evaluation at step num_steps of its config.json), 'started' (some of the
+    run's files exist) or 'new'."""
+    config_path, metrics_path = workdir / RUN_CONFIG_FILE, workdir / METRICS_FILE
+    if config_path.is_file() and metrics_path.is_file():
+        num_steps = json.loads(config_path.read_text(encoding="utf-8"))["num_steps"]
+        if any(r.get("step") == num_steps and PASS_RATE_KEY in r for r in _records(metrics_path)):
+            return "finished"
+    if any((workdir / name).exists() for name in (RUN_CONFIG_FILE, METRICS_FILE, "checkpoints")):
+        return "started"
+    return "new"
+
+
+def main_command(study: StudySpec, run: RunSpec, python: str = sys.executable) -> list[str]:
+    """main's command line for `run` (module docstring); `--config` comes before its overrides."""
+    return [python, "-m", "scalerl_jax.main", f"--config={STUDY_CONFIG_FILE}:{study.base},{run.variant}",
+            f"{SEED_OVERRIDE}={run.seed}", *study.overrides, f"--workdir={run.workdir}"]
+
+
+def link_warm_start(study_dir: Path, workdir: Path) -> None:
+    """Makes `workdir/warm_start` a relative link to `study_dir/warm_start` (kept if it is one)."""
+    shared = study_dir / WARM_START
+    shared.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    link = workdir / WARM_START
+    target = os.path.relpath(shared, workdir)
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    if link.exists() or link.is_symlink():
+        raise ValueError(f"{link} exists and is not a link to the study's shared warm start {shared}; "
+                         "move it away to run this workdir as part of the study")
+    link.symlink_to(target, target_is_directory=True)
+
+
+def check_study_file(study: StudySpec) -> None:
+    """Writes STUDY/study.json; a study resumed with another base config or other overrides is a
+    ValueError (its runs would mix two configs). Variants and seeds may be added."""
+    path = study.study_dir / STUDY_FILE
+    record = {"base": study.base, "overrides": list(study.overrides), "variants": list(study.variants),
+              "num_seeds": study.num_seeds}
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        for key in ("base", "overrides"):
+            if saved[key] != record[key]:
+                raise ValueError(f"{path}: this study was started with {key} {saved[key]!r}, not {record[key]!r}; "
+                                 "use another --workdir or the same settings")
+    study.study_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+def append_log(study_dir: Path, record: dict) -> None:
+    with open(study_dir / STUDY_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_log(study_dir: Path) -> list[dict]:
+    path = study_dir / STUDY_LOG
+    return _records(path) if path.is_file() else []
+
+
+def minutes_per_run(log: Sequence[dict], finished: set[str]) -> float | None:
+    """Mean over the finished runs of the minutes their launches took in all (a resumed run counts
+    every launch); None before any finished run was timed."""
+    totals: dict[str, float] = {}
+    for record in log:
+        if record.get("event") == "end" and record["run"] in finished:
+            totals[record["run"]] = totals.get(record["run"], 0.0) + record["minutes"]
+    return sum(totals.values()) / len(totals) if totals else None
+
+
+def progress_line(num_finished: int, total: int, mean_minutes: float | None, current: str = "") -> str:
+    """'study: 3/10 runs finished, 8.2 min/run, ETA 57 min[, next: dapo/seed1 (resume)]'."""
+    if mean_minutes is None:
+        timing = "ETA unknown until a run finishes"
+    else:
+        timing = f"{mean_minutes:.1f} min/run, ETA {mean_minutes * (total - num_finished):.0f} min"
+    return f"study: {num_finished}/{total} runs finished, {timing}" + (f"; next: {current}" if current else "")
+
+
+def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[[str], None] = print) -> int:
+    """Runs every unfinished run of `study` in order; returns 0 when all are finished, 1 when a run
+    failed (the study stops there: its main.log says why; the same command resumes)."""
+    if not STUDY_CONFIG_FILE.is_file():
+        raise ValueError(f"the study's run config {STUDY_CONFIG_FILE} is missing")
+    for variant in study.variants:  # a bad base file or variant fails here, before any run
+        study_config(f"{study.base},{variant}")
+    check_study_file(study)
+    runs = plan_runs(study)
+    finished = {run.name for run in runs if run_state(run.workdir) == "finished"}
+    for run in runs:
+        state = run_state(run.workdir)
+        if state == "finished":
+            continue
+        action = "resume" if state == "started" else "run"
+        echo(progress_line(len(finished), len(runs), minutes_per_run(read_log(study.study_dir), finished),
+                           f"{run.name} ({action})"))
+        link_warm_start(study.study_dir, run.workdir)
+        command = main_command(study, run, python)
+        append_log(study.study_dir, {"event": "start", "run": run.name, "action": action, "time": time.time(),
+                                     "command": command})
+        started = time.time()
+        with open(run.workdir / RUN_LOG, "a", encoding="utf-8") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {action}: {' '.join(command)}\n")
+            log.flush()
+            returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        minutes = (time.time() - started) / 60
+        append_log(study.study_dir, {"event": "end", "run": run.name, "returncode": returncode, "minutes": minutes})
+        if returncode != 0:
+            echo(f"study: run {run.name} failed with exit status {returncode} after {minutes:.1f} min; "
+                 f"see {run.workdir / RUN_LOG}; the same command resumes the study")
+            return 1
+        if run_state(run.workdir) != "finished":
+            echo(f"study: run {run.name} ended without an evaluation at its num_steps; see {run.workdir / RUN_LOG}")
+            return 1
+        finished.add(run.name)
+        echo(f"study: {run.name} finished in {minutes:.1f} min")
+    echo(progress_line(len(finished), len(runs), minutes_per_run(read_log(study.study_dir), finished)))
+    return 0

@@ -1,0 +1,248 @@
+"""A study's results on disk: its runs read back, the tables (stdout and STUDY/study.md) and the
+figures (STUDY/curves.png: every variant's points and early-half fit on one log-compute axis with
+its cut; STUDY/params.png: A and B per variant with the spread over seeds)."""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from scalerl_jax.scaling import RunCurve, read_run
+from scalerl_jax.scaling.fitting import PAPER_A_RANGE
+from scalerl_jax.scaling.plot import format_compute, unit_label
+from scalerl_jax.study import driver
+from scalerl_jax.study.analysis import CurveFit, PairOrder, VariantResult
+from scalerl_jax.study.variants import BASELINE
+
+REPORT_FILE = "study.md"
+CURVES_FIGURE = "curves.png"
+PARAMS_FIGURE = "params.png"
+CURVE_EXTEND = 1.5  # fitted curves drawn up to this factor x the last compute
+
+
+def has_evaluation(run_dir: Path) -> bool:
+    path = run_dir / driver.METRICS_FILE
+    return path.is_file() and any(driver.PASS_RATE_KEY in r for r in driver._records(path))
+
+
+def _seed_number(path: Path) -> int | None:
+    suffix = path.name[len("seed"):]
+    return int(suffix) if path.name.startswith("seed") and suffix.isdigit() else None
+
+
+def study_variants(study_dir: Path) -> list[str]:
+    """The variants of STUDY: study.json's order when it exists, else the directories holding
+    seed<k> runs (baseline first, then by name)."""
+    found = {p.name for p in study_dir.iterdir()
+             if p.is_dir() and any(_seed_number(s) is not None for s in p.iterdir())}
+    spec = study_dir / driver.STUDY_FILE
+    if spec.is_file():
+        order = json.loads(spec.read_text(encoding="utf-8"))["variants"]
+        return [v for v in order if v in found] + sorted(found - set(order))
+    return sorted(found, key=lambda v: (v != BASELINE, v))
+
+
+def read_study(study_dir: Path) -> dict[str, list[RunCurve]]:
+    """Each variant's runs that have logged an evaluation, by seed (runs without one are left out)."""
+    if not study_dir.is_dir():
+        raise ValueError(f"{study_dir}: no such study directory")
+    runs = {}
+    for variant in study_variants(study_dir):
+        seeds = sorted((s for s in (study_dir / variant).iterdir() if _seed_number(s) is not None), key=_seed_number)
+        curves = [read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True)
+                  for s in seeds if has_evaluation(s)]
+        if curves:
+            runs[variant] = curves
+    if not runs:
+        raise ValueError(f"{study_dir}: no run with an evaluation under <variant>/seed<k>/{driver.METRICS_FILE}")
+    return runs
+
+
+def study_a_range(study_dir: Path, runs: dict[str, list[RunCurve]]) -> tuple[float, float]:
+    """The runs' `eval.fit_a_range` when their config.json files agree on one, else the paper's."""
+    ranges = set()
+    for curves in runs.values():
+        for run in curves:
+            config = Path(run.path).parent / driver.RUN_CONFIG_FILE
+            if not config.is_file():
+                return PAPER_A_RANGE
+            ranges.add(tuple(json.loads(config.read_text(encoding="utf-8"))["eval"]["fit_a_range"]))
+    return ranges.pop() if len(ranges) == 1 else PAPER_A_RANGE
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "-" if not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def _spread(result: VariantResult, parameter: str, digits: int) -> str:
+    s = result.spread(parameter)
+    if s.count == 0:
+        return "-"
+    value = format_compute(s.mean) if parameter == "c_mid" else f"{s.mean:.{digits}f}"
+    if s.count == 1:
+        return value
+    std = format_compute(s.std) if parameter == "c_mid" else f"{s.std:.{digits}f}"
+    return f"{value} ± {std}"
+
+
+def _interval(low: float, high: float, digits: int, compute: bool = False) -> str:
+    text = format_compute if compute else (lambda x: f"{x:.{digits}f}")
+    return f"[{text(low)}, {text(high)}]"
+
+
+def _status(fit: CurveFit) -> str:
+    if fit.fit is None:
+        return f"NO FIT: {fit.error}"
+    return "ok" if fit.fit.reliable else "unreliable: " + "; ".join(fit.fit.warnings)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def variant_table(results: Sequence[VariantResult]) -> str:
+    """One row per variant: spread over seeds, the mean-curve fit with its bootstrap interval,
+    and its extrapolation to the held-back half."""
+    header = ["variant", "seeds", "A (seeds)", "B (seeds)", "C_mid (seeds)", "A (mean curve) [boot]",
+              "B [boot]", "C_mid [boot]", "fitted/held", "late RMSE", "final err", "late obs", "late pred", "status"]
+    rows = []
+    for r in results:
+        m = r.mean_fit
+        f, i = m.fit, m.interval
+        rows.append([
+            r.name, str(len(r.seed_fits)), _spread(r, "a", 3), _spread(r, "b", 2), _spread(r, "c_mid", 0),
+            "-" if f is None else f"{f.a:.3f} " + (_interval(*i.a, 3) if i else ""),
+            "-" if f is None else f"{f.b:.2f} " + (_interval(*i.b, 2) if i else ""),
+            "-" if f is None else f"{format_compute(f.c_mid)} " + (_interval(*i.c_mid, 0, compute=True) if i else ""),
+            "-" if f is None else f"{f.num_points}/{int(m.held_out.sum())}",
+            _num(m.late_rmse), _num(m.final_error), _num(m.late_observed), _num(m.late_predicted), _status(m),
+        ])
+    return markdown_table(header, rows)
+
+
+def seed_table(results: Sequence[VariantResult]) -> str:
+    """One row per run: its own early-half fit and extrapolation."""
+    header = ["run", "R0", "A", "B", "C_mid", "fit window", "fitted/held", "late RMSE", "final err", "status"]
+    rows = []
+    for r in results:
+        for s in r.seed_fits:
+            f = s.fit
+            cells = (["-"] * 4 if f is None else
+                     [f"{f.r0:.3f}", f"{f.a:.3f}", f"{f.b:.2f}", format_compute(f.c_mid)])
+            rows.append([s.curve.name, *cells, f"[{format_compute(s.fit_start)}, {format_compute(s.cut)}]",
+                         "-" if f is None else f"{f.num_points}/{int(s.held_out.sum())}",
+                         _num(s.late_rmse), _num(s.final_error), _status(s)])
+    return markdown_table(header, rows)
+
+
+def _agreement(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def order_table(orders: Sequence[PairOrder]) -> str:
+    header = ["first vs second", "late observed (1st - 2nd)", "early fit: predicted late (1st - 2nd)", "same order",
+              "early fit: A (1st - 2nd)", "same order"]
+    rows = [[f"{o.first} vs {o.second}", f"{o.late_observed_diff:+.3f}", f"{o.late_predicted_diff:+.3f}",
+             _agreement(o.predicted_agrees), f"{o.a_diff:+.3f}", _agreement(o.a_agrees)] for o in orders]
+    return markdown_table(header, rows)
+
+
+def order_summary(orders: Sequence[PairOrder]) -> str:
+    def count(values):
+        known = [v for v in values if v is not None]
+        return f"{sum(known)} of {len(known)}"
+    return (f"Early-half fits ordered {count(o.predicted_agrees for o in orders)} pairs as their late halves did "
+            f"by predicted late pass rate, {count(o.a_agrees for o in orders)} by asymptote A.")
+
+
+def report_text(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder],
+                cut_fraction: float, a_range: tuple[float, float], bootstrap: int) -> str:
+    """The whole report in markdown (also what stdout shows)."""
+    unit = unit_label(results[0].mean_fit.curve.unit)
+    return "\n\n".join([
+        f"# Study {study_dir}",
+        f"Fit window per curve: [0.09375 C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
+        f"evaluation); points beyond are held back and predicted. A grid {a_range[0]:g}..{a_range[1]:g}. "
+        "(seeds): mean ± sample std of the per-seed fits. Mean curve: the mean over seeds at each evaluation "
+        f"step, fitted with a {bootstrap}-resample 95% bootstrap interval [boot]. late obs / late pred: mean "
+        "measured / predicted pass rate over the held-back points; final err: predicted - measured at the last.",
+        "## Variants", variant_table(results),
+        "## Ordering: did the early half predict the late half's order?", order_table(orders), order_summary(orders),
+        "## Runs", seed_table(results),
+        f"Figures: {CURVES_FIGURE} (points and early-half fits, cut dotted), {PARAMS_FIGURE} (A and B, seed std).",
+    ]) + "\n"
+
+
+def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
+    """Every variant on one log-compute axis: seed points faint, mean-curve points (filled: fitted,
+    hollow squares: held back), the fit solid over its window and dashed beyond, the cut dotted.
+    Points at compute 0 (the start) cannot sit on a log axis and are left out."""
+    fig = Figure(figsize=(8.0, 5.0), dpi=150)
+    ax = fig.add_subplot()
+    for index, r in enumerate(results):
+        colour = f"C{index % 10}"
+        m = r.mean_fit
+        for s in r.seed_fits:
+            positive = s.curve.compute > 0
+            ax.plot(s.curve.compute[positive], s.curve.pass_rate[positive], ".", color=colour, alpha=0.25, ms=3)
+        c, y, held = m.curve.compute, m.curve.pass_rate, m.held_out
+        label = r.name if m.fit is None else f"{r.name}: A={m.fit.a:.3f}, B={m.fit.b:.2f}"
+        early = (c > 0) & ~held
+        ax.plot(c[early], y[early], "o", color=colour, ms=4, label=label)
+        ax.plot(c[held], y[held], "s", mfc="none", color=colour, ms=5)
+        if m.fit is not None:
+            inside = np.geomspace(m.fit_start, m.cut, 200)
+            beyond = np.geomspace(m.cut, float(c[-1]) * CURVE_EXTEND, 200)
+            ax.plot(inside, m.fit.predict(inside), "-", color=colour, lw=1.6)
+            ax.plot(beyond, m.fit.predict(beyond), "--", color=colour, lw=1.3)
+        ax.axvline(m.cut, color=colour, ls=":", lw=1.0)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"RL training compute ({unit_label(results[0].mean_fit.curve.unit)}, log scale)")
+    ax.set_ylabel("held-out pass rate")
+    ax.set_title("early-half fits (solid), extrapolation (dashed), cut (dotted), held back (squares)", fontsize=9)
+    ax.grid(True, which="both", alpha=0.2)
+    ax.legend(fontsize=7, frameon=False, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_params(results: Sequence[VariantResult], path: Path) -> None:
+    """A and B per variant: bars at the mean over seeds, error bars one sample std; diamonds: the
+    mean-curve fit."""
+    fig = Figure(figsize=(max(5.0, 1.2 * len(results) + 2.0), 4.0), dpi=150)
+    names = [r.name for r in results]
+    x = np.arange(len(results))
+    for column, (parameter, label) in enumerate((("a", "asymptote A"), ("b", "efficiency B"))):
+        ax = fig.add_subplot(1, 2, column + 1)
+        spreads = [r.spread(parameter) for r in results]
+        means = [s.mean for s in spreads]
+        stds = [0.0 if not math.isfinite(s.std) else s.std for s in spreads]
+        ax.bar(x, means, yerr=stds, capsize=4, color=[f"C{i % 10}" for i in range(len(results))], alpha=0.7)
+        fitted = [(i, getattr(r.mean_fit.fit, parameter)) for i, r in enumerate(results) if r.mean_fit.fit is not None]
+        if fitted:
+            ax.plot(*zip(*fitted), "kD", ms=4, label="mean-curve fit")
+            ax.legend(fontsize=7, frameon=False)
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{label} (seed mean ± std)", fontsize=9)
+        if parameter == "a":
+            finite = [m - s for m, s in zip(means, stds) if math.isfinite(m)]
+            if finite:
+                ax.set_ylim(max(0.0, min(finite) - 0.05), None)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder], *,
+                 cut_fraction: float, a_range: tuple[float, float], bootstrap: int) -> str:
+    """Writes study.md, curves.png and params.png into `study_dir`; returns the report text."""
+    text = report_text(study_dir, results, orders, cut_fraction, a_range, bootstrap)
+    (study_dir / REPORT_FILE).write_text(text, encoding="utf-8")
+    plot_curves(results, study_dir / CURVES_FIGURE)
+    plot_params(results, study_dir / PARAMS_FIGURE)
+    return text
