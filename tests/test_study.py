@@ -1,5 +1,6 @@
 """The study: analysis of synthetic runs with known sigmoids, the driver's plan/skip/resume logic
 on a stand-in main, and (slow) a real 2-variant x 2-seed micro study killed and resumed."""
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 from scalerl_jax import recipe
 from scalerl_jax.study import driver, report
@@ -142,6 +145,18 @@ def test_analyze_reports_a_curve_it_cannot_fit(tmp_path, capsys):
     assert "NO FIT" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--config=configs/tiny.py", "--workdir=W", "--variants=dpo"], "unknown study variant 'dpo'"),
+    (["--config=configs/tiny.py", "--workdir=W", "--config.num_steps", "3"], "--config.key=value"),
+    (["--config=configs/tiny.py"], "needs --config and --workdir"),
+    (["--analyze=/nowhere/study"], "no such study directory"),
+    (["--analyze=/nowhere/study", "--cut=1.5"], "--cut must be in (0, 1)"),
+])
+def test_cli_bad_input_exits_2_naming_it(argv, message, capsys):
+    assert study_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ variants and driver
 def test_variants_and_study_config():
     assert expand_variants("baseline,dapo,dapo") == ["baseline", "dapo"]
@@ -186,7 +201,7 @@ def make_study(tmp_path, overrides=("--config.num_steps=3",)):
                             variants=("baseline", "dapo"), num_seeds=2, overrides=tuple(overrides))
 
 
-def test_plan_and_command(tmp_path):
+def test_plan_and_command(tmp_path, monkeypatch):
     study = make_study(tmp_path)
     runs = driver.plan_runs(study)
     assert [r.name for r in runs] == ["baseline/seed0", "dapo/seed0", "baseline/seed1", "dapo/seed1"]
@@ -194,6 +209,15 @@ def test_plan_and_command(tmp_path):
     command = driver.main_command(study, runs[3], python="py")
     assert command == ["py", "-m", "scalerl_jax.main", f"--config={REPO / 'configs' / 'study.py'}:{REPO / 'configs/tiny.py'},dapo",
                        "--config.seed=1", "--config.num_steps=3", f"--workdir={runs[3].workdir}"]
+    # main's own flag parser (ml_collections, which reads overrides from sys.argv) resolves that
+    # command line to tiny + dapo, seed 1, 3 steps.
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True)
+    monkeypatch.setattr(sys, "argv", ["main", *command[3:-1]])
+    flag_values(sys.argv)
+    expected = recipe.tiny()
+    expected.rl.objective, expected.seed, expected.num_steps = "dapo", 1, 3
+    assert flag_values.config.to_dict() == expected.to_dict()
     with pytest.raises(ValueError, match="seed"):
         driver.check_overrides(["--config.seed=3"])
     with pytest.raises(ValueError, match="--config.key=value"):
@@ -248,14 +272,9 @@ def test_driver_skips_finished_resumes_started_and_links_the_warm_start(tmp_path
 
     assert driver.run_study(study, python=fake_python) == 0  # all finished: nothing launched
     assert len(launches(study)) == 3
-    other = dataclasses_replace(study, overrides=("--config.num_steps=5",))
+    other = dataclasses.replace(study, overrides=("--config.num_steps=5",))
     with pytest.raises(ValueError, match="started with overrides"):
         driver.run_study(other, python=fake_python)
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-    return dataclasses.replace(obj, **changes)
 
 
 @pytest.mark.parametrize("env, message", [({"FAKE_STATUS": "1"}, "failed with exit status 1"),
@@ -271,9 +290,9 @@ def test_driver_stops_at_a_failed_run(tmp_path, fake_python, monkeypatch, capsys
 
 def test_driver_refuses_a_bad_variant_or_base_before_any_run(tmp_path, fake_python):
     with pytest.raises(ValueError, match="not a file"):
-        driver.run_study(dataclasses_replace(make_study(tmp_path), base="/nowhere/tiny.py"), python=fake_python)
+        driver.run_study(dataclasses.replace(make_study(tmp_path), base="/nowhere/tiny.py"), python=fake_python)
     with pytest.raises(ValueError, match="unknown study variant"):
-        driver.run_study(dataclasses_replace(make_study(tmp_path), variants=("dpo",)), python=fake_python)
+        driver.run_study(dataclasses.replace(make_study(tmp_path), variants=("dpo",)), python=fake_python)
     assert launches(make_study(tmp_path)) == []
 
 

@@ -50,7 +50,8 @@ class Curve:
 
 @dataclasses.dataclass(frozen=True)
 class CurveFit:
-    """An early-half fit of a curve and its score on the held-back points (fit None: `error` says why)."""
+    """An early-half fit of a curve and its score on the held-back points (fit None: `error` says
+    why; interval None with a fit: not asked for, or `interval_error` says why)."""
 
     curve: Curve
     fit_start: float
@@ -58,6 +59,7 @@ class CurveFit:
     fit: SigmoidFit | None = None
     error: str = ""
     interval: BootstrapIntervals | None = None
+    interval_error: str = ""
 
     @property
     def held_out(self) -> np.ndarray:
@@ -183,12 +185,12 @@ def fit_early(curve: Curve, *, cut_fraction: float = DEFAULT_CUT_FRACTION, a_ran
                           a_range=a_range, name=curve.name)
     except ValueError as error:
         return CurveFit(curve, fit_start, cut, error=str(error))
-    interval = None
-    if bootstrap > 0:
-        try:
-            interval = bootstrap_sigmoid(curve.compute, curve.pass_rate, fit, num_samples=bootstrap, seed=seed)
-        except ValueError:
-            interval = None
+    if bootstrap == 0:
+        return CurveFit(curve, fit_start, cut, fit=fit)
+    try:
+        interval = bootstrap_sigmoid(curve.compute, curve.pass_rate, fit, num_samples=bootstrap, seed=seed)
+    except ValueError as error:
+        return CurveFit(curve, fit_start, cut, fit=fit, interval_error=str(error))
     return CurveFit(curve, fit_start, cut, fit=fit, interval=interval)
 
 

@@ -96,7 +96,7 @@ def plan_runs(study: StudySpec) -> list[RunSpec]:
             for seed in range(study.num_seeds) for variant in study.variants]
 
 
-def _records(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     """The JSON objects of a jsonl file; a half-written last line (a killed writer) is ignored."""
     records = []
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -115,7 +115,7 @@ def run_state(workdir: Path) -> str:
     config_path, metrics_path = workdir / RUN_CONFIG_FILE, workdir / METRICS_FILE
     if config_path.is_file() and metrics_path.is_file():
         num_steps = json.loads(config_path.read_text(encoding="utf-8"))["num_steps"]
-        if any(r.get("step") == num_steps and PASS_RATE_KEY in r for r in _records(metrics_path)):
+        if any(r.get("step") == num_steps and PASS_RATE_KEY in r for r in read_jsonl(metrics_path)):
             return "finished"
     if any((workdir / name).exists() for name in (RUN_CONFIG_FILE, METRICS_FILE, "checkpoints")):
         return "started"
@@ -166,7 +166,7 @@ def append_log(study_dir: Path, record: dict) -> None:
 
 def read_log(study_dir: Path) -> list[dict]:
     path = study_dir / STUDY_LOG
-    return _records(path) if path.is_file() else []
+    return read_jsonl(path) if path.is_file() else []
 
 
 def minutes_per_run(log: Sequence[dict], finished: set[str]) -> float | None:

@@ -26,7 +26,7 @@ CURVE_EXTEND = 1.5  # fitted curves drawn up to this factor x the last compute
 
 def has_evaluation(run_dir: Path) -> bool:
     path = run_dir / driver.METRICS_FILE
-    return path.is_file() and any(driver.PASS_RATE_KEY in r for r in driver._records(path))
+    return path.is_file() and any(driver.PASS_RATE_KEY in r for r in driver.read_jsonl(path))
 
 
 def _seed_number(path: Path) -> int | None:
@@ -97,7 +97,8 @@ def _interval(low: float, high: float, digits: int, compute: bool = False) -> st
 def _status(fit: CurveFit) -> str:
     if fit.fit is None:
         return f"NO FIT: {fit.error}"
-    return "ok" if fit.fit.reliable else "unreliable: " + "; ".join(fit.fit.warnings)
+    notes = list(fit.fit.warnings) + ([f"no bootstrap: {fit.interval_error}"] if fit.interval_error else [])
+    return "ok" if not notes else ("unreliable: " if fit.fit.warnings else "") + "; ".join(notes)
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -181,7 +182,7 @@ def report_text(study_dir: Path, results: Sequence[VariantResult], orders: Seque
 
 def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
     """Every variant on one log-compute axis: seed points faint, mean-curve points (filled: fitted,
-    hollow squares: held back), the fit solid over its window and dashed beyond, the cut dotted.
+    hollow circles: before the fit window, hollow squares: held back), the fit solid over its window and dashed beyond, the cut dotted.
     Points at compute 0 (the start) cannot sit on a log axis and are left out."""
     fig = Figure(figsize=(8.0, 5.0), dpi=150)
     ax = fig.add_subplot()
@@ -193,8 +194,9 @@ def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
             ax.plot(s.curve.compute[positive], s.curve.pass_rate[positive], ".", color=colour, alpha=0.25, ms=3)
         c, y, held = m.curve.compute, m.curve.pass_rate, m.held_out
         label = r.name if m.fit is None else f"{r.name}: A={m.fit.a:.3f}, B={m.fit.b:.2f}"
-        early = (c > 0) & ~held
-        ax.plot(c[early], y[early], "o", color=colour, ms=4, label=label)
+        fitted = (c >= m.fit_start) & ~held
+        ax.plot(c[fitted], y[fitted], "o", color=colour, ms=4, label=label)
+        ax.plot(c[(c > 0) & (c < m.fit_start)], y[(c > 0) & (c < m.fit_start)], "o", mfc="none", color=colour, ms=4)
         ax.plot(c[held], y[held], "s", mfc="none", color=colour, ms=5)
         if m.fit is not None:
             inside = np.geomspace(m.fit_start, m.cut, 200)
@@ -205,7 +207,7 @@ def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(f"RL training compute ({unit_label(results[0].mean_fit.curve.unit)}, log scale)")
     ax.set_ylabel("held-out pass rate")
-    ax.set_title("early-half fits (solid), extrapolation (dashed), cut (dotted), held back (squares)", fontsize=9)
+    ax.set_title("early-half fits (solid), extrapolation (dashed), cut (dotted), held back (squares), not fitted (hollow)", fontsize=9)
     ax.grid(True, which="both", alpha=0.2)
     ax.legend(fontsize=7, frameon=False, loc="best")
     fig.tight_layout()
