@@ -180,7 +180,8 @@ def minutes_per_run(log: Sequence[dict], finished: set[str]) -> float | None:
 
 
 def progress_line(num_finished: int, total: int, mean_minutes: float | None, current: str = "") -> str:
-    """'study: 3/10 runs finished, 8.2 min/run, ETA 57 min[, next: dapo/seed1 (resume)]'."""
+    """'study: 3/10 runs finished, 8.2 min/run, ETA 57 min[; next: dapo/seed1 (resume)]'; the first run's
+    minutes include building the shared warm start."""
     if mean_minutes is None:
         timing = "ETA unknown until a run finishes"
     else:
@@ -188,7 +189,11 @@ def progress_line(num_finished: int, total: int, mean_minutes: float | None, cur
     return f"study: {num_finished}/{total} runs finished, {timing}" + (f"; next: {current}" if current else "")
 
 
-def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[[str], None] = print) -> int:
+def echo_now(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[[str], None] = echo_now) -> int:
     """Runs every unfinished run of `study` in order; returns 0 when all are finished, 1 when a run
     failed (the study stops there: its main.log says why; the same command resumes)."""
     if not STUDY_CONFIG_FILE.is_file():

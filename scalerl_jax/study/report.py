@@ -129,14 +129,15 @@ def variant_table(results: Sequence[VariantResult]) -> str:
 
 def seed_table(results: Sequence[VariantResult]) -> str:
     """One row per run: its own early-half fit and extrapolation."""
-    header = ["run", "R0", "A", "B", "C_mid", "fit window", "fitted/held", "late RMSE", "final err", "status"]
+    header = ["run", "last step", "R0", "A", "B", "C_mid", "fit window", "fitted/held", "late RMSE", "final err",
+              "status"]
     rows = []
     for r in results:
         for s in r.seed_fits:
             f = s.fit
             cells = (["-"] * 4 if f is None else
                      [f"{f.r0:.3f}", f"{f.a:.3f}", f"{f.b:.2f}", format_compute(f.c_mid)])
-            rows.append([s.curve.name, *cells, f"[{format_compute(s.fit_start)}, {format_compute(s.cut)}]",
+            rows.append([s.curve.name, str(int(s.curve.steps[-1])), *cells, f"[{format_compute(s.fit_start)}, {format_compute(s.cut)}]",
                          "-" if f is None else f"{f.num_points}/{int(s.held_out.sum())}",
                          _num(s.late_rmse), _num(s.final_error), _status(s)])
     return markdown_table(header, rows)
@@ -162,12 +163,22 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
             f"by predicted late pass rate, {count(o.a_agrees for o in orders)} by asymptote A.")
 
 
+def timing_line(study_dir: Path) -> str:
+    """Wall time of the study's launches from study_log.jsonl (a killed launch has no end and is not counted)."""
+    ends = [r for r in driver.read_log(study_dir) if r.get("event") == "end"]
+    if not ends:
+        return "Wall time: no launch recorded in study_log.jsonl."
+    total = sum(r["minutes"] for r in ends)
+    return (f"Wall time: {total:.1f} min over {len(ends)} launches of {len({r['run'] for r in ends})} runs "
+            f"(study_log.jsonl).")
+
+
 def report_text(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder],
                 cut_fraction: float, a_range: tuple[float, float], bootstrap: int) -> str:
     """The whole report in markdown (also what stdout shows)."""
     unit = unit_label(results[0].mean_fit.curve.unit)
     return "\n\n".join([
-        f"# Study {study_dir}",
+        f"# Study {study_dir}", timing_line(study_dir),
         f"Fit window per curve: [0.09375 C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
         f"evaluation); points beyond are held back and predicted. A grid {a_range[0]:g}..{a_range[1]:g}. "
         "(seeds): mean ± sample std of the per-seed fits. Mean curve: the mean over seeds at each evaluation "
