@@ -207,7 +207,8 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
         advantage_normalization=config.rl.advantage_normalization, eps_low=config.rl.eps_low,
         eps_high=config.rl.eps_high, eps_max=config.rl.eps_max, num_microbatches=config.batch.microbatches,
         temperature=config.sampler.temperature, logprob_chunk_size=config.model.logprob_chunk,
-        skip_nonfinite=config.nan_policy == "skip", sort_by_length=config.batch.sort_by_length), mesh=mesh, state_shardings=state_shardings,
+        skip_nonfinite=config.nan_policy == "skip", sort_by_length=config.batch.sort_by_length),
+        mesh=mesh, state_shardings=state_shardings,
         learning_rate_schedule=learning_rate_schedule(optimizer_config))
     return Trainer(graphdef, model.config, state, step_fn)
 

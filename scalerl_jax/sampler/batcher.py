@@ -14,7 +14,7 @@
 5. dispatch the next jitted multi-step `generate` chunk and start copying its outputs to the host;
 6. while that chunk runs, turn the previous chunk's outputs into per-request token lists and
    return the `Completion`s that finished in it.
-So results come back one chunk after the one that produced them and the host work of step 5
+So results come back one chunk after the one that produced them and the host work of step 6
 overlaps device compute. Each generated token records the params version of its chunk.
 """
 
