@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from scalerl_jax.metrics import METRICS_FILE
+from scalerl_jax.scaling.runs import PASS_RATE_KEY
 from scalerl_jax.study.variants import study_config
 
 STUDY_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "study.py"
@@ -43,9 +45,7 @@ STUDY_FILE = "study.json"
 STUDY_LOG = "study_log.jsonl"
 RUN_LOG = "main.log"
 WARM_START = "warm_start"
-METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "config.json"
-PASS_RATE_KEY = "eval/pass_rate"
 SEED_OVERRIDE = "--config.seed"
 
 
