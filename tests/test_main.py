@@ -71,7 +71,7 @@ def test_tiny_run_writes_metrics_and_checkpoints(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_run_really_learns(tmp_path):
-    """The README's first command, in full (about 12 minutes on 2 cores)."""
+    """The README's first command, in full (about 9 minutes on 2 cores)."""
     result = run_main(tmp_path, timeout=3600)
     assert result.returncode == 0, result.stderr[-4000:]
     passes = [(r["step"], r["eval/pass_rate"]) for r in read_metrics(tmp_path) if "eval/pass_rate" in r]

@@ -131,6 +131,7 @@ def test_analyze_cli_writes_table_and_figures(synthetic_study, capsys):
     text = (synthetic_study / report.REPORT_FILE).read_text()
     assert text in out
     assert "fast vs collapse" in text and "| NO |" in text
+    assert "| fast | 3 | 0.6 |" in text  # C_end: seeds end at 0.98, 1.00, 1.02 x 0.6 device-hours
     assert "ordered 1 of 3 pairs" in text
     for figure in (report.CURVES_FIGURE, report.PARAMS_FIGURE):
         assert (synthetic_study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -143,6 +144,16 @@ def test_analyze_reports_a_curve_it_cannot_fit(tmp_path, capsys):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert study_main(["--analyze", str(tmp_path), "--bootstrap", "0"]) == 1
     assert "NO FIT" in capsys.readouterr().out
+
+
+def test_timing_line_sums_ended_launches_and_counts_killed_ones(tmp_path):
+    records = [{"event": "start", "run": "baseline/seed0"}, {"event": "end", "run": "baseline/seed0", "minutes": 1.5},
+               {"event": "start", "run": "dapo/seed0"},  # killed: no end
+               {"event": "start", "run": "dapo/seed0"}, {"event": "end", "run": "dapo/seed0", "minutes": 2.25}]
+    (tmp_path / driver.STUDY_LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
+    line = report.timing_line(tmp_path)
+    assert "3.8 min over 2 ended launches of 2 runs" in line  # 1.5 + 2.25 = 3.75
+    assert "1 launch(es) killed before they ended" in line
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -108,16 +108,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def variant_table(results: Sequence[VariantResult]) -> str:
-    """One row per variant: spread over seeds, the mean-curve fit with its bootstrap interval,
-    and its extrapolation to the held-back half."""
-    header = ["variant", "seeds", "A (seeds)", "B (seeds)", "C_mid (seeds)", "A (mean curve) [boot]",
+    """One row per variant: the compute of its mean curve's last evaluation (C_end: what the same
+    steps cost), spread over seeds, the mean-curve fit with its bootstrap interval, and its
+    extrapolation to the held-back half."""
+    header = ["variant", "seeds", "C_end", "A (seeds)", "B (seeds)", "C_mid (seeds)", "A (mean curve) [boot]",
               "B [boot]", "C_mid [boot]", "fitted/held", "late RMSE", "final err", "late obs", "late pred", "status"]
     rows = []
     for r in results:
         m = r.mean_fit
         f, i = m.fit, m.interval
         rows.append([
-            r.name, str(len(r.seed_fits)), _spread(r, "a", 3), _spread(r, "b", 2), _spread(r, "c_mid", 0),
+            r.name, str(len(r.seed_fits)), format_compute(float(m.curve.compute[-1])),
+            _spread(r, "a", 3), _spread(r, "b", 2), _spread(r, "c_mid", 0),
             "-" if f is None else f"{f.a:.3f} " + (_interval(*i.a, 3) if i else ""),
             "-" if f is None else f"{f.b:.2f} " + (_interval(*i.b, 2) if i else ""),
             "-" if f is None else f"{format_compute(f.c_mid)} " + (_interval(*i.c_mid, 0, compute=True) if i else ""),
@@ -164,13 +166,17 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
 
 
 def timing_line(study_dir: Path) -> str:
-    """Wall time of the study's launches from study_log.jsonl (a killed launch has no end and is not counted)."""
-    ends = [r for r in driver.read_log(study_dir) if r.get("event") == "end"]
-    if not ends:
+    """Wall time of the study's launches from study_log.jsonl: the sum of the ended launches'
+    minutes; a launch killed before it ended has no end record, so it is counted, not timed."""
+    log = driver.read_log(study_dir)
+    ends = [r for r in log if r.get("event") == "end"]
+    unended = sum(r.get("event") == "start" for r in log) - len(ends)
+    if not ends and not unended:
         return "Wall time: no launch recorded in study_log.jsonl."
     total = sum(r["minutes"] for r in ends)
-    return (f"Wall time: {total:.1f} min over {len(ends)} launches of {len({r['run'] for r in ends})} runs "
-            f"(study_log.jsonl).")
+    killed = f"; {unended} launch(es) killed before they ended, not timed" if unended else ""
+    return (f"Wall time: {total:.1f} min over {len(ends)} ended launches of {len({r['run'] for r in ends})} runs"
+            f"{killed} (study_log.jsonl).")
 
 
 def report_text(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder],
