@@ -7,6 +7,9 @@ Workloads, each scored through one ``VerifyPool`` of --workers processes (median
 - ``latex``: 256 completions whose answers need math-verify (fractions vs decimals, sets);
 - ``exact``: 512 completions of the synthetic task (kind ``'exact'``).
 
+``last_boxed`` scaling: median seconds on adversarial text (one closed box, then thousands of
+boxes that never close) of 10k and 100k characters, and their ratio (linear: ~10x).
+
 Start-up: seconds from creating a 1-worker pool to the answer of its first item (Python start,
 imports, first item), median of --repeats fresh pools. Each repeat scores fresh answers, so
 the workers' parse caches do not help.
@@ -27,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scalerl_jax.data.rewards import RewardConfig, score_completions  # noqa: E402
+from scalerl_jax.data.rewards import RewardConfig, last_boxed, score_completions  # noqa: E402
 from scalerl_jax.data.verify_pool import VerifyPool  # noqa: E402
 
 
@@ -64,6 +67,22 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[str], list[str], RewardConf
             "exact": (exact, exact_golds, RewardConfig(kind="exact"))}
 
 
+def unclosed_boxes(num_chars: int) -> str:
+    """One closed box, then boxes nested in boxes that never close: a truncated, looping answer."""
+    unit = "\\boxed{x^{2} \\{ {a} \\boxed{"
+    return ("\\boxed{1} " + unit * (num_chars // len(unit) + 1))[:num_chars]
+
+
+def last_boxed_seconds(text: str, repeats: int, calls: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            last_boxed(text)
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
 def startup_seconds(repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -81,6 +100,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk_items", type=int, default=16)
     args = parser.parse_args()
+    small, large = (last_boxed_seconds(unclosed_boxes(n), 2 * args.repeats + 1)
+                    for n in (10_000, 100_000))
+    print(f"last_boxed on unclosed boxes: 10k chars {small * 1e3:.2f} ms, 100k chars "
+          f"{large * 1e3:.2f} ms, ratio {large / small:.1f}x (linear: ~10x)")
     print(f"worker start-up to first answer: {startup_seconds(args.repeats):.3f} s")
     with VerifyPool(args.workers, time_limit_s=30.0, chunk_items=args.chunk_items) as pool:
         score_completions(["<think></think>\\boxed{x}"], ["x"], RewardConfig(), pool=pool)  # warm

@@ -67,7 +67,7 @@ def test_close_wakes_every_waiter_with_pipeline_stopped():
     buffer.close()
     for waiter in waiters:
         waiter.join(10)
-    assert time.monotonic() - start < 1 and len(errors) == 2
+    assert time.monotonic() - start < 10 and len(errors) == 2  # not the 30 s timeouts
     with pytest.raises(PipelineStopped):
         buffer.try_admit(0)
 
@@ -78,7 +78,7 @@ def test_notify_cancels_a_generator_wait_that_missed_a_push():
     buffer.notify()  # a push happened after the generator read the epoch
     start = time.monotonic()
     assert buffer.wait_admissible(5, epoch=epoch, timeout=30) is False  # returns at once
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 10  # not the 30 s timeout
 
 
 def test_capacity_below_schedule_minimum():

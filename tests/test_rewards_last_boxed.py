@@ -1,9 +1,9 @@
 """``last_boxed``: hand-written cases, a brute-force reference on random brace strings, and its
-cost growing linearly with the text (adversarial text of many unclosed boxes)."""
+cost growing linearly with the text (adversarial text of many unclosed boxes), counted in
+interpreter steps; its wall time is measured in ``benchmarks/bench_rewards.py``."""
 
 import random
-import statistics
-import time
+import sys
 
 import pytest
 
@@ -76,18 +76,36 @@ def _adversarial(num_chars: int) -> str:
     return ("\\boxed{1} " + unit * (num_chars // len(unit) + 1))[:num_chars]
 
 
-def _median_seconds(text: str, repeats: int = 5, calls: int = 3) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            last_boxed(text)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _interpreter_steps(function, text: str) -> int:
+    """Python lines executed inside ``function(text)`` (``sys.settrace`` line events): a
+    deterministic measure of its work, unlike wall time on a shared machine."""
+    steps = 0
+
+    def trace(frame, event, arg):
+        nonlocal steps
+        if event == "line":
+            steps += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        function(text)
+    finally:
+        sys.settrace(None)
+    return steps
 
 
 def test_cost_is_linear_in_the_text():
     small, large = _adversarial(10_000), _adversarial(100_000)
     assert last_boxed(large) == "1"
-    ratio = _median_seconds(large) / _median_seconds(small)
-    assert ratio <= 15, f"100k characters took {ratio:.1f}x the time of 10k (linear: ~10x)"
+    ratio = _interpreter_steps(last_boxed, large) / _interpreter_steps(last_boxed, small)
+    assert 9 <= ratio <= 11, f"100k characters took {ratio:.1f}x the steps of 10k (linear: 10x)"
+
+
+def test_step_count_catches_a_quadratic_scan():
+    """The measure above tells quadratic from linear: the brute-force reference rescans the
+    rest of the text from every open box, ~100x the steps for 10x the text."""
+    small, large = _adversarial(500), _adversarial(5_000)
+    ratio = (_interpreter_steps(reference_last_boxed, large)
+             / _interpreter_steps(reference_last_boxed, small))
+    assert ratio > 50, ratio
