@@ -230,9 +230,23 @@ def test_plan_and_command(tmp_path, monkeypatch):
     expected.rl.objective, expected.seed, expected.num_steps = "dapo", 1, 3
     assert flag_values.config.to_dict() == expected.to_dict()
     with pytest.raises(ValueError, match="seed"):
-        driver.check_overrides(["--config.seed=3"])
+        driver.check_overrides(["--config.seed=3"], base="configs/tiny.py")
     with pytest.raises(ValueError, match="--config.key=value"):
-        driver.check_overrides(["--config.num_steps", "3"])
+        driver.check_overrides(["--config.num_steps", "3"], base="configs/tiny.py")
+
+
+def test_overrides_main_would_refuse_are_refused_before_the_study_starts(tmp_path):
+    """An unknown key or a value of the wrong type fails in main's parser; the study refuses it
+    up front, naming the flag, and writes no study.json (which would then pin the bad override)."""
+    base = str(REPO / "configs" / "tiny.py")
+    assert driver.check_overrides(["--config.num_steps=3"], base=base) == ("--config.num_steps=3",)
+    with pytest.raises(ValueError, match="--config.nonexistent=3.*no key .nonexistent."):
+        driver.check_overrides(["--config.nonexistent=3"], base=base)
+    with pytest.raises(ValueError, match="--config.num_steps=many"):
+        driver.check_overrides(["--config.num_steps=many"], base=base)
+    assert study_main([f"--config={base}", "--variants=baseline", "--seeds=1",
+                       f"--workdir={tmp_path / 'study'}", "--config.nonexistent=3"]) == 2
+    assert not (tmp_path / "study").exists()
 
 
 def test_run_state(tmp_path):

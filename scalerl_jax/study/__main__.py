@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
             study = driver.StudySpec(study_dir=Path(args.workdir).absolute(), base=driver.absolute_base(args.config),
                                      variants=tuple(expand_variants(args.variants)), num_seeds=args.seeds,
-                                     overrides=driver.check_overrides(overrides))
+                                     overrides=driver.check_overrides(overrides, base=args.config))
             status = driver.run_study(study)
             if status != 0:
                 return status
