@@ -30,11 +30,10 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from absl import flags
-from ml_collections import config_flags
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
+from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.sampler import ContinuousBatcher, Engine
@@ -240,17 +239,13 @@ def _config_from_flags(extra: Sequence[str]) -> ml_collections.ConfigDict | None
         raise EvaluateError(f"unrecognized arguments: {' '.join(unknown)}")
     if not extra:
         return None
-    flag_values = flags.FlagValues()
-    argv = ["evaluate", *extra]
-    config_flags.DEFINE_config_file("config", None, "sampling settings", flag_values=flag_values, lock_config=True,
-                                    sys_argv=argv)
     try:
-        flag_values(argv)
-    except (flags.Error, ValueError, KeyError, AttributeError) as e:
+        config = parse_config_argv(["evaluate", *extra])
+    except CONFIG_ARGV_ERRORS as e:
         raise EvaluateError(f"--config: {e}") from e
-    if flag_values.config is None:
+    if config is None:
         raise EvaluateError("--config.KEY=VALUE overrides need --config=FILE")
-    return flag_values.config
+    return config
 
 
 def load_policy_and_config(path: str, config: ml_collections.ConfigDict | None, *, step: int | None

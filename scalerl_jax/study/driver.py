@@ -36,9 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from absl import flags
-from ml_collections import config_flags
-
+from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
 from scalerl_jax.metrics import METRICS_FILE
 from scalerl_jax.scaling.runs import PASS_RATE_KEY
 from scalerl_jax.study.variants import study_config
@@ -90,19 +88,15 @@ def check_overrides(overrides: Sequence[str], *, base: str) -> tuple[str, ...]:
     for flag in overrides:
         if not flag.startswith("--config.") or "=" not in flag:
             raise ValueError(f"expected config overrides as --config.key=value, got {flag!r}")
-        if flag.split("=", 1)[0] == SEED_OVERRIDE:
+        key = flag.split("=", 1)[0]
+        if key == SEED_OVERRIDE:
             raise ValueError(f"{flag!r}: the study sets config.seed of run k to k (--seeds)")
-    for flag in overrides:
-        argv = ["main", f"--config={STUDY_CONFIG_FILE}:{absolute_base(base)},baseline", flag]
-        flag_values = flags.FlagValues()
-        config_flags.DEFINE_config_file("config", None, "study run config", flag_values=flag_values,
-                                        lock_config=True, sys_argv=argv)
         try:
-            flag_values(argv)
+            parse_config_argv(["main", f"--config={STUDY_CONFIG_FILE}:{absolute_base(base)},baseline", flag])
         except (KeyError, AttributeError) as error:
-            key = flag.split("=", 1)[0].removeprefix("--config.")
-            raise ValueError(f"{flag!r}: the config of {base!r} has no key {key!r}") from error
-        except (flags.Error, ValueError, TypeError) as error:
+            missing = key.removeprefix("--config.")
+            raise ValueError(f"{flag!r}: the config of {base!r} has no key {missing!r}") from error
+        except CONFIG_ARGV_ERRORS as error:
             raise ValueError(f"{flag!r} is refused by main's config parser: {error}") from error
     return tuple(overrides)
 
