@@ -27,9 +27,18 @@ from scalerl_jax.sampler.engine import host_settings
 
 
 def make_engine(graphdef, config, args, max_len: int, *, full_window: bool) -> Engine:
-    return Engine(graphdef, config, EngineConfig(
-        num_slots=args.slots, max_len=max_len, chunk_size=args.chunk, max_prefill_rows=args.slots,
-        min_prefill_bucket=16, min_decode_window=max_len if full_window else args.min_window))
+    return Engine(
+        graphdef,
+        config,
+        EngineConfig(
+            num_slots=args.slots,
+            max_len=max_len,
+            chunk_size=args.chunk,
+            max_prefill_rows=args.slots,
+            min_prefill_bucket=16,
+            min_decode_window=max_len if full_window else args.min_window,
+        ),
+    )
 
 
 def step_seconds(engine: Engine, params, prompts: np.ndarray, repeats: int) -> float:
@@ -39,13 +48,18 @@ def step_seconds(engine: Engine, params, prompts: np.ndarray, repeats: int) -> f
     tokens = np.zeros((slots, bucket), np.int32)
     tokens[:, :length] = prompts
     settings = host_settings(
-        seeds=np.zeros(slots), streams=np.arange(slots), max_new_tokens=np.full(slots, 10**6),
-        temperature=np.ones(slots), stop_tokens=np.full((slots, engine.config.max_stop_tokens), -1),
-        interrupt=np.zeros(slots, bool))
+        seeds=np.zeros(slots),
+        streams=np.arange(slots),
+        max_new_tokens=np.full(slots, 10**6),
+        temperature=np.ones(slots),
+        stop_tokens=np.full((slots, engine.config.max_stop_tokens), -1),
+        interrupt=np.zeros(slots, bool),
+    )
     times = []
     for _ in range(repeats + 1):  # the first run compiles
-        state = engine.prefill_insert(params, engine.init_decode_state(), tokens,
-                                      np.full(slots, length), np.arange(slots), settings)
+        state = engine.prefill_insert(
+            params, engine.init_decode_state(), tokens, np.full(slots, length), np.arange(slots), settings
+        )
         jax.block_until_ready(state)
         start = time.perf_counter()
         state, result = engine.generate(params, state)
@@ -90,16 +104,28 @@ def main() -> None:
     print(f"\n1. decode step at live length ~{args.live + args.chunk // 2} (median of {args.repeats})")
     print(f"{'attention':<22}{'max_len 256 ms':>16}{'max_len 4096 ms':>17}{'4096/256':>10}")
     for name, full_window in (("live window", False), ("max_len (baseline)", True)):
-        ms = [1e3 * step_seconds(make_engine(graphdef, config, args, max_len, full_window=full_window),
-                                 params, live_prompts, args.repeats) for max_len in (256, 4096)]
+        ms = [
+            1e3
+            * step_seconds(
+                make_engine(graphdef, config, args, max_len, full_window=full_window),
+                params,
+                live_prompts,
+                args.repeats,
+            )
+            for max_len in (256, 4096)
+        ]
         print(f"{name:<22}{ms[0]:>16.3f}{ms[1]:>17.3f}{ms[1] / ms[0]:>10.2f}")
 
     if args.skip_generation:
         return
     print(f"\n2. generate max_len - 16 tokens in every slot, live window (median of {args.gen_repeats})")
     prompts = rng.integers(0, config.vocab_size, (args.slots, 16))
-    seconds = {max_len: generation_seconds(make_engine(graphdef, config, args, max_len, full_window=False),
-                                           params, prompts, args.gen_repeats) for max_len in (1024, 4096)}
+    seconds = {
+        max_len: generation_seconds(
+            make_engine(graphdef, config, args, max_len, full_window=False), params, prompts, args.gen_repeats
+        )
+        for max_len in (1024, 4096)
+    }
     print(f"{'max_len':<10}{'seconds':>10}{'ms/step':>10}")
     for max_len, value in seconds.items():
         print(f"{max_len:<10}{value:>10.2f}{1e3 * value / (max_len - 17):>10.3f}")

@@ -7,6 +7,7 @@ Measures `jit(grad(sum of sequence log-probs))` of a small Llama-shaped model, a
   2. forward+backward seconds per step (median over repeats after a warm-up call) and tokens/s for
      remat policies none / full / dots_with_no_batch_dims, ratios against none.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from scalerl_jax.models import Transformer, get_preset, init_transformer, sequen
 def _loss_fn(graphdef):
     def loss(params, tokens):
         return jnp.sum(sequence_logprobs(nnx.merge(graphdef, params), tokens, chunk_size=128))
+
     return jax.grad(loss)
 
 
@@ -59,11 +61,20 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    base = get_preset("tiny-llama", num_layers=args.layers, hidden_size=args.hidden,
-                      intermediate_size=4 * args.hidden, num_heads=8, num_kv_heads=2, head_dim=args.hidden // 8)
+    base = get_preset(
+        "tiny-llama",
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=args.hidden // 8,
+    )
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32)
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.layers} layers, hidden {args.hidden}, "
-          f"{base.num_params():,} params, batch {args.batch} x {args.seq_len} tokens")
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; {args.layers} layers, hidden {args.hidden}, "
+        f"{base.num_params():,} params, batch {args.batch} x {args.seq_len} tokens"
+    )
 
     scan = compile_seconds(base.replace(scan_layers=True), tokens, args.repeats)
     unrolled = compile_seconds(base.replace(scan_layers=False), tokens, args.repeats)
@@ -74,8 +85,10 @@ def main() -> None:
     for policy in ("none", "full", "dots_with_no_batch_dims"):
         seconds = step_seconds(base.replace(remat_policy=policy), concrete, args.repeats)
         baseline = baseline or seconds
-        print(f"remat {policy:<24} step {seconds * 1e3:8.1f} ms  {args.batch * args.seq_len / seconds:9.0f} tokens/s"
-              f"  time / none = {seconds / baseline:.2f}x")
+        print(
+            f"remat {policy:<24} step {seconds * 1e3:8.1f} ms  {args.batch * args.seq_len / seconds:9.0f} tokens/s"
+            f"  time / none = {seconds / baseline:.2f}x"
+        )
 
 
 if __name__ == "__main__":

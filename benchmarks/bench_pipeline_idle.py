@@ -31,8 +31,13 @@ from scalerl_jax.models import Transformer, get_preset  # noqa: E402
 from scalerl_jax.pipeline.group import Prompt  # noqa: E402
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig  # noqa: E402
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig  # noqa: E402
-from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, create_train_state,  # noqa: E402
-                               make_optimizer, make_train_step)
+from scalerl_jax.train import (
+    OptimizerConfig,
+    TrainStepConfig,
+    create_train_state,  # noqa: E402
+    make_optimizer,
+    make_train_step,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,14 +61,23 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.config = get_preset("tiny-llama", vocab_size=args.vocab_size,
-                                 hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                                 num_layers=args.num_layers, num_heads=4, num_kv_heads=2,
-                                 head_dim=args.hidden_size // 4)
+        self.config = get_preset(
+            "tiny-llama",
+            vocab_size=args.vocab_size,
+            hidden_size=args.hidden_size,
+            intermediate_size=2 * args.hidden_size,
+            num_layers=args.num_layers,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=args.hidden_size // 4,
+        )
         self.graphdef, self.params = nnx.split(Transformer(self.config, rngs=nnx.Rngs(0)))
         self.max_len = 16 + args.max_new_tokens
-        self.engine = Engine(self.graphdef, self.config, EngineConfig(
-            num_slots=args.num_slots, max_len=self.max_len, chunk_size=args.chunk_size))
+        self.engine = Engine(
+            self.graphdef,
+            self.config,
+            EngineConfig(num_slots=args.num_slots, max_len=self.max_len, chunk_size=args.chunk_size),
+        )
         self.optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-4, warmup_steps=0))
         self.step = make_train_step(self.graphdef, self.optimizer, TrainStepConfig(logprob_chunk_size=32))
         self.generator_device, self.trainer_device = jax.devices()[0], jax.devices()[1]
@@ -84,12 +98,24 @@ class Bench:
             return [1.0 if len(c.tokens) % 2 == 0 else -1.0 for c in completions]
 
         pipeline = Pipeline(
-            PipelineConfig(schedule=schedule, k=args.k, prompts_per_step=args.prompts_per_step,
-                           samples_per_prompt=args.samples_per_prompt, num_steps=num_steps,
-                           max_new_tokens=args.max_new_tokens, max_seq_len=self.max_len,
-                           min_length_bucket=self.max_len, temperature=1.0, stop_tokens=(1,)),
-            batcher=batcher, prompt_source=prompt_source, reward_fn=reward_fn,
-            train_step=self.step, train_state=state)
+            PipelineConfig(
+                schedule=schedule,
+                k=args.k,
+                prompts_per_step=args.prompts_per_step,
+                samples_per_prompt=args.samples_per_prompt,
+                num_steps=num_steps,
+                max_new_tokens=args.max_new_tokens,
+                max_seq_len=self.max_len,
+                min_length_bucket=self.max_len,
+                temperature=1.0,
+                stop_tokens=(1,),
+            ),
+            batcher=batcher,
+            prompt_source=prompt_source,
+            reward_fn=reward_fn,
+            train_step=self.step,
+            train_state=state,
+        )
         result = pipeline.run()
         wall = result.wall_s
         waits = result.waits
@@ -108,9 +134,11 @@ def main() -> None:
     if args.steps % args.k:
         raise ValueError(f"--steps={args.steps} must be a multiple of --k={args.k} (whole PPO phases)")
     bench = Bench(args)
-    print(f"devices: generator {bench.generator_device}, trainer {bench.trainer_device}; "
-          f"G={args.prompts_per_step} x n={args.samples_per_prompt}, k={args.k}, "
-          f"{args.steps} steps per run, {args.repeats} repeats")
+    print(
+        f"devices: generator {bench.generator_device}, trainer {bench.trainer_device}; "
+        f"G={args.prompts_per_step} x n={args.samples_per_prompt}, k={args.k}, "
+        f"{args.steps} steps per run, {args.repeats} repeats"
+    )
     bench.run("pipeline", 2)  # compile every shape
     bench.run("ppo_off_policy", args.k)
     results = {"pipeline": [], "ppo_off_policy": []}
@@ -118,11 +146,9 @@ def main() -> None:
         for schedule in results:
             results[schedule].append(bench.run(schedule, args.steps))
     names = list(results["pipeline"][0])
-    medians = {s: {n: statistics.median(r[n] for r in runs) for n in names}
-               for s, runs in results.items()}
+    medians = {s: {n: statistics.median(r[n] for r in runs) for n in names} for s, runs in results.items()}
     print(f"{'median':<22}" + "".join(f"{n:>17}" for n in names))
-    for schedule, label in (("ppo_off_policy", f"PPO-off-policy-{args.k}"),
-                            ("pipeline", f"PipelineRL-{args.k}")):
+    for schedule, label in (("ppo_off_policy", f"PPO-off-policy-{args.k}"), ("pipeline", f"PipelineRL-{args.k}")):
         print(f"{label:<22}" + "".join(f"{medians[schedule][n]:>17.3f}" for n in names))
     ratio = medians["pipeline"]["samples/s"] / medians["ppo_off_policy"]["samples/s"]
     print(f"samples/s PipelineRL-{args.k} / PPO-off-policy-{args.k}: {ratio:.2f}x")

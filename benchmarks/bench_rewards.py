@@ -37,10 +37,12 @@ from scalerl_jax.data.verify_pool import VerifyPool  # noqa: E402
 def latex_pair(i: int) -> tuple[str, str]:
     """A distinct (gold, prediction) pair per ``i`` (the worker caches parses of repeats)."""
     a, b = i + 2, i + 3
-    return [(f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{2 * a}}}{{{2 * b}}}"),
-            (f"\\{{{a},{b}\\}}", f"\\{{{b},{a}\\}}"),
-            (f"x^{{{a}}}+{b}", f"{b}+x^{{{a}}}"),
-            (f"({a},{b}]", f"[{a},{b}]")][i % 4]
+    return [
+        (f"\\frac{{{a}}}{{{b}}}", f"\\dfrac{{{2 * a}}}{{{2 * b}}}"),
+        (f"\\{{{a},{b}\\}}", f"\\{{{b},{a}\\}}"),
+        (f"x^{{{a}}}+{b}", f"{b}+x^{{{a}}}"),
+        (f"({a},{b}]", f"[{a},{b}]"),
+    ][i % 4]
 
 
 def _thinking(rng: random.Random) -> str:
@@ -56,15 +58,16 @@ def _thinking(rng: random.Random) -> str:
 def workloads(seed: int = 0) -> dict[str, tuple[list[str], list[str], RewardConfig]]:
     rng = random.Random(seed)
     integer_golds = [str(rng.randint(0, 999)) for _ in range(768)]
-    integer = [f"<think>{_thinking(rng)}</think>So \\boxed{{{g if rng.random() < 0.5 else 7}}}."
-               for g in integer_golds]
+    integer = [f"<think>{_thinking(rng)}</think>So \\boxed{{{g if rng.random() < 0.5 else 7}}}." for g in integer_golds]
     latex_pairs = [latex_pair(i + 1000 * seed) for i in range(256)]
     latex = [f"<think>{_thinking(rng)}</think>\\boxed{{{pred}}}" for _, pred in latex_pairs]
     exact_golds = [str(rng.randint(0, 99)) for _ in range(512)]
     exact = [f"<think>{_thinking(rng)[:500]}</think>\\boxed{{{g}}}" for g in exact_golds]
-    return {"integer": (integer, integer_golds, RewardConfig(kind="math")),
-            "latex": (latex, [g for g, _ in latex_pairs], RewardConfig(kind="math")),
-            "exact": (exact, exact_golds, RewardConfig(kind="exact"))}
+    return {
+        "integer": (integer, integer_golds, RewardConfig(kind="math")),
+        "latex": (latex, [g for g, _ in latex_pairs], RewardConfig(kind="math")),
+        "exact": (exact, exact_golds, RewardConfig(kind="exact")),
+    }
 
 
 def unclosed_boxes(num_chars: int) -> str:
@@ -88,8 +91,7 @@ def startup_seconds(repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         with VerifyPool(1, time_limit_s=30.0) as pool:
-            score_completions(["<think></think>\\boxed{\\frac{1}{2}}"], ["0.5"],
-                              RewardConfig(kind="math"), pool=pool)
+            score_completions(["<think></think>\\boxed{\\frac{1}{2}}"], ["0.5"], RewardConfig(kind="math"), pool=pool)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -100,10 +102,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk_items", type=int, default=16)
     args = parser.parse_args()
-    small, large = (last_boxed_seconds(unclosed_boxes(n), 2 * args.repeats + 1)
-                    for n in (10_000, 100_000))
-    print(f"last_boxed on unclosed boxes: 10k chars {small * 1e3:.2f} ms, 100k chars "
-          f"{large * 1e3:.2f} ms, ratio {large / small:.1f}x (linear: ~10x)")
+    small, large = (last_boxed_seconds(unclosed_boxes(n), 2 * args.repeats + 1) for n in (10_000, 100_000))
+    print(
+        f"last_boxed on unclosed boxes: 10k chars {small * 1e3:.2f} ms, 100k chars "
+        f"{large * 1e3:.2f} ms, ratio {large / small:.1f}x (linear: ~10x)"
+    )
     print(f"worker start-up to first answer: {startup_seconds(args.repeats):.3f} s")
     with VerifyPool(args.workers, time_limit_s=30.0, chunk_items=args.chunk_items) as pool:
         score_completions(["<think></think>\\boxed{x}"], ["x"], RewardConfig(), pool=pool)  # warm
@@ -116,8 +119,10 @@ def main() -> None:
                 score_completions(completions, golds, config, pool=pool)
                 times.append(time.perf_counter() - start)
             chars = sum(map(len, completions))
-            print(f"{name:8s} {len(completions):4d} items ({chars / len(completions):7.0f} chars "
-                  f"avg): {len(completions) / statistics.median(times):8.1f} items/s")
+            print(
+                f"{name:8s} {len(completions):4d} items ({chars / len(completions):7.0f} chars "
+                f"avg): {len(completions) / statistics.median(times):8.1f} items/s"
+            )
 
 
 if __name__ == "__main__":

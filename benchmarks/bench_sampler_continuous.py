@@ -26,11 +26,11 @@ from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
 
 def make_requests(args: argparse.Namespace, vocab: int) -> list[Request]:
     rng = np.random.default_rng(args.seed)
-    lengths = np.clip(np.round(rng.lognormal(np.log(args.median_len), args.sigma, args.num_requests)),
-                      1, args.max_new).astype(int)
+    lengths = np.clip(
+        np.round(rng.lognormal(np.log(args.median_len), args.sigma, args.num_requests)), 1, args.max_new
+    ).astype(int)
     prompts = rng.integers(0, vocab, (args.num_requests, args.prompt_len))
-    return [Request(i, prompts[i].tolist(), int(lengths[i]), seed=i, temperature=1.0)
-            for i in range(args.num_requests)]
+    return [Request(i, prompts[i].tolist(), int(lengths[i]), seed=i, temperature=1.0) for i in range(args.num_requests)]
 
 
 def run_continuous(engine: Engine, params, requests: list[Request]) -> ContinuousBatcher:
@@ -45,7 +45,7 @@ def run_static(engine: Engine, params, requests: list[Request]) -> ContinuousBat
     batcher = ContinuousBatcher(engine, params)
     slots = engine.config.num_slots
     for start in range(0, len(requests), slots):
-        for request in requests[start:start + slots]:
+        for request in requests[start : start + slots]:
             batcher.add_request(request)
         batcher.drain()
     return batcher
@@ -78,24 +78,32 @@ def main() -> None:
 
     config = get_preset(args.preset)
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
-    engine = Engine(graphdef, config, EngineConfig(
-        num_slots=args.num_slots, max_len=args.prompt_len + args.max_new, chunk_size=args.chunk_size,
-        min_prefill_bucket=args.prompt_len, max_prefill_rows=args.num_slots))
+    engine = Engine(
+        graphdef,
+        config,
+        EngineConfig(
+            num_slots=args.num_slots,
+            max_len=args.prompt_len + args.max_new,
+            chunk_size=args.chunk_size,
+            min_prefill_bucket=args.prompt_len,
+            max_prefill_rows=args.num_slots,
+        ),
+    )
     requests = make_requests(args, config.vocab_size)
     lengths = np.array([r.max_new_tokens for r in requests])
-    print(f"{args.num_requests} requests, {args.num_slots} slots, chunk {args.chunk_size}; lengths "
-          f"lognormal: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, "
-          f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()}")
+    print(
+        f"{args.num_requests} requests, {args.num_slots} slots, chunk {args.chunk_size}; lengths "
+        f"lognormal: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, "
+        f"p90 {np.percentile(lengths, 90):.0f}, max {lengths.max()}"
+    )
     for run in (run_continuous, run_static):  # warm-up: compile every prefill row count
         run(engine, params, requests)
-    continuous, tokens_c, use_c = tokens_per_second(run_continuous, engine, params, requests,
-                                                    args.repeats)
+    continuous, tokens_c, use_c = tokens_per_second(run_continuous, engine, params, requests, args.repeats)
     static, tokens_s, use_s = tokens_per_second(run_static, engine, params, requests, args.repeats)
     assert tokens_c == tokens_s == lengths.sum()
     print(f"continuous batching: {continuous:10.1f} tokens/s, slot utilization {use_c:.1%}")
     print(f"static batching:     {static:10.1f} tokens/s, slot utilization {use_s:.1%}")
-    print(f"ratio continuous/static: {continuous / static:.2f}x (target >= 2x); "
-          f"compiles {engine.compile_counts}")
+    print(f"ratio continuous/static: {continuous / static:.2f}x (target >= 2x); compiles {engine.compile_counts}")
 
 
 if __name__ == "__main__":

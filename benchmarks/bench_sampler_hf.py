@@ -39,10 +39,18 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4 * (args.prompt_len + args.max_new), initializer_range=0.15,
-        bos_token_id=None, eos_token_id=None, pad_token_id=0)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * (args.prompt_len + args.max_new),
+        initializer_range=0.15,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     hf_model = transformers.LlamaForCausalLM(config).eval()
     prompts = np.random.default_rng(0).integers(1, args.vocab, (args.batch, args.prompt_len))
     with tempfile.TemporaryDirectory() as path:
@@ -51,14 +59,20 @@ def main() -> None:
 
     def run_hf() -> np.ndarray:
         with torch.no_grad():
-            out = hf_model.generate(torch.tensor(prompts), attention_mask=torch.ones_like(torch.tensor(prompts)),
-                                    max_new_tokens=args.max_new, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-        return out[:, args.prompt_len:].numpy()
+            out = hf_model.generate(
+                torch.tensor(prompts),
+                attention_mask=torch.ones_like(torch.tensor(prompts)),
+                max_new_tokens=args.max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[:, args.prompt_len :].numpy()
 
     def run_ours() -> np.ndarray:
-        completions = generate(model, prompts.tolist(), max_new_tokens=args.max_new,
-                               num_slots=args.batch, chunk_size=args.chunk_size)
+        completions = generate(
+            model, prompts.tolist(), max_new_tokens=args.max_new, num_slots=args.batch, chunk_size=args.chunk_size
+        )
         return np.array([c.tokens for c in completions])
 
     rates, outputs = {}, {}
@@ -71,13 +85,17 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         rates[name] = args.batch * args.max_new / statistics.median(times)
     agree = float((outputs["transformers"] == outputs["scalerl_jax"]).mean())
-    print(f"batch {args.batch} x prompt {args.prompt_len} -> {args.max_new} new tokens, greedy, "
-          f"llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"batch {args.batch} x prompt {args.prompt_len} -> {args.max_new} new tokens, greedy, "
+        f"llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}; "
+        f"torch threads {torch.get_num_threads()}"
+    )
     for name, rate in rates.items():
         print(f"{name:>12}: {rate:10.1f} tokens/s")
-    print(f"ratio scalerl_jax/transformers: {rates['scalerl_jax'] / rates['transformers']:.2f}x "
-          f"(target >= 2x); token agreement {agree:.3f}")
+    print(
+        f"ratio scalerl_jax/transformers: {rates['scalerl_jax'] / rates['transformers']:.2f}x "
+        f"(target >= 2x); token agreement {agree:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,7 @@ def main() -> None:
     y = np.asarray(sigmoid(c, r0=0.3, a=0.610, b=1.92, c_mid=2_542.0)) + rng.normal(0.0, 0.003, c.size)
     r0 = 0.3
     grid = make_grid("gpu_hours", float(c.max()))
-    print(
-        f"points={c.size}  grid: {len(grid.a_values)} A x {len(grid.c_mid_values)} C_mid, B grid {grid.num_b}"
-    )
+    print(f"points={c.size}  grid: {len(grid.a_values)} A x {len(grid.c_mid_values)} C_mid, B grid {grid.num_b}")
 
     fast_time, fast = timed(lambda: fit_sigmoid(c, y, r0=r0, fit_start=c[0]), args.repeats)
     slow_time, slow = timed(
@@ -83,13 +81,10 @@ def main() -> None:
         ("naive curve_fit loop", args.baseline_repeats, slow_time, slow),
     ):
         print(
-            f"{label:21s} (median of {repeats}): {seconds:8.3f} s  "
-            f"A={a:.3f} B={b:.4f} C_mid={c_mid:,.1f} SSR={ssr:.6e}"
+            f"{label:21s} (median of {repeats}): {seconds:8.3f} s  A={a:.3f} B={b:.4f} C_mid={c_mid:,.1f} SSR={ssr:.6e}"
         )
     print(f"speed-up (naive / vectorized): {slow_time / fast_time:.1f}x")
-    print(
-        f"SSR vectorized - naive: {fast.ssr - slow[3]:+.3e} (negative: the vectorized fit found a lower SSR)"
-    )
+    print(f"SSR vectorized - naive: {fast.ssr - slow[3]:+.3e} (negative: the vectorized fit found a lower SSR)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ through the host for such layouts). Medians over --repeats versions; ratios agai
 
   .venv/bin/python benchmarks/bench_weight_push.py [--repeats 5] [--trainer_span] [--vocab 16000] [--hidden 512]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--trainer_span", action="store_true",
-                        help="trainer mesh over both processes (devices 2-3 of process 0, 0-1 of process 1)")
+    parser.add_argument(
+        "--trainer_span",
+        action="store_true",
+        help="trainer mesh over both processes (devices 2-3 of process 0, 0-1 of process 1)",
+    )
     parser.add_argument("--role", choices=("generator", "trainer"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -45,14 +49,25 @@ def parse_args(argv=None):
 
 def model_config(args):
     from scalerl_jax.models import get_preset
-    return get_preset("tiny-llama", vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_layers=args.layers, num_heads=8,
-                      num_kv_heads=4, head_dim=args.hidden // 8, dtype="bfloat16", fp32_head=False)
+
+    return get_preset(
+        "tiny-llama",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=args.hidden // 8,
+        dtype="bfloat16",
+        fp32_head=False,
+    )
 
 
 def worker(args):
     """One process: initialize jax.distributed, build the meshes, run its side of every version."""
     import jax
+
     jax.config.update("jax_num_cpu_devices", 4)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     process = {"generator": 0, "trainer": 1}[args.role]
@@ -105,15 +120,18 @@ def worker(args):
         local_params = nnx.state(init_transformer(config, mesh=make_mesh((1, 2, 1), devices=local[1][:2])))
         local_targets = param_shardings(abstract, make_mesh((1, 1, 2), devices=local[1][2:]))
         result["local_s"] = {}
-        for name, push in (("push_local", weight_push.push_local),
-                           ("jax.device_put", lambda p, t: jax.device_put(p, t, may_alias=False))):
+        for name, push in (
+            ("push_local", weight_push.push_local),
+            ("jax.device_put", lambda p, t: jax.device_put(p, t, may_alias=False)),
+        ):
             result["local_s"][name] = []
             for _ in range(args.repeats + 1):
                 start = time.time()
                 jax.block_until_ready(push(local_params, local_targets))
                 result["local_s"][name].append(time.time() - start)
-    print(json.dumps({key: value[1:] if isinstance(value, list) else value for key, value in result.items()}),
-          flush=True)
+    print(
+        json.dumps({key: value[1:] if isinstance(value, list) else value for key, value in result.items()}), flush=True
+    )
     client.wait_at_barrier("bench/done", TIMEOUT_MS)
 
 
@@ -139,10 +157,16 @@ def main():
     env = dict(os.environ, PYTHONPATH=repo_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)
     passed = [a for a in sys.argv[1:]]
-    procs = {role: subprocess.Popen([sys.executable, os.path.abspath(__file__), *passed, "--role", role,
-                                     "--port", str(port)], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for role in ("generator", "trainer")}
+    procs = {
+        role: subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *passed, "--role", role, "--port", str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in ("generator", "trainer")
+    }
     outputs = {}
     try:
         for role, proc in procs.items():
@@ -154,21 +178,28 @@ def main():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    generator, trainer = last_json_line(outputs["generator"], "generator"), last_json_line(outputs["trainer"], "trainer")
+    generator, trainer = (
+        last_json_line(outputs["generator"], "generator"),
+        last_json_line(outputs["trainer"], "trainer"),
+    )
     offer_at = [min(starts) for starts in zip(*(r["offer_at"] for r in (generator, trainer) if "offer_at" in r))]
     push_s = [ready - start for ready, start in zip(generator["ready_at"], offer_at)]
     mb = trainer["bytes"] / 1e6
     local_s = trainer["local_s"]
-    rows = [("2 processes: offer (trainer process 1)", statistics.median(trainer["offer_s"])),
-            ("2 processes: pull until ready (generator)", statistics.median(generator["pull_s"])),
-            ("2 processes: push = offer start -> ready", statistics.median(push_s)),
-            ("1 process: push_local (device to device)", statistics.median(local_s["push_local"])),
-            ("1 process: jax.device_put reshard", statistics.median(local_s["jax.device_put"]))]
+    rows = [
+        ("2 processes: offer (trainer process 1)", statistics.median(trainer["offer_s"])),
+        ("2 processes: pull until ready (generator)", statistics.median(generator["pull_s"])),
+        ("2 processes: push = offer start -> ready", statistics.median(push_s)),
+        ("1 process: push_local (device to device)", statistics.median(local_s["push_local"])),
+        ("1 process: jax.device_put reshard", statistics.median(local_s["jax.device_put"])),
+    ]
     baseline = rows[3][1]
-    trainer_where = ("4 devices over both processes" if args.trainer_span else "2 devices of process 1")
-    print(f"params {mb:.1f} MB bf16 ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}); trainer FSDP "
-          f"over {trainer_where} -> generator (process 0) tensor-parallel over 2 devices; "
-          f"median of {args.repeats} versions after 1 warm-up")
+    trainer_where = "4 devices over both processes" if args.trainer_span else "2 devices of process 1"
+    print(
+        f"params {mb:.1f} MB bf16 ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}); trainer FSDP "
+        f"over {trainer_where} -> generator (process 0) tensor-parallel over 2 devices; "
+        f"median of {args.repeats} versions after 1 warm-up"
+    )
     print(f"{'path':44s} {'median s':>9s} {'MB/s':>8s} {'vs push_local':>14s}")
     for name, seconds in rows:
         print(f"{name:44s} {seconds:9.3f} {mb / seconds:8.0f} {seconds / baseline:13.2f}x")

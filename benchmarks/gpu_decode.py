@@ -54,8 +54,7 @@ from scalerl_jax.models.memory import kv_bytes_per_token
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
 
 # Peak HBM bandwidth in TB/s by device-kind substring (NVIDIA data sheets); first match wins.
-PEAK_HBM_TBS = (("H100 PCIe", 2.0), ("H200", 4.8), ("GH200", 4.0), ("H100", 3.35),
-                ("B200", 8.0), ("A100", 2.0))
+PEAK_HBM_TBS = (("H100 PCIe", 2.0), ("H200", 4.8), ("GH200", 4.0), ("H100", 3.35), ("B200", 8.0), ("A100", 2.0))
 
 
 def peak_tbs(device: jax.Device, override: float | None) -> float:
@@ -100,8 +99,7 @@ def decode_budget(args: argparse.Namespace) -> int:
     """Tokens each request may generate: the warm-up and timed chunks plus one spare chunk."""
     budget = args.chunk_size * (args.chunks + 2)
     if args.prompt_len + budget + 1 > args.max_len:
-        raise ValueError(f"--prompt_len {args.prompt_len} + {budget} decode tokens exceed --max_len "
-                         f"{args.max_len}")
+        raise ValueError(f"--prompt_len {args.prompt_len} + {budget} decode tokens exceed --max_len {args.max_len}")
     return budget
 
 
@@ -114,16 +112,27 @@ def pool_pages(args: argparse.Namespace, slots: int) -> int:
 
 def measure(args: argparse.Namespace, config, graphdef, params, slots: int, peak: float) -> dict:
     num_pages = pool_pages(args, slots)
-    engine = Engine(graphdef, config, EngineConfig(
-        num_slots=slots, max_len=args.max_len, chunk_size=args.chunk_size,
-        min_prefill_bucket=args.prompt_len, max_prefill_rows=min(slots, args.prefill_rows),
-        page_size=args.page_size, num_pages=num_pages, decode_kernel=args.decode_kernel))
+    engine = Engine(
+        graphdef,
+        config,
+        EngineConfig(
+            num_slots=slots,
+            max_len=args.max_len,
+            chunk_size=args.chunk_size,
+            min_prefill_bucket=args.prompt_len,
+            max_prefill_rows=min(slots, args.prefill_rows),
+            page_size=args.page_size,
+            num_pages=num_pages,
+            decode_kernel=args.decode_kernel,
+        ),
+    )
     batcher = ContinuousBatcher(engine, params)
     rng = np.random.default_rng(0)
     budget = decode_budget(args)
     for i in range(slots):
-        batcher.add_request(Request(i, rng.integers(0, config.vocab_size, args.prompt_len).tolist(),
-                                    budget, seed=i, temperature=1.0))
+        batcher.add_request(
+            Request(i, rng.integers(0, config.vocab_size, args.prompt_len).tolist(), budget, seed=i, temperature=1.0)
+        )
     start = time.perf_counter()
     batcher.run_chunk()  # prefill + first chunk (compiles)
     jax.block_until_ready(batcher._state)
@@ -140,16 +149,25 @@ def measure(args: argparse.Namespace, config, graphdef, params, slots: int, peak
     if tokens != slots * steps:
         print(f"WARNING: {tokens} tokens in {steps} steps x {slots} slots: some slot was idle while timed")
     if engine.compile_counts["generate"] > 1:
-        print(f"WARNING: generate compiled {engine.compile_counts['generate']} times: a decode window "
-              "changed while timed, so the timing includes a compile")
+        print(
+            f"WARNING: generate compiled {engine.compile_counts['generate']} times: a decode window "
+            "changed while timed, so the timing includes a compile"
+        )
     step_time = seconds / steps
     weights = weight_bytes_read(params, config, slots)
     live_kv = live_keys_read(positions_before, positions_after) * kv_bytes_per_token(config) / steps
     return {
-        "slots": slots, "max_len": args.max_len, "prompt_len": args.prompt_len,
-        "page_size": args.page_size, "num_pages": num_pages, "decode_kernel": args.decode_kernel,
-        "steps": steps, "tokens_per_s": tokens / seconds, "step_ms": 1e3 * step_time,
-        "weights_gb_per_step": weights / 1e9, "live_kv_gb_per_step": live_kv / 1e9,
+        "slots": slots,
+        "max_len": args.max_len,
+        "prompt_len": args.prompt_len,
+        "page_size": args.page_size,
+        "num_pages": num_pages,
+        "decode_kernel": args.decode_kernel,
+        "steps": steps,
+        "tokens_per_s": tokens / seconds,
+        "step_ms": 1e3 * step_time,
+        "weights_gb_per_step": weights / 1e9,
+        "live_kv_gb_per_step": live_kv / 1e9,
         "hbm_fraction_live": (weights + live_kv) / step_time / (peak * 1e12),
         "pool_gb": num_pages * args.page_size * kv_bytes_per_token(config) / 1e9,
         "first_chunk_s_incl_compile": compile_and_first,
@@ -167,8 +185,9 @@ def main() -> None:
     parser.add_argument("--prompt_len", type=int, default=7936)
     parser.add_argument("--max_len", type=int, default=16384)
     parser.add_argument("--page_size", type=int, default=16)
-    parser.add_argument("--num_pages", type=int, default=-1,
-                        help="KV pool pages; -1: sized for this run's live tokens; 0: never short")
+    parser.add_argument(
+        "--num_pages", type=int, default=-1, help="KV pool pages; -1: sized for this run's live tokens; 0: never short"
+    )
     parser.add_argument("--decode_kernel", default="auto", choices=("auto", "xla", "pallas"))
     parser.add_argument("--chunk_size", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=4)
@@ -184,20 +203,24 @@ def main() -> None:
     device = jax.devices()[0]
     peak = peak_tbs(device, args.peak_tbs)
     graphdef, params = random_params(config)
-    print(f"{args.preset}: {config.num_params() / 1e9:.2f}B params, dtype {config.dtype}, fp32 head "
-          f"{config.fp32_head} ({config.head_precision}); device {device.device_kind}, peak {peak} TB/s; "
-          f"weights {nbytes(params) / 1e9:.2f} GB; KV {kv_bytes_per_token(config):,} B/token; "
-          f"decode_kernel {args.decode_kernel}, page_size {args.page_size}")
+    print(
+        f"{args.preset}: {config.num_params() / 1e9:.2f}B params, dtype {config.dtype}, fp32 head "
+        f"{config.fp32_head} ({config.head_precision}); device {device.device_kind}, peak {peak} TB/s; "
+        f"weights {nbytes(params) / 1e9:.2f} GB; KV {kv_bytes_per_token(config):,} B/token; "
+        f"decode_kernel {args.decode_kernel}, page_size {args.page_size}"
+    )
     results = []
     for slots in (int(s) for s in args.slots.split(",")):
         result = measure(args, config, graphdef, params, slots, peak)
         results.append(result)
-        print(f"slots {slots:4d}: {result['tokens_per_s']:10.1f} tokens/s, step {result['step_ms']:.2f} ms, "
-              f"read/step weights {result['weights_gb_per_step']:.2f} GB + live KV "
-              f"{result['live_kv_gb_per_step']:.2f} GB -> HBM fraction (live KV) "
-              f"{result['hbm_fraction_live']:.1%} (goal >= 50%); pool {result['num_pages']} pages "
-              f"({result['pool_gb']:.1f} GB); first chunk incl. compile "
-              f"{result['first_chunk_s_incl_compile']:.1f} s")
+        print(
+            f"slots {slots:4d}: {result['tokens_per_s']:10.1f} tokens/s, step {result['step_ms']:.2f} ms, "
+            f"read/step weights {result['weights_gb_per_step']:.2f} GB + live KV "
+            f"{result['live_kv_gb_per_step']:.2f} GB -> HBM fraction (live KV) "
+            f"{result['hbm_fraction_live']:.1%} (goal >= 50%); pool {result['num_pages']} pages "
+            f"({result['pool_gb']:.1f} GB); first chunk incl. compile "
+            f"{result['first_chunk_s_incl_compile']:.1f} s"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -42,14 +42,14 @@ def random_paged_inputs(args: argparse.Namespace, rng: np.random.Generator):
     s, p, k, d = args.slots, args.page_size, args.kv_heads, args.head_dim
     pages_per_slot = args.max_len // p
     lengths = rng.integers(1, args.max_len + 1, s)
-    lengths[:4] = (0, 1, p, args.max_len)[:min(4, s)]
+    lengths[:4] = (0, 1, p, args.max_len)[: min(4, s)]
     live_pages = -(-lengths // p)
     num_pages = int(live_pages.sum()) + 1
     order = rng.permutation(num_pages)
     page_table = np.full((s, pages_per_slot), num_pages, np.int32)  # out of range past the live pages
     offset = 0
     for slot, count in enumerate(live_pages):
-        page_table[slot, :count] = order[offset:offset + count]
+        page_table[slot, :count] = order[offset : offset + count]
         offset += count
     dtype = jnp.dtype(args.dtype)
     key_q, key_k, key_v = jax.random.split(jax.random.key(args.seed), 3)
@@ -106,18 +106,22 @@ def main() -> int:
     q, k_pages, v_pages, page_table, lengths = random_paged_inputs(args, np.random.default_rng(args.seed))
     layer = jnp.int32(1)
     kernels = {
-        "pallas": jax.jit(lambda *a: paged_decode_attention(*a, pages_per_block=args.pages_per_block,
-                                                            interpret=interpret)),
-        "xla": jax.jit(lambda *a: paged_decode_attention_xla(*a, window=args.max_len,
-                                                             pages_per_block=args.pages_per_block)),
+        "pallas": jax.jit(
+            lambda *a: paged_decode_attention(*a, pages_per_block=args.pages_per_block, interpret=interpret)
+        ),
+        "xla": jax.jit(
+            lambda *a: paged_decode_attention_xla(*a, window=args.max_len, pages_per_block=args.pages_per_block)
+        ),
         "reference": jax.jit(reference_attention),
     }
     inputs = (q, k_pages, v_pages, layer, page_table, lengths)
     outputs = {name: np.asarray(fn(*inputs), np.float32) for name, fn in kernels.items()}
     tolerance = TOLERANCE[args.dtype]
-    print(f"{jax.devices()[0].device_kind}: {args.slots} slots, lengths {int(lengths.min())}..{int(lengths.max())} "
-          f"(sum {int(lengths.sum()):,}), H {args.heads} K {args.kv_heads} D {args.head_dim}, page {args.page_size}, "
-          f"{args.dtype}, pallas interpret={interpret}; tolerance {tolerance:g}")
+    print(
+        f"{jax.devices()[0].device_kind}: {args.slots} slots, lengths {int(lengths.min())}..{int(lengths.max())} "
+        f"(sum {int(lengths.sum()):,}), H {args.heads} K {args.kv_heads} D {args.head_dim}, page {args.page_size}, "
+        f"{args.dtype}, pallas interpret={interpret}; tolerance {tolerance:g}"
+    )
     ok = True
     for a, b in (("pallas", "xla"), ("pallas", "reference"), ("xla", "reference")):
         error = float(np.max(np.abs(outputs[a] - outputs[b])))
@@ -130,9 +134,12 @@ def main() -> int:
             print(f"  MISMATCH: {name} gives nonzero output for an idle slot (length 0)")
     live_bytes = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * jnp.dtype(args.dtype).itemsize
     seconds = {name: median_seconds(lambda fn=fn: fn(*inputs), args.repeats) for name, fn in kernels.items()}
-    print("  " + ", ".join(f"{name} {1e3 * t:.3f} ms ({live_bytes / t / 1e9:.0f} GB/s)" for name, t in seconds.items())
-          + f" on {live_bytes / 1e9:.3f} GB of live K/V (median of {args.repeats}); xla / pallas = "
-          f"{seconds['xla'] / seconds['pallas']:.2f}x")
+    print(
+        "  "
+        + ", ".join(f"{name} {1e3 * t:.3f} ms ({live_bytes / t / 1e9:.0f} GB/s)" for name, t in seconds.items())
+        + f" on {live_bytes / 1e9:.3f} GB of live K/V (median of {args.repeats}); xla / pallas = "
+        f"{seconds['xla'] / seconds['pallas']:.2f}x"
+    )
     return 0 if ok else 1
 
 

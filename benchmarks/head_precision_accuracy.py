@@ -11,6 +11,7 @@ would put between sampler and trainer. 'jax highest' / 'jax bf16x3 (this backend
 `fp32_logits` on the local backend (on CPU both are exact float32). What is unmeasured: speed on GPU,
 and XLA GPU's actual accumulation order for the algorithm.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def main() -> None:
         "jax highest": jax_logits("highest"),
         f"jax bf16x3 ({jax.default_backend()})": jax_logits("bf16x3"),
     }
-    print(f"head [{args.rows}, {args.hidden}] @ [{args.hidden}, {args.vocab}], logit std {args.logit_std}; "
-          "errors against float64")
+    print(
+        f"head [{args.rows}, {args.hidden}] @ [{args.hidden}, {args.vocab}], logit std {args.logit_std}; "
+        "errors against float64"
+    )
     print(f"  {'algorithm':<34}{'max |dlogp|':>14}{'max |ratio-1|':>16}{'vs fp32':>10}")
     fp32_error = np.abs(picked_logprobs(candidates["fp32 (numpy sgemm)"], targets) - reference).max()
     for name, logits in candidates.items():

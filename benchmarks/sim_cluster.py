@@ -41,29 +41,37 @@ def main() -> None:
     args = parse_args()
     spec = ClusterSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ClusterSpec)})
     ks = [int(k) for k in args.ks.split(",")]
-    print(f"cluster: {spec.num_generators} generator GPUs x {spec.slots_per_generator} slots, "
-          f"{spec.num_trainers} trainer GPUs; {spec.prompts_per_step} x {spec.samples_per_prompt} "
-          f"= {spec.prompts_per_step * spec.samples_per_prompt} completions per step, "
-          f"completions <= {spec.max_completion_tokens} tokens (median {spec.length_median:.0f})")
-    header = (f"{'schedule':<18}{'step s':>8}{'samples/s':>10}{'vs PPO':>8}{'GPU util':>9}"
-              f"{'gen busy':>9}{'gen slots':>10}{'trn busy':>9}{'gen idle':>9}{'trn idle':>9}"
-              f"{'lag mean':>9}{'lag max':>8}{'span':>6}")
+    print(
+        f"cluster: {spec.num_generators} generator GPUs x {spec.slots_per_generator} slots, "
+        f"{spec.num_trainers} trainer GPUs; {spec.prompts_per_step} x {spec.samples_per_prompt} "
+        f"= {spec.prompts_per_step * spec.samples_per_prompt} completions per step, "
+        f"completions <= {spec.max_completion_tokens} tokens (median {spec.length_median:.0f})"
+    )
+    header = (
+        f"{'schedule':<18}{'step s':>8}{'samples/s':>10}{'vs PPO':>8}{'GPU util':>9}"
+        f"{'gen busy':>9}{'gen slots':>10}{'trn busy':>9}{'gen idle':>9}{'trn idle':>9}"
+        f"{'lag mean':>9}{'lag max':>8}{'span':>6}"
+    )
     print(header)
     for k in ks:
         rows = {}
         for schedule in ("ppo_off_policy", "pipeline"):
             start = time.perf_counter()
-            rows[schedule] = (simulate(spec, schedule=schedule, k=k, num_steps=args.steps,
-                                       seed=args.seed), time.perf_counter() - start)
+            rows[schedule] = (
+                simulate(spec, schedule=schedule, k=k, num_steps=args.steps, seed=args.seed),
+                time.perf_counter() - start,
+            )
         base = rows["ppo_off_policy"][0].samples_per_s
         for schedule, (r, seconds) in rows.items():
             name = f"{'PipelineRL' if schedule == 'pipeline' else 'PPO-off-policy'}-{k}"
-            print(f"{name:<18}{r.step_time_s:>8.1f}{r.samples_per_s:>10.2f}"
-                  f"{r.samples_per_s / base:>7.2f}x{r.gpu_utilization:>9.2f}"
-                  f"{r.generator_busy_frac:>9.2f}{r.generator_slot_util:>10.2f}"
-                  f"{r.trainer_busy_frac:>9.2f}{r.generator_idle_frac:>9.2f}"
-                  f"{r.trainer_idle_frac:>9.2f}{r.lag_mean:>9.2f}{r.lag_max:>8d}"
-                  f"{r.versions_spanned_mean:>6.2f}   ({seconds:.1f} s to simulate)")
+            print(
+                f"{name:<18}{r.step_time_s:>8.1f}{r.samples_per_s:>10.2f}"
+                f"{r.samples_per_s / base:>7.2f}x{r.gpu_utilization:>9.2f}"
+                f"{r.generator_busy_frac:>9.2f}{r.generator_slot_util:>10.2f}"
+                f"{r.trainer_busy_frac:>9.2f}{r.generator_idle_frac:>9.2f}"
+                f"{r.trainer_idle_frac:>9.2f}{r.lag_mean:>9.2f}{r.lag_max:>8d}"
+                f"{r.versions_spanned_mean:>6.2f}   ({seconds:.1f} s to simulate)"
+            )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Variants: dapo, no_fp32_head, sample_avg, token_avg, prompt_norm, no_zero_variance_filter,
 no_positive_resampling, length_penalty, ppo_off_policy.
 """
+
 from scalerl_jax import recipe
 
 

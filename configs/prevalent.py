@@ -2,6 +2,7 @@
 
 Variants: deepseek_grpo, qwen25_dapo, magistral, minimax.
 """
+
 from scalerl_jax import recipe
 
 

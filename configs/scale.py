@@ -2,6 +2,7 @@
 
 Variants: budget_32k, bs512, bs2048, gens8, gens24, gens32.
 """
+
 from scalerl_jax import recipe
 
 

@@ -2,6 +2,7 @@
 
 Set `--config.model.checkpoint=/path/to/hf_dir` and `--config.data.path=/path/to/polaris-data-53K.jsonl`.
 """
+
 from scalerl_jax import recipe
 
 

@@ -2,6 +2,7 @@
 runs it: `--config=configs/study.py:configs/tiny.py,dapo` (BASE,VARIANT; VARIANT 'baseline' is the
 base unchanged, else a name of recipe.LEAVE_ONE_OUT; BASE may be 'file.py:arg').
 """
+
 from scalerl_jax.study.variants import study_config
 
 

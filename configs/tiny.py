@@ -2,6 +2,7 @@
 
 `python -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny`
 """
+
 from scalerl_jax import recipe
 
 

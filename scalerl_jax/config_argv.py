@@ -1,4 +1,5 @@
 """`--config=FILE [--config.KEY=VALUE ...]` parsed outside `main`, the way `main` parses it."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,7 +19,8 @@ def parse_config_argv(argv: Sequence[str]) -> ml_collections.ConfigDict | None:
     `config_flags.DEFINE_config_file(..., lock_config=True)` does; None without `--config=FILE`.
     Raises one of `CONFIG_ARGV_ERRORS` on a bad file, key or value."""
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "config file", flag_values=flag_values, lock_config=True,
-                                    sys_argv=list(argv))
+    config_flags.DEFINE_config_file(
+        "config", None, "config file", flag_values=flag_values, lock_config=True, sys_argv=list(argv)
+    )
     flag_values(list(argv))
     return flag_values.config

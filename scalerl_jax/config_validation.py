@@ -6,6 +6,7 @@ per problem, each naming the key, its value and what is expected. Numbers are ch
 comparisons that are False for NaN (`low <= x`), so NaN and infinity never slip through a
 bound written as `x <= 0`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,14 +42,30 @@ CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
 }
 BOOLS = (
-    "model.fp32_head", "model.scan_layers", "data.use_chat_template", "rl.zero_variance_filter",
-    "rl.refill_zero_variance", "rl.no_positive_resampling", "rl.mask_truncated_completions",
-    "batch.sort_by_length", "mesh.require_accelerator", "sampler.compile_ahead",
+    "model.fp32_head",
+    "model.scan_layers",
+    "data.use_chat_template",
+    "rl.zero_variance_filter",
+    "rl.refill_zero_variance",
+    "rl.no_positive_resampling",
+    "rl.mask_truncated_completions",
+    "batch.sort_by_length",
+    "mesh.require_accelerator",
+    "sampler.compile_ahead",
 )
 STRINGS = (
-    "model.preset", "model.checkpoint", "model.remat_policy", "data.path", "data.data_dir",
-    "data.problem_field", "data.answer_field", "data.prompt_template", "data.reward_fn",
-    "sampler.interruption_phrase", "sampler.think_end", "logging.wandb_project",
+    "model.preset",
+    "model.checkpoint",
+    "model.remat_policy",
+    "data.path",
+    "data.data_dir",
+    "data.problem_field",
+    "data.answer_field",
+    "data.prompt_template",
+    "data.reward_fn",
+    "sampler.interruption_phrase",
+    "sampler.think_end",
+    "logging.wandb_project",
 )
 
 
@@ -93,38 +110,74 @@ BETA = Bound(0, 1, high_open=True)
 FINITE = Bound()
 
 NUMBERS: dict[str, Bound] = {
-    "seed": NON_NEGATIVE_INT, "num_steps": COUNT, "log_every": COUNT,
+    "seed": NON_NEGATIVE_INT,
+    "num_steps": COUNT,
+    "log_every": COUNT,
     "model.logprob_chunk": COUNT,
-    "data.heldout_size": COUNT, "data.heldout_seed": NON_NEGATIVE_INT, "data.max_prompt_tokens": COUNT,
-    "data.reward_correct": FINITE, "data.reward_incorrect": FINITE, "data.verify_timeout_s": POSITIVE,
+    "data.heldout_size": COUNT,
+    "data.heldout_seed": NON_NEGATIVE_INT,
+    "data.max_prompt_tokens": COUNT,
+    "data.reward_correct": FINITE,
+    "data.reward_incorrect": FINITE,
+    "data.verify_timeout_s": POSITIVE,
     "data.verify_workers": COUNT,
-    "batch.prompts_per_step": COUNT, "batch.generations_per_prompt": Bound(2, integer=True),
-    "batch.microbatches": COUNT, "batch.length_buckets_per_octave": COUNT,
-    "rl.eps_max": POSITIVE, "rl.eps_low": BETA, "rl.eps_high": NON_NEGATIVE,
+    "batch.prompts_per_step": COUNT,
+    "batch.generations_per_prompt": Bound(2, integer=True),
+    "batch.microbatches": COUNT,
+    "batch.length_buckets_per_octave": COUNT,
+    "rl.eps_max": POSITIVE,
+    "rl.eps_low": BETA,
+    "rl.eps_high": NON_NEGATIVE,
     "rl.positive_pass_rate": Bound(0, 1, low_open=True),
-    "rl.length_penalty_max": COUNT, "rl.length_penalty_cache": COUNT,
-    "sampler.temperature": POSITIVE, "sampler.top_p": Bound(0, 1, low_open=True),
-    "sampler.top_k": NON_NEGATIVE_INT, "sampler.num_slots": COUNT, "sampler.chunk_steps": COUNT,
-    "sampler.max_new_tokens": COUNT, "sampler.think_budget_min": COUNT, "sampler.think_budget_max": COUNT,
-    "sampler.answer_budget": COUNT, "sampler.page_size": COUNT, "sampler.num_pages": NON_NEGATIVE_INT,
-    "schedule.k": COUNT, "schedule.queue_groups": NON_NEGATIVE_INT,
-    "optimizer.lr": POSITIVE, "optimizer.warmup_steps": NON_NEGATIVE_INT, "optimizer.b1": BETA,
-    "optimizer.b2": BETA, "optimizer.eps": POSITIVE, "optimizer.weight_decay": NON_NEGATIVE,
+    "rl.length_penalty_max": COUNT,
+    "rl.length_penalty_cache": COUNT,
+    "sampler.temperature": POSITIVE,
+    "sampler.top_p": Bound(0, 1, low_open=True),
+    "sampler.top_k": NON_NEGATIVE_INT,
+    "sampler.num_slots": COUNT,
+    "sampler.chunk_steps": COUNT,
+    "sampler.max_new_tokens": COUNT,
+    "sampler.think_budget_min": COUNT,
+    "sampler.think_budget_max": COUNT,
+    "sampler.answer_budget": COUNT,
+    "sampler.page_size": COUNT,
+    "sampler.num_pages": NON_NEGATIVE_INT,
+    "schedule.k": COUNT,
+    "schedule.queue_groups": NON_NEGATIVE_INT,
+    "optimizer.lr": POSITIVE,
+    "optimizer.warmup_steps": NON_NEGATIVE_INT,
+    "optimizer.b1": BETA,
+    "optimizer.b2": BETA,
+    "optimizer.eps": POSITIVE,
+    "optimizer.weight_decay": NON_NEGATIVE,
     "optimizer.max_grad_norm": NON_NEGATIVE,
-    "mesh.generator_fraction": Bound(0, 1, low_open=True, high_open=True), "mesh.cpu_devices": NON_NEGATIVE_INT,
-    "distributed.connect_timeout_s": POSITIVE, "distributed.heartbeat_s": POSITIVE,
-    "distributed.heartbeat_timeout_s": POSITIVE, "distributed.reply_timeout_s": POSITIVE,
-    "eval.every": COUNT, "eval.num_prompts": COUNT, "eval.samples_per_prompt": COUNT,
+    "mesh.generator_fraction": Bound(0, 1, low_open=True, high_open=True),
+    "mesh.cpu_devices": NON_NEGATIVE_INT,
+    "distributed.connect_timeout_s": POSITIVE,
+    "distributed.heartbeat_s": POSITIVE,
+    "distributed.heartbeat_timeout_s": POSITIVE,
+    "distributed.reply_timeout_s": POSITIVE,
+    "eval.every": COUNT,
+    "eval.num_prompts": COUNT,
+    "eval.samples_per_prompt": COUNT,
     "eval.samples_logged": NON_NEGATIVE_INT,
-    "checkpoint.every": COUNT, "checkpoint.keep": COUNT,
+    "checkpoint.every": COUNT,
+    "checkpoint.keep": COUNT,
 }
 OPTIONAL_NUMBERS: dict[str, Bound] = {
-    "warm_start.seed": NON_NEGATIVE_INT, "warm_start.steps": COUNT, "warm_start.batch_size": COUNT,
-    "warm_start.lr": POSITIVE, "warm_start.warmup_steps": NON_NEGATIVE_INT,
-    "warm_start.weight_decay": NON_NEGATIVE, "warm_start.direct_answer_fraction": PROBABILITY,
-    "warm_start.max_len": COUNT, "warm_start.tokenizer_vocab_size": Bound(259, integer=True),
+    "warm_start.seed": NON_NEGATIVE_INT,
+    "warm_start.steps": COUNT,
+    "warm_start.batch_size": COUNT,
+    "warm_start.lr": POSITIVE,
+    "warm_start.warmup_steps": NON_NEGATIVE_INT,
+    "warm_start.weight_decay": NON_NEGATIVE,
+    "warm_start.direct_answer_fraction": PROBABILITY,
+    "warm_start.max_len": COUNT,
+    "warm_start.tokenizer_vocab_size": Bound(259, integer=True),
     "warm_start.log_every": COUNT,
-    "synthetic.seed": NON_NEGATIVE_INT, "synthetic.heldout_size": COUNT, "synthetic.sft_size": COUNT,
+    "synthetic.seed": NON_NEGATIVE_INT,
+    "synthetic.heldout_size": COUNT,
+    "synthetic.sft_size": COUNT,
     "synthetic.train_size": COUNT,
 }
 
@@ -162,9 +215,11 @@ def _flat_keys(config: Any, prefix: str = "") -> Iterable[str]:
 def check_known_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Every key must be one the baseline recipe defines (or lie in an optional section)."""
     known = set(_flat_keys(recipe.scalerl_8b()))
-    problems = [f"config key `{key}` is unknown (not in scalerl_jax/recipe.py's baseline)"
-                for key in _flat_keys(config)
-                if key not in known and key.split(".")[0] not in OPTIONAL_SECTIONS]
+    problems = [
+        f"config key `{key}` is unknown (not in scalerl_jax/recipe.py's baseline)"
+        for key in _flat_keys(config)
+        if key not in known and key.split(".")[0] not in OPTIONAL_SECTIONS
+    ]
     present = set(_flat_keys(config))
     problems += [f"config key `{key}` is missing" for key in sorted(known - present)]
     return problems
@@ -198,35 +253,41 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
     if not s.think_budget_min <= s.think_budget_max <= s.max_new_tokens:
         problems.append(
             "config keys `sampler.think_budget_min` <= `sampler.think_budget_max` <= `sampler.max_new_tokens` "
-            f"must hold, got {s.think_budget_min}, {s.think_budget_max}, {s.max_new_tokens}")
+            f"must hold, got {s.think_budget_min}, {s.think_budget_max}, {s.max_new_tokens}"
+        )
     if s.answer_budget > s.max_new_tokens:
-        problems.append(f"config key `sampler.answer_budget` = {s.answer_budget} exceeds "
-                        f"`sampler.max_new_tokens` = {s.max_new_tokens}")
+        problems.append(
+            f"config key `sampler.answer_budget` = {s.answer_budget} exceeds "
+            f"`sampler.max_new_tokens` = {s.max_new_tokens}"
+        )
     if rl.length_penalty_cache > rl.length_penalty_max:
-        problems.append(f"config key `rl.length_penalty_cache` = {rl.length_penalty_cache} exceeds "
-                        f"`rl.length_penalty_max` = {rl.length_penalty_max}")
+        problems.append(
+            f"config key `rl.length_penalty_cache` = {rl.length_penalty_cache} exceeds "
+            f"`rl.length_penalty_max` = {rl.length_penalty_max}"
+        )
     if config.data.reward_correct <= config.data.reward_incorrect:
-        problems.append(f"config keys `data.reward_correct` = {config.data.reward_correct} must exceed "
-                        f"`data.reward_incorrect` = {config.data.reward_incorrect}")
+        problems.append(
+            f"config keys `data.reward_correct` = {config.data.reward_correct} must exceed "
+            f"`data.reward_incorrect` = {config.data.reward_incorrect}"
+        )
     if (b.prompts_per_step * b.generations_per_prompt) % b.microbatches:
         problems.append(
             f"config key `batch.microbatches` = {b.microbatches} must divide the batch's "
             f"{b.prompts_per_step * b.generations_per_prompt} sequences (`batch.prompts_per_step` x "
-            "`batch.generations_per_prompt`)")
+            "`batch.generations_per_prompt`)"
+        )
     if "{problem}" not in config.data.prompt_template:
-        problems.append(f"config key `data.prompt_template` = {config.data.prompt_template!r} has no "
-                        "{problem} placeholder")
+        problems.append(
+            f"config key `data.prompt_template` = {config.data.prompt_template!r} has no {{problem}} placeholder"
+        )
     if config.data.reward_fn and ":" not in config.data.reward_fn:
-        problems.append(f"config key `data.reward_fn` = {config.data.reward_fn!r}; expected "
-                        "'package.module:function'")
+        problems.append(f"config key `data.reward_fn` = {config.data.reward_fn!r}; expected 'package.module:function'")
     a_range = tuple(config.eval.fit_a_range)
     if len(a_range) != 2 or not all(PROBABILITY.admits(x) for x in a_range) or not a_range[0] < a_range[1]:
-        problems.append(f"config key `eval.fit_a_range` = {a_range!r}; expected (low, high) with "
-                        "0 <= low < high <= 1")
+        problems.append(f"config key `eval.fit_a_range` = {a_range!r}; expected (low, high) with 0 <= low < high <= 1")
     for name, path in config.eval.extra.items():
         if not isinstance(path, str) or not path:
-            problems.append(f"config key `eval.extra.{name}` = {path!r}; expected a path to a jsonl or "
-                            "parquet file")
+            problems.append(f"config key `eval.extra.{name}` = {path!r}; expected a path to a jsonl or parquet file")
     if "warm_start" in config and config.warm_start.max_len < 2:
         problems.append(f"config key `warm_start.max_len` = {config.warm_start.max_len}; expected >= 2")
     return problems
@@ -238,13 +299,15 @@ def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     if config.data.dataset in ("polaris_53k", "jsonl") and not os.path.isfile(config.data.path):
         problems.append(
             f"config key `data.path` = {config.data.path!r}: set it to a local jsonl file "
-            "(for polaris_53k: polaris-data-53K.jsonl with fields problem, answer, difficulty)")
+            "(for polaris_53k: polaris-data-53K.jsonl with fields problem, answer, difficulty)"
+        )
     if "warm_start" not in config:
         checkpoint = config.model.checkpoint
         if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
             problems.append(
                 f"config key `model.checkpoint` = {checkpoint!r}: set it to a local Hugging Face "
-                "directory holding config.json, *.safetensors and tokenizer.json")
+                "directory holding config.json, *.safetensors and tokenizer.json"
+            )
     for name, path in config.eval.extra.items():
         if isinstance(path, str) and path and not os.path.isfile(path):
             problems.append(f"config key `eval.extra.{name}` = {path!r}: no such file")
@@ -266,7 +329,8 @@ def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
         raise ConfigError(
             f"config keys `batch.*`: {rows_per_microbatch} sequences per microbatch do not divide "
             f"over {trainers} trainer devices (`mesh.generator_fraction` = {config.mesh.generator_fraction} "
-            f"of {num_devices} devices)")
+            f"of {num_devices} devices)"
+        )
     return generators, trainers
 
 
@@ -276,18 +340,33 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
         raise ConfigError(
             "config key `mesh.require_accelerator` = True, but JAX found only the CPU backend. This "
             "recipe is meant for GPUs: install the CUDA plugin (pip install -e '.[cuda]', see README) "
-            "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway")
+            "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway"
+        )
 
 
 # Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, how the
 # sampler holds and reads its KV cache (not what it samples) and how the trainer lays out a batch
 # into microbatches (not what it computes).
-RESUMABLE_CHANGES = ("num_steps", "eval.every", "checkpoint.every", "checkpoint.keep", "log_every",
-                     "eval.samples_logged", "logging.wandb_project", "logging.wandb_mode",
-                     "distributed.connect_timeout_s", "distributed.heartbeat_s", "distributed.heartbeat_timeout_s",
-                     "distributed.reply_timeout_s", "sampler.page_size", "sampler.num_pages",
-                     "sampler.decode_kernel", "sampler.compile_ahead", "batch.sort_by_length",
-                     "batch.length_buckets_per_octave")
+RESUMABLE_CHANGES = (
+    "num_steps",
+    "eval.every",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "log_every",
+    "eval.samples_logged",
+    "logging.wandb_project",
+    "logging.wandb_mode",
+    "distributed.connect_timeout_s",
+    "distributed.heartbeat_s",
+    "distributed.heartbeat_timeout_s",
+    "distributed.reply_timeout_s",
+    "sampler.page_size",
+    "sampler.num_pages",
+    "sampler.decode_kernel",
+    "sampler.compile_ahead",
+    "batch.sort_by_length",
+    "batch.length_buckets_per_octave",
+)
 
 
 def config_json(config: ml_collections.ConfigDict) -> dict:
@@ -303,13 +382,13 @@ def flat_config(config: Any) -> dict[str, Any]:
 
 def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Keys (other than `RESUMABLE_CHANGES`) whose flat values differ, as '`key` (old -> new)'."""
-    keys = sorted(k for k in set(saved) | set(new)
-                  if saved.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    keys = sorted(k for k in set(saved) | set(new) if saved.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
     return [f"`{k}` ({saved.get(k)!r} -> {new.get(k)!r})" for k in keys]
 
 
-def check_resume(config: ml_collections.ConfigDict, workdir: str,
-                 saved_fingerprint: dict[str, Any] | None = None) -> None:
+def check_resume(
+    config: ml_collections.ConfigDict, workdir: str, saved_fingerprint: dict[str, Any] | None = None
+) -> None:
     """A workdir holding checkpoints is resumed only with the config it was started with.
 
     Compares with `WORKDIR/config.json`, or, when that file is missing or malformed, with
@@ -327,19 +406,24 @@ def check_resume(config: ml_collections.ConfigDict, workdir: str,
                 saved = flat_config(json.load(f))
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
             if saved_fingerprint is None:
-                raise ConfigError(f"{saved_path} is malformed ({e}) and no checkpoint carries the "
-                                  "run's config: cannot check that this config matches the run") from e
+                raise ConfigError(
+                    f"{saved_path} is malformed ({e}) and no checkpoint carries the "
+                    "run's config: cannot check that this config matches the run"
+                ) from e
     if saved is None:
         if saved_fingerprint is None:
-            raise ConfigError(f"workdir {workdir!r} holds checkpoints but neither {saved_path} nor a "
-                              "checkpoint records the run's config: refusing to resume blind")
+            raise ConfigError(
+                f"workdir {workdir!r} holds checkpoints but neither {saved_path} nor a "
+                "checkpoint records the run's config: refusing to resume blind"
+            )
         saved, source = saved_fingerprint, "the config stored in its newest checkpoint"
     changed = changed_keys(saved, flat_config(config))
     if changed:
         raise ConfigError(
             f"workdir {workdir!r} holds checkpoints of a run with a different config ({source}); "
             f"changed keys: {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''}. Use a new "
-            f"--workdir, or the config of that run (only {', '.join(RESUMABLE_CHANGES)} may change on resume)")
+            f"--workdir, or the config of that run (only {', '.join(RESUMABLE_CHANGES)} may change on resume)"
+        )
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, check_files: bool = True) -> None:

@@ -5,6 +5,7 @@ dumps, per-save INFO lines) log through absl at INFO and WARNING on every start 
 filter on absl's handler drops those records unless absl's verbosity asks for debug output
 (`--verbosity=1`); errors always pass. The run's own lines are untouched.
 """
+
 from __future__ import annotations
 
 import logging as std_logging

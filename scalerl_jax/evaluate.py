@@ -17,6 +17,7 @@ and both per value of the group field. The JSON output also holds every sample's
 
 Exit status: 0 on success, 2 on bad input (the message names the file, row, field or flag).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.sampler import ContinuousBatcher, Engine
-from scalerl_jax.sampling_setup import (check_think_end, make_engine_config, make_prompt_encoder, make_reward_config,
-                                        make_sample_fn)
+from scalerl_jax.sampling_setup import (
+    check_think_end,
+    make_engine_config,
+    make_prompt_encoder,
+    make_reward_config,
+    make_sample_fn,
+)
 
 
 class EvaluateError(ValueError):
@@ -46,6 +52,7 @@ class EvaluateError(ValueError):
 
 
 # ------------------------------------------------------------------ benchmark files
+
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
@@ -65,6 +72,7 @@ def _records(path: str) -> list[dict]:
         raise EvaluateError(f"--data {path!r} does not exist")
     if suffix == ".parquet":
         import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     if suffix != ".jsonl":
         raise EvaluateError(f"--data {path!r}: unknown suffix {suffix!r} (expected .jsonl or .parquet)")
@@ -81,8 +89,9 @@ def _records(path: str) -> list[dict]:
     return records
 
 
-def read_benchmark(path: str, *, problem_field: str = "problem", answer_field: str = "answer",
-                   group_field: str | None = None) -> Benchmark:
+def read_benchmark(
+    path: str, *, problem_field: str = "problem", answer_field: str = "answer", group_field: str | None = None
+) -> Benchmark:
     """Reads a benchmark file; a row missing a field (or None there, or an empty problem) is an
     error naming the file, row and field. Answers and group values are taken as `str(value)`."""
     records = _records(path)
@@ -95,13 +104,17 @@ def read_benchmark(path: str, *, problem_field: str = "problem", answer_field: s
                 raise EvaluateError(f"{path}: row {index} has no field {field!r} (fields: {sorted(record)})")
         if not isinstance(record[problem_field], str) or not record[problem_field].strip():
             raise EvaluateError(f"{path}: row {index} field {problem_field!r} is not a non-empty string")
-    return Benchmark(path=path, problems=[r[problem_field] for r in records],
-                     answers=[str(r[answer_field]) for r in records],
-                     groups=[str(r[group_field]) for r in records] if group_field else None,
-                     rows=list(range(len(records))))
+    return Benchmark(
+        path=path,
+        problems=[r[problem_field] for r in records],
+        answers=[str(r[answer_field]) for r in records],
+        groups=[str(r[group_field]) for r in records] if group_field else None,
+        rows=list(range(len(records))),
+    )
 
 
 # ------------------------------------------------------------------ metrics
+
 
 def summarize(correct: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
     """`mean@K` and `pass@k` for each k of a correctness matrix bool[N, K] (module docstring)."""
@@ -134,8 +147,17 @@ def parse_ks(text: str, num_samples: int) -> list[int]:
 
 # ------------------------------------------------------------------ evaluation
 
-def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigDict, benchmark: Benchmark, *,
-                    num_samples: int, ks: Sequence[int], seed: int = 0, keep_texts: bool = False) -> dict[str, Any]:
+
+def evaluate_policy(
+    policy: policy_source.Policy,
+    config: ml_collections.ConfigDict,
+    benchmark: Benchmark,
+    *,
+    num_samples: int,
+    ks: Sequence[int],
+    seed: int = 0,
+    keep_texts: bool = False,
+) -> dict[str, Any]:
     """Samples `num_samples` completions per problem with the run's sampler on all devices
     (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
     (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`)."""
@@ -143,16 +165,18 @@ def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigD
     check_think_end(config, tok, policy.checkpoint_dir)
     encoded = make_prompt_encoder(config, tok, policy.checkpoint_dir).encode(benchmark.problems)
     if not encoded.tokens:
-        raise EvaluateError(f"{benchmark.path}: every problem is longer than data.max_prompt_tokens="
-                            f"{config.data.max_prompt_tokens}")
+        raise EvaluateError(
+            f"{benchmark.path}: every problem is longer than data.max_prompt_tokens={config.data.max_prompt_tokens}"
+        )
     kept = encoded.source_indices
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, make_engine_config(config, tok), mesh=mesh)
     batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
     reward_config = make_reward_config(config)
-    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
-                                      reward_fn=reward_config.reward_fn)
+    verify_pool = data_lib.VerifyPool(
+        config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
+    )
     texts: list[str] = []
     problems = [benchmark.problems[i] for i in kept for _ in range(num_samples)]
 
@@ -162,34 +186,46 @@ def evaluate_policy(policy: policy_source.Policy, config: ml_collections.ConfigD
 
     try:
         result = data_lib.evaluate(
-            make_sample_fn(batcher, config, tok.stop_ids), encoded.tokens, [benchmark.answers[i] for i in kept],
-            num_samples=num_samples, decode=decode, pass_at=ks,
-            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool,
-                                                              problems=problems))
+            make_sample_fn(batcher, config, tok.stop_ids),
+            encoded.tokens,
+            [benchmark.answers[i] for i in kept],
+            num_samples=num_samples,
+            decode=decode,
+            pass_at=ks,
+            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool, problems=problems),
+        )
     finally:
         verify_pool.close()
     correct = result.correct
     per_prompt = []
     for n, row in enumerate(kept):
-        entry = {"row": benchmark.rows[row], "answer": benchmark.answers[row],
-                 "correct": [bool(c) for c in correct[n]]}
+        entry = {"row": benchmark.rows[row], "answer": benchmark.answers[row], "correct": [bool(c) for c in correct[n]]}
         if benchmark.groups is not None:
             entry["group"] = benchmark.groups[row]
         if keep_texts:
-            entry["completions"] = texts[n * num_samples:(n + 1) * num_samples]
+            entry["completions"] = texts[n * num_samples : (n + 1) * num_samples]
         per_prompt.append(entry)
-    extra = {key.split("/", 1)[1]: value for key, value in result.metrics.items()
-             if key.split("/", 1)[1] in ("interrupted_frac", "truncated_frac", "format_failure_frac", "timeouts",
-                                         "mean_completion_tokens")}
+    extra = {
+        key.split("/", 1)[1]: value
+        for key, value in result.metrics.items()
+        if key.split("/", 1)[1]
+        in ("interrupted_frac", "truncated_frac", "format_failure_frac", "timeouts", "mean_completion_tokens")
+    }
     report = {
         "metrics": {**summarize(correct, ks), **extra},
         "samples_per_prompt": num_samples,
         "skipped_too_long": [benchmark.rows[i] for i in sorted(set(range(len(benchmark.problems))) - set(kept))],
-        "sampling": {"temperature": config.sampler.temperature, "top_p": config.sampler.top_p,
-                     "top_k": config.sampler.top_k, "max_new_tokens": config.sampler.max_new_tokens,
-                     "length_control": config.rl.length_control, "reward_kind": reward_config.kind,
-                     "prompt_template": config.data.prompt_template,
-                     "use_chat_template": config.data.use_chat_template, "seed": seed},
+        "sampling": {
+            "temperature": config.sampler.temperature,
+            "top_p": config.sampler.top_p,
+            "top_k": config.sampler.top_k,
+            "max_new_tokens": config.sampler.max_new_tokens,
+            "length_control": config.rl.length_control,
+            "reward_kind": reward_config.kind,
+            "prompt_template": config.data.prompt_template,
+            "use_chat_template": config.data.use_chat_template,
+            "seed": seed,
+        },
         "per_prompt": per_prompt,
     }
     if benchmark.groups is not None:
@@ -205,19 +241,25 @@ def format_table(report: dict[str, Any], group_field: str | None) -> str:
     rows = [("all", metrics)] + [(f"{group_field}={v}", m) for v, m in report.get("groups", {}).items()]
     for name, values in rows:
         lines.append(f"{name:>16} {values['num_prompts']:>8} " + " ".join(f"{values[k]:>9.4f}" for k in keys))
-    lines.append(f"interrupted {metrics['interrupted_frac']:.3f}  truncated {metrics['truncated_frac']:.3f}  "
-                 f"format failures {metrics['format_failure_frac']:.3f}  mean tokens "
-                 f"{metrics['mean_completion_tokens']:.1f}  skipped (too long) {len(report['skipped_too_long'])}")
+    lines.append(
+        f"interrupted {metrics['interrupted_frac']:.3f}  truncated {metrics['truncated_frac']:.3f}  "
+        f"format failures {metrics['format_failure_frac']:.3f}  mean tokens "
+        f"{metrics['mean_completion_tokens']:.1f}  skipped (too long) {len(report['skipped_too_long'])}"
+    )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ command line
 
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (``--config`` and ``--config.KEY=VALUE`` are read by ml_collections)."""
-    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.evaluate", description=__doc__.split("\n\n")[0],
-                                     epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
-                                            "Hugging Face directory (default configs/scalerl_8b.py)")
+    parser = argparse.ArgumentParser(
+        prog="python -m scalerl_jax.evaluate",
+        description=__doc__.split("\n\n")[0],
+        epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
+        "Hugging Face directory (default configs/scalerl_8b.py)",
+    )
     parser.add_argument("--checkpoint", required=True, help="run directory or Hugging Face directory")
     parser.add_argument("--data", required=True, help="benchmark file (.jsonl or .parquet)")
     parser.add_argument("--samples", type=int, default=16, help="samples per problem, K of mean@K")
@@ -248,8 +290,9 @@ def _config_from_flags(extra: Sequence[str]) -> ml_collections.ConfigDict | None
     return config
 
 
-def load_policy_and_config(path: str, config: ml_collections.ConfigDict | None, *, step: int | None
-                           ) -> tuple[policy_source.Policy, ml_collections.ConfigDict]:
+def load_policy_and_config(
+    path: str, config: ml_collections.ConfigDict | None, *, step: int | None
+) -> tuple[policy_source.Policy, ml_collections.ConfigDict]:
     """A run directory with its own config, or an HF directory with `config` (default: the recipe)."""
     if policy_source.is_run_dir(path):
         if config is not None:
@@ -270,16 +313,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise EvaluateError(f"--samples must be >= 1, got {args.samples}")
         ks = parse_ks(args.k, args.samples)
         config = _config_from_flags(extra)
-        benchmark = read_benchmark(args.data, problem_field=args.problem_field, answer_field=args.answer_field,
-                                   group_field=args.group_field)
+        benchmark = read_benchmark(
+            args.data, problem_field=args.problem_field, answer_field=args.answer_field, group_field=args.group_field
+        )
         policy, config = load_policy_and_config(args.checkpoint, config, step=args.step)
-        report = evaluate_policy(policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed,
-                                 keep_texts=args.completions)
+        report = evaluate_policy(
+            policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed, keep_texts=args.completions
+        )
     except (EvaluateError, ConfigError, policy_source.PolicySourceError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = {"checkpoint": os.path.abspath(args.checkpoint), "step": policy.step,
-              "data": os.path.abspath(args.data), "group_field": args.group_field, **report}
+    report = {
+        "checkpoint": os.path.abspath(args.checkpoint),
+        "step": policy.step,
+        "data": os.path.abspath(args.data),
+        "group_field": args.group_field,
+        **report,
+    }
     print(format_table(report, args.group_field))
     if args.out:
         with open(args.out, "w") as f:

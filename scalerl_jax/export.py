@@ -11,6 +11,7 @@ or one with the model's bos/eos ids), loadable by ``transformers.AutoModelForCau
 
 Exit status: 0 on success, 2 on bad input (the message names the directory, step or file).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,11 @@ def write_generation_config(base_dir: str, out_dir: str, model_config: ModelConf
         return
     eos = model_config.eos_token_id
     with open(target, "w") as f:
-        json.dump({"bos_token_id": model_config.bos_token_id,
-                   "eos_token_id": list(eos) if isinstance(eos, tuple) else eos}, f, indent=2)
+        json.dump(
+            {"bos_token_id": model_config.bos_token_id, "eos_token_id": list(eos) if isinstance(eos, tuple) else eos},
+            f,
+            indent=2,
+        )
 
 
 def export_run(run_dir: str, out_dir: str, *, step: int | None = None, overwrite: bool = False) -> str:
@@ -84,8 +88,16 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, overwrite
     copy_tokenizer_files(base_dir, staging)
     write_generation_config(base_dir, staging, policy.model_config)
     with open(os.path.join(staging, EXPORT_INFO_FILE), "w") as f:
-        json.dump({"run_dir": os.path.abspath(run_dir), "step": step, "base_checkpoint": os.path.abspath(base_dir),
-                   "dtype": config.model.dtype}, f, indent=2)
+        json.dump(
+            {
+                "run_dir": os.path.abspath(run_dir),
+                "step": step,
+                "base_checkpoint": os.path.abspath(base_dir),
+                "dtype": config.model.dtype,
+            },
+            f,
+            indent=2,
+        )
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.replace(staging, out_dir)

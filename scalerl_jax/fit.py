@@ -101,29 +101,41 @@ def build_parser() -> argparse.ArgumentParser:
         help="first fitted compute (default: 1,500 GPU-hours; other units: 0.09375 x largest fitted compute)",
     )
     parser.add_argument(
-        "--fit-end", type=_checked(float, lambda x: x > 0, "> 0"), help="last fitted compute; later points are held out and scored"
+        "--fit-end",
+        type=_checked(float, lambda x: x > 0, "> 0"),
+        help="last fitted compute; later points are held out and scored",
     )
     parser.add_argument("--method", choices=METHODS, default="grid")
     parser.add_argument(
         "--unit",
         help="compute unit (default: as logged, else device_hours); 'gpu_hours' selects the paper's grids",
     )
-    parser.add_argument("--r0", type=_checked(float, lambda x: 0 <= x <= 1, "in [0, 1]"), help="start pass rate (default: the one at the smallest compute)")
     parser.add_argument(
-        "--a-range", type=_a_range, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)"
+        "--r0",
+        type=_checked(float, lambda x: 0 <= x <= 1, "in [0, 1]"),
+        help="start pass rate (default: the one at the smallest compute)",
+    )
+    parser.add_argument("--a-range", type=_a_range, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)")
+    parser.add_argument(
+        "--bootstrap",
+        type=_checked(int, lambda x: x >= 0, ">= 0"),
+        default=200,
+        help="bootstrap resamples for the A interval (0: none)",
     )
     parser.add_argument(
-        "--bootstrap", type=_checked(int, lambda x: x >= 0, ">= 0"), default=200, help="bootstrap resamples for the A interval (0: none)"
-    )
-    parser.add_argument(
-        "--level", type=_checked(float, lambda x: 0 < x < 1, "in (0, 1)"), default=0.95,
+        "--level",
+        type=_checked(float, lambda x: 0 < x < 1, "in (0, 1)"),
+        default=0.95,
         help="bootstrap percentile interval level, e.g. 0.95",
     )
     parser.add_argument("--seed", type=_checked(int, lambda x: x >= 0, ">= 0"), default=0, help="bootstrap seed")
     parser.add_argument("--plot", help="write the figure here (e.g. out.png)")
     parser.add_argument("--title", help="figure title")
     parser.add_argument(
-        "--extend", type=_checked(float, lambda x: x >= 1, ">= 1"), default=DEFAULT_EXTEND, help="plot up to this factor x the largest compute"
+        "--extend",
+        type=_checked(float, lambda x: x >= 1, ">= 1"),
+        default=DEFAULT_EXTEND,
+        help="plot up to this factor x the largest compute",
     )
     parser.add_argument(
         "--allow-partial-last-line", action="store_true", help="skip a half-written last line (live runs)"
@@ -149,9 +161,7 @@ def fit_run(run: RunCurve, args: argparse.Namespace) -> RunReport:
     """Sigmoid fit, bootstrap interval, power-law comparison and extrapolation errors of a run."""
     window = dict(fit_start=args.fit_start, fit_end=args.fit_end, unit=run.unit, name=f"run {run.name!r}")
     try:
-        fit = fit_sigmoid(
-            run.compute, run.pass_rate, r0=args.r0, method=args.method, a_range=args.a_range, **window
-        )
+        fit = fit_sigmoid(run.compute, run.pass_rate, r0=args.r0, method=args.method, a_range=args.a_range, **window)
     except ValueError as error:
         return RunReport(run=run, error=str(error))
     interval, notes = None, ()
@@ -230,8 +240,7 @@ def format_table(rows: list[list[str]]) -> str:
     """Left-aligned columns separated by two spaces; the last column is not padded."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
-        for row in rows
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows
     ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
@@ -253,9 +262,7 @@ def crossing_lines(reports: Sequence[RunReport], extend: float) -> list[str]:
             lines.append(f"{first.run.name} and {second.run.name}: no crossing in {span}")
         for point in points:
             after = point * LEADER_PROBE_FACTOR
-            leader, other = (
-                (first, second) if first.fit.predict(after) > second.fit.predict(after) else (second, first)
-            )
+            leader, other = (first, second) if first.fit.predict(after) > second.fit.predict(after) else (second, first)
             where = f"C = {format_compute(point)} {unit_label(first.fit.unit)}"
             rate = float(first.fit.predict(point))
             lines.append(f"{leader.run.name} overtakes {other.run.name} at {where} (pass rate {rate:.3f})")
@@ -273,9 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     names = args.names.split(",") if args.names else None
     try:
-        runs = read_runs(
-            args.runs, names=names, unit=args.unit, allow_partial_last_line=args.allow_partial_last_line
-        )
+        runs = read_runs(args.runs, names=names, unit=args.unit, allow_partial_last_line=args.allow_partial_last_line)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -302,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         series = [
-            PlotSeries(r.run.name, r.run.compute, r.run.pass_rate, fit=r.fit, interval=r.interval)
-            for r in reports
+            PlotSeries(r.run.name, r.run.compute, r.run.pass_rate, fit=r.fit, interval=r.interval) for r in reports
         ]
         try:
             path = plot_scaling(series, args.plot, unit=units.pop(), title=args.title, extend=args.extend)

@@ -14,6 +14,7 @@ own refusals (a workdir locked by another run, no usable checkpoint, a checkpoin
 written, a file or directory that cannot be read or written) print one line naming what and where
 and exit with status 1 (`--verbosity=1` logs the traceback too).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,7 @@ from ml_collections import config_flags
 from scalerl_jax.config_validation import ConfigError, check_backend, check_devices, validate
 from scalerl_jax.distributed.launch_env import LaunchEnvError, configure_cpu_collectives, distributed_init_kwargs
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, checkpoints and artifacts.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -67,8 +67,13 @@ def start(config) -> None:
         configure_cpu_collectives(init_kwargs["num_processes"])
         jax.distributed.initialize(**init_kwargs)
     check_backend(config, jax.default_backend())
-    logging.info("process %d of %d, local devices %s, global device count %d", jax.process_index(),
-                 jax.process_count(), [device.id for device in jax.local_devices()], jax.device_count())
+    logging.info(
+        "process %d of %d, local devices %s, global device count %d",
+        jax.process_index(),
+        jax.process_count(),
+        [device.id for device in jax.local_devices()],
+        jax.device_count(),
+    )
     check_devices(config, len(jax.devices()))
 
 

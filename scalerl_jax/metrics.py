@@ -7,6 +7,7 @@ the file (a crash may have lost its tail) and never keeps a damaged row: it land
 last complete row (a line ending in a newline that parses as a JSON object) at or before the
 offset. What was dropped is logged and kept in `MetricsWriter.resume_report`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,8 +94,14 @@ def plan_resume_cut(data: bytes, offset: int) -> ResumeReport:
             replayed.append(row["step"])
         else:
             damaged += len(line)
-    return ResumeReport(offset=offset, kept_rows=kept_rows, kept_bytes=cut, replayed_steps=tuple(replayed),
-                        damaged_bytes=damaged, lost_bytes=offset - cut)
+    return ResumeReport(
+        offset=offset,
+        kept_rows=kept_rows,
+        kept_bytes=cut,
+        replayed_steps=tuple(replayed),
+        damaged_bytes=damaged,
+        lost_bytes=offset - cut,
+    )
 
 
 class MetricsWriter:
@@ -128,12 +135,24 @@ class MetricsWriter:
             with open(self.path, "r+b") as f:
                 f.truncate(report.kept_bytes)
         if report.replayed_steps:
-            logging.info("%s: dropped %d row(s) logged after the checkpoint (steps %d-%d, replayed)",
-                         self.path, len(report.replayed_steps), report.replayed_steps[0], report.replayed_steps[-1])
+            logging.info(
+                "%s: dropped %d row(s) logged after the checkpoint (steps %d-%d, replayed)",
+                self.path,
+                len(report.replayed_steps),
+                report.replayed_steps[0],
+                report.replayed_steps[-1],
+            )
         if not report.clean:
-            logging.warning("%s: the checkpoint counted %d bytes; kept %d complete rows (%d bytes), dropped %d "
-                            "damaged bytes; %d counted bytes are lost", self.path, offset, report.kept_rows,
-                            report.kept_bytes, report.damaged_bytes, report.lost_bytes)
+            logging.warning(
+                "%s: the checkpoint counted %d bytes; kept %d complete rows (%d bytes), dropped %d "
+                "damaged bytes; %d counted bytes are lost",
+                self.path,
+                offset,
+                report.kept_rows,
+                report.kept_bytes,
+                report.damaged_bytes,
+                report.lost_bytes,
+            )
         return report
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -159,8 +178,13 @@ class MetricsWriter:
         self._tb.close()
 
 
-def format_progress(step: int, num_steps: int, metrics: Mapping[str, Any], eta_s: float | None,
-                    last_eval: tuple[int, float] | None = None) -> str:
+def format_progress(
+    step: int,
+    num_steps: int,
+    metrics: Mapping[str, Any],
+    eta_s: float | None,
+    last_eval: tuple[int, float] | None = None,
+) -> str:
     """The per-step progress line: step, pass rate, reward, loss and policy entropy, response length
     (mean/max completion tokens), tokens/s, lag, length control, compute, ETA; '-' for a missing
     number.

@@ -11,6 +11,7 @@ Restoring builds the train state abstractly (`nnx.eval_shape` + `jax.eval_shape`
 allocated before orbax reads them), sharded over a mesh by the same rules as training, so an
 8B state is spread over the given devices rather than gathered on one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,9 @@ def is_run_dir(path: str) -> bool:
     if not os.path.isdir(path):
         raise PolicySourceError(f"{path!r} does not exist or is not a directory")
     if not os.path.isfile(config_file):
-        raise PolicySourceError(f"{path!r} has no {RUN_CONFIG_FILE}: neither a run directory nor a "
-                                "Hugging Face checkpoint directory")
+        raise PolicySourceError(
+            f"{path!r} has no {RUN_CONFIG_FILE}: neither a run directory nor a Hugging Face checkpoint directory"
+        )
     with open(config_file) as f:
         try:
             content = json.load(f)
@@ -58,8 +60,10 @@ def is_run_dir(path: str) -> bool:
         return True
     if isinstance(content, dict) and "model_type" in content:
         return False
-    raise PolicySourceError(f"{config_file} is neither a run config (with `model` and `sampler`) "
-                            "nor a Hugging Face model config (with `model_type`)")
+    raise PolicySourceError(
+        f"{config_file} is neither a run config (with `model` and `sampler`) "
+        "nor a Hugging Face model config (with `model_type`)"
+    )
 
 
 def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
@@ -68,8 +72,10 @@ def load_run_config(run_dir: str) -> ml_collections.ConfigDict:
         raise PolicySourceError(f"run directory {run_dir!r} does not exist")
     config_file = os.path.join(run_dir, RUN_CONFIG_FILE)
     if not os.path.isfile(config_file):
-        raise PolicySourceError(f"run directory {run_dir!r} has no {RUN_CONFIG_FILE} "
-                                "(written by `python -m scalerl_jax.main` at the start of a run)")
+        raise PolicySourceError(
+            f"run directory {run_dir!r} has no {RUN_CONFIG_FILE} "
+            "(written by `python -m scalerl_jax.main` at the start of a run)"
+        )
     if not is_run_dir(run_dir):
         raise PolicySourceError(f"{config_file} is a Hugging Face model config, not a run config")
     with open(config_file) as f:
@@ -84,8 +90,10 @@ def base_checkpoint_dir(config: ml_collections.ConfigDict, run_dir: str) -> str:
     else:
         path, key = config.model.checkpoint, "model.checkpoint"
     if not path or not os.path.isdir(path):
-        raise PolicySourceError(f"the run's base checkpoint ({key}: {path!r}) is not a directory; it "
-                                "supplies the architecture and the tokenizer")
+        raise PolicySourceError(
+            f"the run's base checkpoint ({key}: {path!r}) is not a directory; it "
+            "supplies the architecture and the tokenizer"
+        )
     return path
 
 
@@ -104,8 +112,7 @@ def resolve_step(run_dir: str, step: int | None) -> int:
     if step is None:
         return steps[-1]
     if step not in steps:
-        raise PolicySourceError(f"run directory {run_dir!r} has no checkpoint at step {step}; "
-                                f"available steps: {steps}")
+        raise PolicySourceError(f"run directory {run_dir!r} has no checkpoint at step {step}; available steps: {steps}")
     return step
 
 
@@ -113,8 +120,14 @@ def run_model_overrides(config: ml_collections.ConfigDict) -> dict:
     """What a run sets over a checkpoint's config.json: dtype, fp32 head and its matmul algorithm,
     layer scan, remat policy, attention implementation."""
     m = config.model
-    return dict(dtype=m.dtype, fp32_head=m.fp32_head, head_precision=m.head_precision, scan_layers=m.scan_layers,
-                remat_policy=m.remat_policy, attention_impl=m.attention_impl)
+    return dict(
+        dtype=m.dtype,
+        fp32_head=m.fp32_head,
+        head_precision=m.head_precision,
+        scan_layers=m.scan_layers,
+        remat_policy=m.remat_policy,
+        attention_impl=m.attention_impl,
+    )
 
 
 def run_model_config(config: ml_collections.ConfigDict, base_dir: str) -> ModelConfig:
@@ -125,13 +138,22 @@ def run_model_config(config: ml_collections.ConfigDict, base_dir: str) -> ModelC
 def run_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """The run's optimizer from `config.optimizer` (its state's structure is part of a checkpoint)."""
     o = config.optimizer
-    return make_optimizer(OptimizerConfig(
-        learning_rate=o.lr, warmup_steps=o.warmup_steps, b1=o.b1, b2=o.b2, eps=o.eps,
-        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm or None))
+    return make_optimizer(
+        OptimizerConfig(
+            learning_rate=o.lr,
+            warmup_steps=o.warmup_steps,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            max_grad_norm=o.max_grad_norm or None,
+        )
+    )
 
 
-def restore_params(run_dir: str, config: ml_collections.ConfigDict, model_config: ModelConfig, step: int, *,
-                   mesh: Mesh) -> tuple[nnx.GraphDef, Any]:
+def restore_params(
+    run_dir: str, config: ml_collections.ConfigDict, model_config: ModelConfig, step: int, *, mesh: Mesh
+) -> tuple[nnx.GraphDef, Any]:
     """(graphdef, params) of checkpoint `step`, params sharded over `mesh` by the default rules.
 
     The abstract train state has the run's structure (model from `model_config`, optimizer state
@@ -143,8 +165,9 @@ def restore_params(run_dir: str, config: ml_collections.ConfigDict, model_config
     optimizer = run_optimizer(config)
     abstract_state = jax.eval_shape(lambda p: create_train_state(p, optimizer), abstract_params)
     shardings = train_state_shardings(abstract_state, optimizer, param_shardings(abstract_params, mesh), mesh)
-    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  abstract_state, shardings)
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
+    )
     checkpointer = RunCheckpointer(run_dir, keep=1)
     try:
         train_state, _ = checkpointer.restore(step, abstract_state)
@@ -168,8 +191,9 @@ class Policy:
     step: int | None
 
 
-def load_run_policy(run_dir: str, config: ml_collections.ConfigDict, *, step: int | None = None,
-                    mesh: Mesh | None = None) -> Policy:
+def load_run_policy(
+    run_dir: str, config: ml_collections.ConfigDict, *, step: int | None = None, mesh: Mesh | None = None
+) -> Policy:
     """The policy of `run_dir` at checkpoint `step` (default: the latest), restored over `mesh`
     (default: `config.mesh.trainer_shape` over all devices, as the trainer shards it)."""
     base = base_checkpoint_dir(config, run_dir)

@@ -7,19 +7,16 @@ PipelineRL-8, CISPO, prompt-level aggregation, batch-level advantage normalizati
 zero-variance filtering, No-Positive-Resampling, forced interruptions, FP32 LM head,
 48 prompts x 16 completions, AdamW lr 5e-7.
 """
+
 from __future__ import annotations
 
 import ml_collections
 
-INTERRUPTION_PHRASE = (
-    "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
-)
+INTERRUPTION_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 # Sequences per microbatch in the 8B configs: one per trainer GPU of the paper's 16.
 ROWS_PER_MICROBATCH = 16
 # `{problem}` is replaced literally (data.prompts.format_problem), so LaTeX braces stay as written.
-DEFAULT_PROMPT_TEMPLATE = (
-    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-)
+DEFAULT_PROMPT_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def scalerl_8b() -> ml_collections.ConfigDict:
@@ -294,6 +291,7 @@ def _batch(prompts: int):
     def apply(c):
         c.batch.prompts_per_step = prompts // c.batch.generations_per_prompt
         c.batch.microbatches = prompts // ROWS_PER_MICROBATCH
+
     return apply
 
 
@@ -303,6 +301,7 @@ def _generations(n: int):
         c.batch.generations_per_prompt = n
         c.batch.prompts_per_step = total // n
         c.batch.microbatches = total // ROWS_PER_MICROBATCH
+
     return apply
 
 
@@ -405,7 +404,16 @@ def tiny() -> ml_collections.ConfigDict:
     c.warm_start.max_len = 72  # the longest prompt + trace is 65 tokens
     c.warm_start.tokenizer_vocab_size = 300
     c.warm_start.log_every = 25
-    c.warm_start.model_overrides = ml_collections.ConfigDict(dict(
-        hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-        rope_scaling=None, max_position_embeddings=128))
+    c.warm_start.model_overrides = ml_collections.ConfigDict(
+        dict(
+            hidden_size=128,
+            intermediate_size=384,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            rope_scaling=None,
+            max_position_embeddings=128,
+        )
+    )
     return c

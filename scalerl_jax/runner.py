@@ -10,6 +10,7 @@ evaluation, checkpoints) runs in the trainer thread between steps, while the tra
 donated, and the first evaluation in the same thread before the first step (`Pipeline.on_start`):
 evaluation samples on the generators' own batchers (`Pipeline.sample_eval`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,18 +35,27 @@ from scalerl_jax.config_validation import ConfigError, check_resume, config_json
 from scalerl_jax.console import quiet_library_logs
 from scalerl_jax.data.rows import read_rows
 from scalerl_jax.metrics import MetricsWriter, format_progress
-from scalerl_jax.models import (CheckpointTokenizer, abstract_hf, load_checkpoint_tokenizer, load_hf, make_mesh,
-                                param_shardings)
+from scalerl_jax.models import (
+    CheckpointTokenizer,
+    abstract_hf,
+    load_checkpoint_tokenizer,
+    load_hf,
+    make_mesh,
+    param_shardings,
+)
 from scalerl_jax.distributed import coordination
-from scalerl_jax.distributed.remote_generator import (GeneratorPush, LinkService, ParamsInbox, RemoteLink,
-                                                     first_version)
+from scalerl_jax.distributed.remote_generator import GeneratorPush, LinkService, ParamsInbox, RemoteLink, first_version
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.trainer_group import TrainerGroup, TrainerOps, follow, report_restored
 from scalerl_jax.distributed.transport import TRAIN, LeaderTransport, Routes, plan_routes
 from scalerl_jax.distributed.watchdog import Heartbeat
 from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender, push_local
-from scalerl_jax.distributed.wiring import (ProcessLinks, connect_processes, start_transfer_server,
-                                            trainer_transfer_addresses)
+from scalerl_jax.distributed.wiring import (
+    ProcessLinks,
+    connect_processes,
+    start_transfer_server,
+    trainer_transfer_addresses,
+)
 from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, SamplingSettings
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, StepRecord, sampling_settings
@@ -53,11 +63,16 @@ from scalerl_jax.pipeline.queue import PipelineStopped
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine
-from scalerl_jax.sampling_setup import (check_think_end, interrupts, make_engine_config, make_prompt_encoder,
-                                       make_reward_config, max_sequence_length)
+from scalerl_jax.sampling_setup import (
+    check_think_end,
+    interrupts,
+    make_engine_config,
+    make_prompt_encoder,
+    make_reward_config,
+    max_sequence_length,
+)
 from scalerl_jax.scaling import ComputeMeter
-from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer,
-                               make_train_step)
+from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
@@ -73,6 +88,7 @@ RUN_ERRORS = (WorkdirLockedError, CheckpointError)
 # ---------------------------------------------------------------------------------------------
 # Policy and task
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicySource:
@@ -113,8 +129,9 @@ class TaskData:
     num_too_long: int
 
 
-def _encode_rows(rows: list[dict], encoder: data_lib.PromptEncoder, name: str,
-                 label_field: str | None) -> tuple[EvalSet, int]:
+def _encode_rows(
+    rows: list[dict], encoder: data_lib.PromptEncoder, name: str, label_field: str | None
+) -> tuple[EvalSet, int]:
     prompt_set = data_lib.build_prompt_set(rows, encoder, label_field=label_field)
     problems = [rows[i]["problem"] for i in prompt_set.source_indices]
     labels = prompt_set.labels if label_field else None
@@ -127,11 +144,20 @@ def _dataset_builder(config: ml_collections.ConfigDict, workdir: str):
     if config.data.dataset == "synthetic":
         return data_lib.build_synthetic(data_dir, synthetic_task(config)), "level"
     if config.data.dataset == "polaris_53k":
-        return data_lib.build_polaris(data_dir, os.path.dirname(os.path.abspath(config.data.path)),
-                                      heldout_size=config.data.heldout_size, seed=config.data.heldout_seed), "difficulty"
+        return data_lib.build_polaris(
+            data_dir,
+            os.path.dirname(os.path.abspath(config.data.path)),
+            heldout_size=config.data.heldout_size,
+            seed=config.data.heldout_seed,
+        ), "difficulty"
     return data_lib.build_local_file(
-        data_dir, config.data.path, problem_field=config.data.problem_field, answer_field=config.data.answer_field,
-        heldout_size=config.data.heldout_size, seed=config.data.heldout_seed), "difficulty"
+        data_dir,
+        config.data.path,
+        problem_field=config.data.problem_field,
+        answer_field=config.data.answer_field,
+        heldout_size=config.data.heldout_size,
+        seed=config.data.heldout_seed,
+    ), "difficulty"
 
 
 def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
@@ -145,21 +171,30 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
     if not train.prompts:
         raise ConfigError(
             f"config key `data.max_prompt_tokens` = {config.data.max_prompt_tokens}: all {len(train_rows)} "
-            "training prompts are longer (after the prompt template); raise it or shorten the template")
+            "training prompts are longer (after the prompt template); raise it or shorten the template"
+        )
     extra_sets, extra_too_long = [], 0
     for name, path in sorted(config.eval.extra.items()):
-        rows = [row.fields for row in read_rows(
-            path, {"problem": config.data.problem_field, "answer": config.data.answer_field})]
+        rows = [
+            row.fields
+            for row in read_rows(path, {"problem": config.data.problem_field, "answer": config.data.answer_field})
+        ]
         eval_set, too_long = _encode_rows(rows, encoder, f"eval_{name}", None)
         extra_sets.append(eval_set)
         extra_too_long += too_long
-    return TaskData(train.problems, train.prompts, train.golds, [heldout, *extra_sets],
-                    train_too_long + heldout_too_long + extra_too_long)
+    return TaskData(
+        train.problems,
+        train.prompts,
+        train.golds,
+        [heldout, *extra_sets],
+        train_too_long + heldout_too_long + extra_too_long,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Devices, trainer, sampler, scorer
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Meshes:
@@ -177,9 +212,11 @@ def generator_mesh(config: ml_collections.ConfigDict, roles: Roles, process: int
 
 
 def build_meshes(config: ml_collections.ConfigDict, roles: Roles) -> Meshes:
-    return Meshes(generator_mesh(config, roles, roles.process) if roles.is_generator else None,
-                  make_mesh(config.mesh.trainer_shape, devices=roles.trainer_devices) if roles.is_trainer else None,
-                  len(set(roles.generator_devices) | set(roles.trainer_devices)))
+    return Meshes(
+        generator_mesh(config, roles, roles.process) if roles.is_generator else None,
+        make_mesh(config.mesh.trainer_shape, devices=roles.trainer_devices) if roles.is_trainer else None,
+        len(set(roles.generator_devices) | set(roles.trainer_devices)),
+    )
 
 
 @dataclasses.dataclass
@@ -198,41 +235,76 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     graphdef, params = nnx.split(model)
     o = config.optimizer
     optimizer_config = OptimizerConfig(
-        learning_rate=o.lr, warmup_steps=o.warmup_steps, b1=o.b1, b2=o.b2, eps=o.eps,
-        weight_decay=o.weight_decay, max_grad_norm=o.max_grad_norm or None)
+        learning_rate=o.lr,
+        warmup_steps=o.warmup_steps,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm or None,
+    )
     optimizer = make_optimizer(optimizer_config)
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_fn = make_train_step(graphdef, optimizer, TrainStepConfig(
-        objective=config.rl.objective, aggregation=config.rl.aggregation,
-        advantage_normalization=config.rl.advantage_normalization, eps_low=config.rl.eps_low,
-        eps_high=config.rl.eps_high, eps_max=config.rl.eps_max, num_microbatches=config.batch.microbatches,
-        temperature=config.sampler.temperature, logprob_chunk_size=config.model.logprob_chunk,
-        skip_nonfinite=config.nan_policy == "skip", sort_by_length=config.batch.sort_by_length),
-        mesh=mesh, state_shardings=state_shardings,
-        learning_rate_schedule=learning_rate_schedule(optimizer_config))
+    step_fn = make_train_step(
+        graphdef,
+        optimizer,
+        TrainStepConfig(
+            objective=config.rl.objective,
+            aggregation=config.rl.aggregation,
+            advantage_normalization=config.rl.advantage_normalization,
+            eps_low=config.rl.eps_low,
+            eps_high=config.rl.eps_high,
+            eps_max=config.rl.eps_max,
+            num_microbatches=config.batch.microbatches,
+            temperature=config.sampler.temperature,
+            logprob_chunk_size=config.model.logprob_chunk,
+            skip_nonfinite=config.nan_policy == "skip",
+            sort_by_length=config.batch.sort_by_length,
+        ),
+        mesh=mesh,
+        state_shardings=state_shardings,
+        learning_rate_schedule=learning_rate_schedule(optimizer_config),
+    )
     return Trainer(graphdef, model.config, state, step_fn)
 
 
-def build_engine(config: ml_collections.ConfigDict, graphdef: Any, model_config: Any, tokens: CheckpointTokenizer,
-                 mesh: jax.sharding.Mesh) -> Engine:
+def build_engine(
+    config: ml_collections.ConfigDict,
+    graphdef: Any,
+    model_config: Any,
+    tokens: CheckpointTokenizer,
+    mesh: jax.sharding.Mesh,
+) -> Engine:
     """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
     return Engine(graphdef, model_config, make_engine_config(config, tokens), mesh=mesh)
 
 
-def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, reward_config, verify_pool,
-                   pool: data_lib.PromptPool, task: TaskData):
+def make_reward_fn(
+    config: ml_collections.ConfigDict,
+    tokens: CheckpointTokenizer,
+    reward_config,
+    verify_pool,
+    pool: data_lib.PromptPool,
+    task: TaskData,
+):
     """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history."""
     length_shaping = config.rl.length_control == "length_penalty"
 
     def reward_fn(prompt: Prompt, completions) -> list[float]:
         texts = [tokens.tokenizer.decode(list(c.tokens)) for c in completions]
-        scored = data_lib.score_completions(texts, [task.train_golds[prompt.key]] * len(texts), reward_config,
-                                            pool=verify_pool, problems=[task.train_problems[prompt.key]] * len(texts))
+        scored = data_lib.score_completions(
+            texts,
+            [task.train_golds[prompt.key]] * len(texts),
+            reward_config,
+            pool=verify_pool,
+            problems=[task.train_problems[prompt.key]] * len(texts),
+        )
         rewards = np.asarray(scored.rewards, np.float32)
         if length_shaping:
             lengths = np.asarray([len(c.tokens) for c in completions], np.float32)
-            penalty = np.asarray(length_penalty(lengths, l_max=config.rl.length_penalty_max,
-                                                l_cache=config.rl.length_penalty_cache))
+            penalty = np.asarray(
+                length_penalty(lengths, l_max=config.rl.length_penalty_max, l_cache=config.rl.length_penalty_cache)
+            )
             rewards = rewards + np.where(scored.correct, penalty, 0.0)
         pool.record(prompt.key, int(scored.correct.sum()), len(completions))
         return rewards.tolist()
@@ -243,6 +315,7 @@ def make_reward_fn(config: ml_collections.ConfigDict, tokens: CheckpointTokenize
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
+
 
 class Evaluator:
     """Every evaluation set, sampled by `sample_eval(version, prompts, seed_offset)` (on the
@@ -255,9 +328,16 @@ class Evaluator:
     `(v << 20) + i`.
     """
 
-    def __init__(self, config: ml_collections.ConfigDict, task: TaskData, source: PolicySource,
-                 sample_eval: Callable[[int, list[list[int]], int], list[Completion]], reward_config,
-                 verify_pool, samples_path: str):
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        task: TaskData,
+        source: PolicySource,
+        sample_eval: Callable[[int, list[list[int]], int], list[Completion]],
+        reward_config,
+        verify_pool,
+        samples_path: str,
+    ):
         self._config, self._task, self._source = config, task, source
         self._sample_eval, self._reward_config, self._pool = sample_eval, reward_config, verify_pool
         self._samples_path = samples_path
@@ -279,14 +359,21 @@ class Evaluator:
 
         def score(texts, golds):
             captured["texts"] = texts
-            captured["scored"] = data_lib.score_completions(texts, golds, self._reward_config, pool=self._pool,
-                                                            problems=problems)
+            captured["scored"] = data_lib.score_completions(
+                texts, golds, self._reward_config, pool=self._pool, problems=problems
+            )
             return captured["scored"]
 
         result = data_lib.evaluate(
-            sample, eval_set.prompts, eval_set.golds, num_samples=samples,
-            decode=lambda t: self._source.tokens.tokenizer.decode(t), reward_fn=score,
-            difficulties=eval_set.labels, prefix=eval_set.name)
+            sample,
+            eval_set.prompts,
+            eval_set.golds,
+            num_samples=samples,
+            decode=lambda t: self._source.tokens.tokenizer.decode(t),
+            reward_fn=score,
+            difficulties=eval_set.labels,
+            prefix=eval_set.name,
+        )
         if eval_set.name == "eval":
             self._write_samples(eval_set, version, captured)
         return result.metrics
@@ -298,19 +385,32 @@ class Evaluator:
             for index in range(min(logged, len(eval_set.prompts)) * samples):
                 completion = captured["completions"][index]
                 problem = eval_set.problems[index // samples]
-                f.write(json.dumps({
-                    "step": version, "set": eval_set.name, "prompt_index": index // samples,
-                    "sample": index % samples, "prompt": self._source.encoder.text(problem),
-                    "completion": captured["texts"][index], "extracted_answer": scored.predictions[index],
-                    "gold": eval_set.golds[index // samples], "reward": float(scored.rewards[index]),
-                    "outcome": scored.outcomes[index], "finish_reason": completion.finish_reason,
-                    "last_token": completion.tokens[-1] if completion.tokens else None,
-                    "num_tokens": len(completion.tokens)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": version,
+                            "set": eval_set.name,
+                            "prompt_index": index // samples,
+                            "sample": index % samples,
+                            "prompt": self._source.encoder.text(problem),
+                            "completion": captured["texts"][index],
+                            "extracted_answer": scored.predictions[index],
+                            "gold": eval_set.golds[index // samples],
+                            "reward": float(scored.rewards[index]),
+                            "outcome": scored.outcomes[index],
+                            "finish_reason": completion.finish_reason,
+                            "last_token": completion.tokens[-1] if completion.tokens else None,
+                            "num_tokens": len(completion.tokens),
+                        }
+                    )
+                    + "\n"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
 # Per-step reporting: metrics, evaluation, checkpoints
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class RunState:
@@ -324,8 +424,18 @@ class RunState:
 class StepReporter:
     """`on_step(record)`: metrics row and progress line, evaluation and checkpoints of one step."""
 
-    def __init__(self, config, task: TaskData, run_state: RunState, writers: Sequence[Any], evaluator: Evaluator,
-                 checkpointer: RunCheckpointer, group: TrainerGroup, state: Any, fingerprint: dict):
+    def __init__(
+        self,
+        config,
+        task: TaskData,
+        run_state: RunState,
+        writers: Sequence[Any],
+        evaluator: Evaluator,
+        checkpointer: RunCheckpointer,
+        group: TrainerGroup,
+        state: Any,
+        fingerprint: dict,
+    ):
         self._config, self._task, self._run_state = config, task, run_state
         self._writers, self._evaluator, self._checkpointer = writers, evaluator, checkpointer
         self._group = group  # every trainer process saves with the leader
@@ -345,10 +455,16 @@ class StepReporter:
 
     def checkpoint(self, version: int) -> None:
         rs = self._run_state
-        run_state = {"version": version, "pool": rs.pool.state_dict(), "meter": rs.meter.state_dict(),
-                     "metrics_offset": self._writers[0].offset(), "nonfinite_steps": rs.nonfinite_steps}
-        self._group.checkpoint(version, lambda: self._checkpointer.save(
-            version, self.state, run_state, config=self._fingerprint))
+        run_state = {
+            "version": version,
+            "pool": rs.pool.state_dict(),
+            "meter": rs.meter.state_dict(),
+            "metrics_offset": self._writers[0].offset(),
+            "nonfinite_steps": rs.nonfinite_steps,
+        }
+        self._group.checkpoint(
+            version, lambda: self._checkpointer.save(version, self.state, run_state, config=self._fingerprint)
+        )
 
     def on_step(self, record: StepRecord) -> None:
         config, rs = self._config, self._run_state
@@ -358,18 +474,31 @@ class StepReporter:
         finite = bool(metrics.get("train/finite", 1.0))
         rs.nonfinite_steps += int(not finite)
         rewards = np.concatenate([g.rewards for g in record.groups])
-        rs.meter.add_tokens(generated=sum(g.num_generated_tokens for g in record.groups),
-                            trained=int(metrics.get("train/num_loss_tokens", 0)))
-        metrics.update({"train/reward_mean": float(rewards.mean()), "train/pass_rate": float((rewards > 0).mean()),
-                        "train/nonfinite_steps": rs.nonfinite_steps, "data/prompts_too_long": self._task.num_too_long,
-                        **rs.pool.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
+        rs.meter.add_tokens(
+            generated=sum(g.num_generated_tokens for g in record.groups),
+            trained=int(metrics.get("train/num_loss_tokens", 0)),
+        )
+        metrics.update(
+            {
+                "train/reward_mean": float(rewards.mean()),
+                "train/pass_rate": float((rewards > 0).mean()),
+                "train/nonfinite_steps": rs.nonfinite_steps,
+                "data/prompts_too_long": self._task.num_too_long,
+                **rs.pool.metrics(),
+                **rs.meter.metrics(),
+                "compute/unit": "device_hours",
+            }
+        )
         if not finite:
             if config.nan_policy == "stop":
                 self.write(version, metrics)  # the failing step's row stays on record
-                raise FloatingPointError(f"non-finite loss or gradient at step {version}; the last "
-                                         "checkpoint is intact; set nan_policy='skip' to skip such steps")
-            logging.warning("step %d: non-finite loss or gradient, update skipped (%d so far)", version,
-                            rs.nonfinite_steps)
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {version}; the last "
+                    "checkpoint is intact; set nan_policy='skip' to skip such steps"
+                )
+            logging.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d so far)", version, rs.nonfinite_steps
+            )
         if version % config.eval.every == 0 or version == config.num_steps:
             metrics.update(self.evaluate(version))
             metrics.update(rs.meter.metrics())
@@ -377,7 +506,11 @@ class StepReporter:
         self._step_times.append(time.time())
         eta = None
         if len(self._step_times) > 1:
-            eta = (self._step_times[-1] - self._step_times[0]) / (len(self._step_times) - 1) * (config.num_steps - version)
+            eta = (
+                (self._step_times[-1] - self._step_times[0])
+                / (len(self._step_times) - 1)
+                * (config.num_steps - version)
+            )
         logging.info(format_progress(version, config.num_steps, metrics, eta, self.last_eval))
         aligned = config.schedule.kind != "ppo_off_policy" or version % config.schedule.k == 0
         if version % config.checkpoint.every == 0 and aligned:
@@ -387,6 +520,7 @@ class StepReporter:
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def preserved_signal_handlers() -> Iterator[None]:
@@ -416,12 +550,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         jax.config.update("jax_default_device", jax.local_devices()[0])
     d = config.distributed
     with preserved_signal_handlers(), contextlib.ExitStack() as stack:
-        coordination.run_once("prepare", lambda: prepare_shared_files(config, workdir, stack),
-                              timeout_s=d.connect_timeout_s)
+        coordination.run_once(
+            "prepare", lambda: prepare_shared_files(config, workdir, stack), timeout_s=d.connect_timeout_s
+        )
         source = build_policy_source(config, workdir)
         links = connect_processes(roles, timeout_s=d.connect_timeout_s) if roles.distributed else None
-        heartbeat = (Heartbeat(links.heartbeats(), interval_s=d.heartbeat_s, timeout_s=d.heartbeat_timeout_s)
-                     if links else None)
+        heartbeat = (
+            Heartbeat(links.heartbeats(), interval_s=d.heartbeat_s, timeout_s=d.heartbeat_timeout_s) if links else None
+        )
         policy = abstract_hf(source.checkpoint_dir, **run_model_overrides(config))
         meshes = build_meshes(config, roles)
         transfer = build_transfer(config, roles, plan_routes(roles), policy[1], meshes.trainer)
@@ -474,6 +610,7 @@ def check_custom_reward(config: ml_collections.ConfigDict) -> None:
 # Params routes: weight transfer between processes
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class TransferSide:
     """This process's weight-transfer pieces: offers (trainer processes) and pulls (generators)."""
@@ -482,24 +619,34 @@ class TransferSide:
     pull: Callable[[int], Any] | None  # version -> params on this generator's shardings
 
 
-def build_transfer(config: ml_collections.ConfigDict, roles: Roles, routes: Routes, abstract_params: Any,
-                   trainer_mesh: jax.sharding.Mesh | None) -> TransferSide:
+def build_transfer(
+    config: ml_collections.ConfigDict,
+    roles: Roles,
+    routes: Routes,
+    abstract_params: Any,
+    trainer_mesh: jax.sharding.Mesh | None,
+) -> TransferSide:
     """A sender on trainer processes and a receiver on a generator process that gets its params by
     transfer; nothing otherwise."""
     needs_pull = roles.process in routes.transfer_generators
     if not routes.transfer_generators or not (roles.is_trainer or needs_pull):
         return TransferSide(None, None)
     server = start_transfer_server(roles)
-    targets = lambda processes: {g: param_shardings(abstract_params, generator_mesh(config, roles, g))
-                                 for g in processes}
+    targets = lambda processes: {
+        g: param_shardings(abstract_params, generator_mesh(config, roles, g)) for g in processes
+    }
     offer = None
     if roles.is_trainer:
         senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
         offer = lambda purpose, ident, params: senders[purpose].offer(params, ident)
     pull = None
     if needs_pull:
-        receiver = ParamsReceiver(targets([roles.process])[roles.process], abstract_params, server,
-                                  trainer_transfer_addresses(roles, timeout_s=config.distributed.connect_timeout_s))
+        receiver = ParamsReceiver(
+            targets([roles.process])[roles.process],
+            abstract_params,
+            server,
+            trainer_transfer_addresses(roles, timeout_s=config.distributed.connect_timeout_s),
+        )
         pull = receiver.pull
     return TransferSide(offer, pull)
 
@@ -507,6 +654,7 @@ def build_transfer(config: ml_collections.ConfigDict, roles: Roles, routes: Rout
 # ---------------------------------------------------------------------------------------------
 # The three kinds of process
 # ---------------------------------------------------------------------------------------------
+
 
 def _restore(checkpointer: RunCheckpointer, trainer: Trainer) -> dict | None:
     """Restores the newest usable checkpoint into `trainer.state`; its run state, or None."""
@@ -518,15 +666,27 @@ def _restore(checkpointer: RunCheckpointer, trainer: Trainer) -> dict | None:
     return {**restored.run_state, "step": restored.step}
 
 
-def _run_follower(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
-                  links: ProcessLinks, meshes: Meshes, transfer: TransferSide, policy: tuple) -> None:
+def _run_follower(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    roles: Roles,
+    source: PolicySource,
+    links: ProcessLinks,
+    meshes: Meshes,
+    transfer: TransferSide,
+    policy: tuple,
+) -> None:
     """A trainer process other than the leader: the same state, the leader's operations; with
     generator devices too, its generator runs in a thread beside them."""
     errors: list[BaseException] = []
     generator = None
     if roles.is_generator:
-        generator = threading.Thread(target=_capture, args=(errors, _run_generator, config, roles, source, links,
-                                                            meshes, transfer, policy), name="generator", daemon=True)
+        generator = threading.Thread(
+            target=_capture,
+            args=(errors, _run_generator, config, roles, source, links, meshes, transfer, policy),
+            name="generator",
+            daemon=True,
+        )
         generator.start()
     _follow(config, workdir, roles, source, links, meshes.trainer, transfer)
     if generator is not None:
@@ -543,8 +703,15 @@ def _capture(errors: list[BaseException], fn: Callable, *args) -> None:
         errors.append(error)
 
 
-def _follow(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
-            links: ProcessLinks, mesh: jax.sharding.Mesh, transfer: TransferSide) -> None:
+def _follow(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    roles: Roles,
+    source: PolicySource,
+    links: ProcessLinks,
+    mesh: jax.sharding.Mesh,
+    transfer: TransferSide,
+) -> None:
     checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=roles.trainer_processes)
     try:
         trainer = build_trainer(config, source.checkpoint_dir, mesh)
@@ -556,17 +723,30 @@ def _follow(config: ml_collections.ConfigDict, workdir: str, roles: Roles, sourc
             trainer.state, _ = trainer.step_fn(trainer.state, batch)
 
         ops = TrainerOps(
-            train=train, offer=lambda ident, purpose: transfer.offer(purpose, ident, trainer.state.params),
-            checkpoint=lambda step: checkpointer.save(step, trainer.state, {}, config=fingerprint))
-        steps = follow(links.leader["trainer"], batch_sharding=trainer.step_fn.batch_sharding, ops=ops,
-                       timeout_s=config.distributed.reply_timeout_s)
+            train=train,
+            offer=lambda ident, purpose: transfer.offer(purpose, ident, trainer.state.params),
+            checkpoint=lambda step: checkpointer.save(step, trainer.state, {}, config=fingerprint),
+        )
+        steps = follow(
+            links.leader["trainer"],
+            batch_sharding=trainer.step_fn.batch_sharding,
+            ops=ops,
+            timeout_s=config.distributed.reply_timeout_s,
+        )
         logging.info("follower trainer: %d steps, stopped by the leader", steps)
     finally:
         checkpointer.close()
 
 
-def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: PolicySource, links: ProcessLinks,
-                   meshes: Meshes, transfer: TransferSide, policy: tuple) -> None:
+def _run_generator(
+    config: ml_collections.ConfigDict,
+    roles: Roles,
+    source: PolicySource,
+    links: ProcessLinks,
+    meshes: Meshes,
+    transfer: TransferSide,
+    policy: tuple,
+) -> None:
     """A generator process: its own engine on its local devices, fed by the leader (module doc of
     `distributed/remote_generator.py`); the first announced version starts it. `policy`: the
     checkpoint's (graphdef, abstract params, model config)."""
@@ -587,8 +767,12 @@ def _run_generator(config: ml_collections.ConfigDict, roles: Roles, source: Poli
     thread = threading.Thread(target=receive, name="params-inbox", daemon=True)
     thread.start()
     counters = GeneratorCounters()
-    loop = GeneratorLoop(batcher, RemoteLink(links.leader["control"], timeout_s=d.reply_timeout_s, counters=counters),
-                         generator_sampling(config, source.tokens), counters)
+    loop = GeneratorLoop(
+        batcher,
+        RemoteLink(links.leader["control"], timeout_s=d.reply_timeout_s, counters=counters),
+        generator_sampling(config, source.tokens),
+        counters,
+    )
     try:
         loop.run(stop)
     except PipelineStopped:
@@ -605,9 +789,16 @@ def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointToke
     return sampling_settings(build_pipeline_config(config, tokens, None, (), 0))
 
 
-def _leader_batcher(config: ml_collections.ConfigDict, source: PolicySource, trainer: Trainer, meshes: Meshes,
-                    routes: Routes, transfer: TransferSide, group: TrainerGroup,
-                    start_step: int) -> ContinuousBatcher | None:
+def _leader_batcher(
+    config: ml_collections.ConfigDict,
+    source: PolicySource,
+    trainer: Trainer,
+    meshes: Meshes,
+    routes: Routes,
+    transfer: TransferSide,
+    group: TrainerGroup,
+    start_step: int,
+) -> ContinuousBatcher | None:
     """Offers version `start_step` to the generators fed by transfer; then the leader's own
     generator batcher holding it (None without generator devices here). It also evaluates."""
     if routes.transfer_generators:
@@ -630,13 +821,23 @@ def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any
     if config.sampler.compile_ahead:
         start = time.perf_counter()
         batcher.warm_up(config.data.max_prompt_tokens)
-        logging.info("generator: compiled %d decode-path programs ahead in %.1f s",
-                     sum(engine.compile_counts.values()), time.perf_counter() - start)
+        logging.info(
+            "generator: compiled %d decode-path programs ahead in %.1f s",
+            sum(engine.compile_counts.values()),
+            time.perf_counter() - start,
+        )
     return batcher
 
 
-def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
-                links: ProcessLinks | None, meshes: Meshes, transfer: TransferSide) -> dict[str, Any]:
+def _run_leader(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    roles: Roles,
+    source: PolicySource,
+    links: ProcessLinks | None,
+    meshes: Meshes,
+    transfer: TransferSide,
+) -> dict[str, Any]:
     """The leader: the run's decisions and outputs. Its collective steps (checkpointer, trainer,
     restore) come in the same order as a follower's."""
     checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=roles.trainer_processes)
@@ -646,17 +847,28 @@ def _run_leader(config: ml_collections.ConfigDict, workdir: str, roles: Roles, s
         checkpointer.close()
 
 
-def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source: PolicySource,
-          links: ProcessLinks | None, checkpointer: RunCheckpointer, meshes: Meshes,
-          transfer: TransferSide) -> dict[str, Any]:
+def _lead(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    roles: Roles,
+    source: PolicySource,
+    links: ProcessLinks | None,
+    checkpointer: RunCheckpointer,
+    meshes: Meshes,
+    transfer: TransferSide,
+) -> dict[str, Any]:
     run_start = time.time()
     task = load_task(config, workdir, source.encoder)
     trainer = build_trainer(config, source.checkpoint_dir, meshes.trainer)
 
     run_state = RunState(
-        pool=data_lib.PromptPool(len(task.train_prompts), seed=config.seed,
-                                 npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None),
-        meter=ComputeMeter())
+        pool=data_lib.PromptPool(
+            len(task.train_prompts),
+            seed=config.seed,
+            npr_threshold=config.rl.positive_pass_rate if config.rl.no_positive_resampling else None,
+        ),
+        meter=ComputeMeter(),
+    )
     start_step, metrics_offset = 0, None
     saved = _restore(checkpointer, trainer)
     if saved is not None:
@@ -666,25 +878,38 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
         run_state.nonfinite_steps = int(saved["nonfinite_steps"])
 
     routes = plan_routes(roles)
-    group = TrainerGroup(list(links.of_role("trainer").values()) if links else [], process=roles.process,
-                         step_fn=trainer.step_fn, batch_sharding=trainer.step_fn.batch_sharding)
+    group = TrainerGroup(
+        list(links.of_role("trainer").values()) if links else [],
+        process=roles.process,
+        step_fn=trainer.step_fn,
+        batch_sharding=trainer.step_fn.batch_sharding,
+    )
     group.check_restored(None if saved is None else saved["step"], timeout_s=config.distributed.reply_timeout_s)
     remote_params = [c for p, c in links.of_role("params").items()] if links else []
     remote = GeneratorPush(remote_params, timeout_s=config.distributed.reply_timeout_s) if remote_params else None
     batcher = _leader_batcher(config, source, trainer, meshes, routes, transfer, group, start_step)
-    transport = LeaderTransport(routes, group=group, offer=transfer.offer, local_batcher=batcher,
-                                local_pull=transfer.pull, remote=remote)
+    transport = LeaderTransport(
+        routes, group=group, offer=transfer.offer, local_batcher=batcher, local_pull=transfer.pull, remote=remote
+    )
     if remote is not None:
         remote.announce(start_step)  # the offer was made with the local one
 
     reward_config = make_reward_config(config)
-    verify_pool = data_lib.VerifyPool(config.data.verify_workers, time_limit_s=config.data.verify_timeout_s,
-                                      reward_fn=reward_config.reward_fn)
+    verify_pool = data_lib.VerifyPool(
+        config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
+    )
     writers = [MetricsWriter(workdir, resume_offset=metrics_offset)]
     if config.logging.wandb_project:
         from scalerl_jax.wandb_sink import WandbSink  # optional extra
-        writers.append(WandbSink(project=config.logging.wandb_project, mode=config.logging.wandb_mode,
-                                 workdir=workdir, config=config_json(config)))
+
+        writers.append(
+            WandbSink(
+                project=config.logging.wandb_project,
+                mode=config.logging.wandb_mode,
+                workdir=workdir,
+                config=config_json(config),
+            )
+        )
 
     def prompt_source() -> Prompt:
         index = run_state.pool.next_prompts(1)[0]
@@ -692,16 +917,24 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
 
     pipeline = Pipeline(
         build_pipeline_config(config, source.tokens, trainer.model_config, roles.trainer_devices, start_step),
-        batcher=batcher, prompt_source=prompt_source,
+        batcher=batcher,
+        prompt_source=prompt_source,
         reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
-        train_step=group.train_step, train_state=trainer.state, push_params=transport.push, remote_generators=[
+        train_step=group.train_step,
+        train_state=trainer.state,
+        push_params=transport.push,
+        remote_generators=[
             (f"link-{process}", LinkService(conn, timeout_s=config.distributed.reply_timeout_s).serve)
-            for process, conn in (links.of_role("control").items() if links else [])])
+            for process, conn in (links.of_role("control").items() if links else [])
+        ],
+    )
     # Evaluation samples on the pipeline's generators, so it runs inside the pipeline's trainer thread.
-    evaluator = Evaluator(config, task, source, pipeline.sample_eval, reward_config, verify_pool,
-                          os.path.join(workdir, SAMPLES_FILE))
-    reporter = StepReporter(config, task, run_state, writers, evaluator, checkpointer, group, trainer.state,
-                            flat_config(config))
+    evaluator = Evaluator(
+        config, task, source, pipeline.sample_eval, reward_config, verify_pool, os.path.join(workdir, SAMPLES_FILE)
+    )
+    reporter = StepReporter(
+        config, task, run_state, writers, evaluator, checkpointer, group, trainer.state, flat_config(config)
+    )
     pipeline.on_step = reporter.on_step
 
     def first_evaluation() -> None:
@@ -724,28 +957,48 @@ def _lead(config: ml_collections.ConfigDict, workdir: str, roles: Roles, source:
     group.stop()
     if remote is not None:
         remote.stop()
-    summary = {"steps": result.version, "stop_reason": result.stop_reason,
-               "queued_groups_at_stop": len(result.queued_group_ids), "minutes": (time.time() - run_start) / 60}
+    summary = {
+        "steps": result.version,
+        "stop_reason": result.stop_reason,
+        "queued_groups_at_stop": len(result.queued_group_ids),
+        "minutes": (time.time() - run_start) / 60,
+    }
     low, high = config.eval.fit_a_range
     fit_cli.main([workdir, "--a-range", f"{low},{high}", "--plot", os.path.join(workdir, "scaling.png")])
     return summary
 
 
-def build_pipeline_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, model_config: Any,
-                          trainer_devices: Sequence[jax.Device], start_step: int) -> PipelineConfig:
+def build_pipeline_config(
+    config: ml_collections.ConfigDict,
+    tokens: CheckpointTokenizer,
+    model_config: Any,
+    trainer_devices: Sequence[jax.Device],
+    start_step: int,
+) -> PipelineConfig:
     """Schedule, batch shape, sampling, stopping and the MFU denominators of the pipeline
     (`model_config` None: no FLOP counts, as on a generator process)."""
     return PipelineConfig(
-        max_new_tokens=config.sampler.max_new_tokens, max_seq_len=max_sequence_length(config),
-        schedule=config.schedule.kind, k=config.schedule.k, prompts_per_step=config.batch.prompts_per_step,
-        samples_per_prompt=config.batch.generations_per_prompt, num_steps=max(0, config.num_steps - start_step),
+        max_new_tokens=config.sampler.max_new_tokens,
+        max_seq_len=max_sequence_length(config),
+        schedule=config.schedule.kind,
+        k=config.schedule.k,
+        prompts_per_step=config.batch.prompts_per_step,
+        samples_per_prompt=config.batch.generations_per_prompt,
+        num_steps=max(0, config.num_steps - start_step),
         capacity=config.schedule.queue_groups or None,
-        zero_variance=("refill" if config.rl.refill_zero_variance
-                       else "drop" if config.rl.zero_variance_filter else "none"),
-        temperature=config.sampler.temperature, stop_tokens=tokens.stop_ids, interrupt=interrupts(config),
-        min_length_bucket=min(32, max_sequence_length(config)), seed=config.seed, first_version=start_step,
+        zero_variance=(
+            "refill" if config.rl.refill_zero_variance else "drop" if config.rl.zero_variance_filter else "none"
+        ),
+        temperature=config.sampler.temperature,
+        stop_tokens=tokens.stop_ids,
+        interrupt=interrupts(config),
+        min_length_bucket=min(32, max_sequence_length(config)),
+        seed=config.seed,
+        first_version=start_step,
         length_buckets_per_octave=config.batch.length_buckets_per_octave,
-        sort_by_length=config.batch.sort_by_length, microbatches=config.batch.microbatches,
+        sort_by_length=config.batch.sort_by_length,
+        microbatches=config.batch.microbatches,
         mask_truncated=config.rl.mask_truncated_completions,
         train_step_flops=None if model_config is None else functools.partial(train_step_flops, model_config),
-        peak_flops_per_s=devices_peak_flops_per_s(list(trainer_devices)) if trainer_devices else None)
+        peak_flops_per_s=devices_peak_flops_per_s(list(trainer_devices)) if trainer_devices else None,
+    )

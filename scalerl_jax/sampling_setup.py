@@ -9,6 +9,7 @@ extraction: 'think' (forced interruption applies when `rl.length_control` is 'in
 answer is the last box after `sampler.think_end`) or 'plain' (no think phase: no interruption,
 the last box anywhere).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ import ml_collections
 from scalerl_jax import data as data_lib
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
-from scalerl_jax.sampler import (Completion, ContinuousBatcher, EngineConfig, InterruptionConfig, Request,
-                                 interruption_from_tokenizer)
+from scalerl_jax.sampler import (
+    Completion,
+    ContinuousBatcher,
+    EngineConfig,
+    InterruptionConfig,
+    Request,
+    interruption_from_tokenizer,
+)
 
 
 def interrupts(config: ml_collections.ConfigDict) -> bool:
@@ -35,22 +42,30 @@ def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokeniz
             f"config keys `rl.length_control` = 'interruption' and `data.answer_format` = 'think' need the "
             f"think-end tag `sampler.think_end` = {config.sampler.think_end!r} as a token of the checkpoint's "
             f"tokenizer, and {os.path.join(checkpoint_dir, 'tokenizer.json')} has none. For a base model "
-            "without a think phase set --config.data.answer_format=plain")
+            "without a think phase set --config.data.answer_format=plain"
+        )
 
 
-def make_prompt_encoder(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer,
-                        checkpoint_dir: str) -> data_lib.PromptEncoder:
+def make_prompt_encoder(
+    config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str
+) -> data_lib.PromptEncoder:
     """Problems -> prompt ids: `data.prompt_template`, inside the checkpoint's chat template when
     `data.use_chat_template`, at most `data.max_prompt_tokens` ids (longer ones are skipped)."""
     if config.data.use_chat_template and tokens.chat_template is None:
         raise ConfigError(
             f"config key `data.use_chat_template` = True, but the checkpoint {checkpoint_dir} has no chat "
             "template (tokenizer_config.json `chat_template` or chat_template.jinja); set it to False for "
-            "a base model's plain prompts")
-    return data_lib.PromptEncoder(tokens.tokenizer, data_lib.PromptFormat(
-        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens,
-        chat_template=tokens.chat_template if config.data.use_chat_template else None),
-        special_tokens=tokens.special_tokens)
+            "a base model's plain prompts"
+        )
+    return data_lib.PromptEncoder(
+        tokens.tokenizer,
+        data_lib.PromptFormat(
+            template=config.data.prompt_template,
+            max_prompt_tokens=config.data.max_prompt_tokens,
+            chat_template=tokens.chat_template if config.data.use_chat_template else None,
+        ),
+        special_tokens=tokens.special_tokens,
+    )
 
 
 def make_interruption(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> InterruptionConfig | None:
@@ -59,8 +74,13 @@ def make_interruption(config: ml_collections.ConfigDict, tokens: CheckpointToken
         return None
     s = config.sampler
     return interruption_from_tokenizer(
-        tokens.tokenizer, phrase=s.interruption_phrase, end_think=s.think_end, think_budget_min=s.think_budget_min,
-        think_budget_max=s.think_budget_max, answer_budget=s.answer_budget)
+        tokens.tokenizer,
+        phrase=s.interruption_phrase,
+        end_think=s.think_end,
+        think_budget_min=s.think_budget_min,
+        think_budget_max=s.think_budget_max,
+        answer_budget=s.answer_budget,
+    )
 
 
 def max_sequence_length(config: ml_collections.ConfigDict) -> int:
@@ -72,31 +92,51 @@ def make_engine_config(config: ml_collections.ConfigDict, tokens: CheckpointToke
     """The sampler engine of `sampler`: slots, cache length, sampling knobs, stop ids, interruption,
     KV pages and the decode attention kernel."""
     s = config.sampler
-    return EngineConfig(num_slots=s.num_slots, max_len=max_sequence_length(config), chunk_size=s.chunk_steps,
-                        top_k=s.top_k, top_p=s.top_p, max_stop_tokens=len(tokens.stop_ids),
-                        interruption=make_interruption(config, tokens), page_size=s.page_size,
-                        num_pages=s.num_pages, decode_kernel=s.decode_kernel)
+    return EngineConfig(
+        num_slots=s.num_slots,
+        max_len=max_sequence_length(config),
+        chunk_size=s.chunk_steps,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_stop_tokens=len(tokens.stop_ids),
+        interruption=make_interruption(config, tokens),
+        page_size=s.page_size,
+        num_pages=s.num_pages,
+        decode_kernel=s.decode_kernel,
+    )
 
 
 def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:
     """The verifier: exact match on the synthetic task, math-verify (or `data.reward_fn`) otherwise."""
     return data_lib.RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math", correct_reward=config.data.reward_correct,
-        incorrect_reward=config.data.reward_incorrect, answer_format=config.data.answer_format,
-        think_end=config.sampler.think_end, reward_fn=config.data.reward_fn or None)
+        kind="exact" if config.data.dataset == "synthetic" else "math",
+        correct_reward=config.data.reward_correct,
+        incorrect_reward=config.data.reward_incorrect,
+        answer_format=config.data.answer_format,
+        think_end=config.sampler.think_end,
+        reward_fn=config.data.reward_fn or None,
+    )
 
 
-def make_sample_fn(batcher: ContinuousBatcher, config: ml_collections.ConfigDict, stop_ids: Sequence[int], *,
-                   seed_offset: int = 0) -> Callable[[list[list[int]]], list[Completion]]:
+def make_sample_fn(
+    batcher: ContinuousBatcher, config: ml_collections.ConfigDict, stop_ids: Sequence[int], *, seed_offset: int = 0
+) -> Callable[[list[list[int]]], list[Completion]]:
     """`prompts -> completions` (one per prompt, in order) through `batcher` with the run's temperature,
     budget and length control; request i samples with the PRNG stream `seed_offset + i`."""
 
     def sample(prompts: list[list[int]]) -> list[Completion]:
         for i, prompt in enumerate(prompts):
-            batcher.add_request(Request(
-                request_id=i, prompt_tokens=list(prompt), max_new_tokens=config.sampler.max_new_tokens,
-                seed=seed_offset + i, temperature=config.sampler.temperature, stop_tokens=tuple(stop_ids),
-                interrupt=interrupts(config)))
+            batcher.add_request(
+                Request(
+                    request_id=i,
+                    prompt_tokens=list(prompt),
+                    max_new_tokens=config.sampler.max_new_tokens,
+                    seed=seed_offset + i,
+                    temperature=config.sampler.temperature,
+                    stop_tokens=tuple(stop_ids),
+                    interrupt=interrupts(config),
+                )
+            )
         done = {c.request_id: c for c in batcher.drain()}
         return [done[i] for i in range(len(prompts))]
 

@@ -5,6 +5,7 @@ runs offline by default (`logging.wandb_mode='offline'`: files under `WORKDIR/wa
 later with `wandb sync`), so nothing needs the network. The package is an optional extra
 (`pip install -e '.[wandb]'`); asking for W&B without it is a clear error at start-up.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,17 +19,29 @@ class WandbSink:
         try:
             import wandb
         except ImportError as e:
-            raise ImportError("config key `logging.wandb_project` is set but the wandb package is not "
-                              "installed: pip install -e '.[wandb]' (or set logging.wandb_project='')") from e
+            raise ImportError(
+                "config key `logging.wandb_project` is set but the wandb package is not "
+                "installed: pip install -e '.[wandb]' (or set logging.wandb_project='')"
+            ) from e
         run_id = os.path.basename(os.path.abspath(workdir)).replace("/", "_") or "run"
-        self._run = wandb.init(project=project, mode=mode, dir=workdir, id=run_id, resume="allow",
-                               config=dict(config), name=run_id, settings=wandb.Settings(
-                                   console="off", silent=True, x_disable_stats=True))
+        self._run = wandb.init(
+            project=project,
+            mode=mode,
+            dir=workdir,
+            id=run_id,
+            resume="allow",
+            config=dict(config),
+            name=run_id,
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Logs the numeric values of one step's metrics row at `step`."""
-        numbers = {key: value for key, value in metrics.items()
-                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        numbers = {
+            key: value
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
         self._run.log(numbers, step=int(step))
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ safetensors). The RL run then loads that directory with `load_hf`. The directory
 the workdir, keyed by a digest of everything that determines it, and written atomically (a
 temporary directory renamed when complete), so a killed warm start is redone, never half-loaded.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,9 +42,16 @@ def synthetic_task(config: ml_collections.ConfigDict) -> data_lib.SyntheticTaskC
 
 
 def _digest(config: ml_collections.ConfigDict) -> str:
-    payload = json.dumps({"synthetic": config.synthetic.to_dict(), "warm_start": config.warm_start.to_dict(),
-                          "template": config.data.prompt_template,
-                          "tokenizer_layout": data_lib.TOKENIZER_LAYOUT}, sort_keys=True, default=str)
+    payload = json.dumps(
+        {
+            "synthetic": config.synthetic.to_dict(),
+            "warm_start": config.warm_start.to_dict(),
+            "template": config.data.prompt_template,
+            "tokenizer_layout": data_lib.TOKENIZER_LAYOUT,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -63,8 +71,7 @@ def with_direct_answers(rows: list[dict], fraction: float, rng: np.random.Genera
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"warm_start.direct_answer_fraction={fraction} must be in [0, 1]")
     direct = rng.random(len(rows)) < fraction
-    return [dict(row, solution=data_lib.direct_answer(row["answer"])) if d else row
-            for row, d in zip(rows, direct)]
+    return [dict(row, solution=data_lib.direct_answer(row["answer"])) if d else row for row, d in zip(rows, direct)]
 
 
 def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
@@ -82,22 +89,32 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     staging = path + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     corpus = data_lib.tokenizer_corpus(
-        data_lib.generate_splits(task)["sft"], config.data.prompt_template,
-        extra_texts=(config.sampler.interruption_phrase,))
+        data_lib.generate_splits(task)["sft"],
+        config.data.prompt_template,
+        extra_texts=(config.sampler.interruption_phrase,),
+    )
     data_lib.train_tokenizer(corpus, ws.tokenizer_vocab_size, staging)
     # Read back as the RL run reads any checkpoint, so SFT prompts are the RL prompts (bos + text).
     checkpoint = load_checkpoint_tokenizer(staging)
     tokenizer = checkpoint.tokenizer
-    encoder = data_lib.PromptEncoder(tokenizer, data_lib.PromptFormat(
-        template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens),
-        special_tokens=checkpoint.special_tokens)
+    encoder = data_lib.PromptEncoder(
+        tokenizer,
+        data_lib.PromptFormat(template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens),
+        special_tokens=checkpoint.special_tokens,
+    )
     sft_rows = with_direct_answers(sft_rows, ws.direct_answer_fraction, np.random.default_rng([ws.seed, 1]))
-    tokens, masks = data_lib.sft_arrays(sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id,
-                                        pad_id=checkpoint.pad_id)
+    tokens, masks = data_lib.sft_arrays(
+        sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
+    )
 
     model_config = get_preset(
-        config.model.preset, **ws.model_overrides.to_dict(), vocab_size=tokenizer.get_vocab_size(),
-        bos_token_id=checkpoint.bos_id, eos_token_id=checkpoint.eos_id, fp32_head=config.model.fp32_head)
+        config.model.preset,
+        **ws.model_overrides.to_dict(),
+        vocab_size=tokenizer.get_vocab_size(),
+        bos_token_id=checkpoint.bos_id,
+        eos_token_id=checkpoint.eos_id,
+        fp32_head=config.model.fp32_head,
+    )
     model = Transformer(model_config, rngs=nnx.Rngs(ws.seed))
     warmup = min(ws.warmup_steps, ws.steps // 2)
     schedule = optax.warmup_cosine_decay_schedule(0.0, ws.lr, warmup, max(ws.steps, warmup + 1), ws.lr * 0.1)
@@ -114,8 +131,9 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
         batch = rng.integers(0, len(tokens), ws.batch_size)
         loss = step(model, optimizer, jnp.asarray(tokens[batch]), jnp.asarray(masks[batch]))
         if i % ws.log_every == 0 or i == ws.steps - 1:
-            logging.info("warm start: step %d/%d  sft loss %.4f  (%.0fs)", i + 1, ws.steps, float(loss),
-                         time.time() - start)
+            logging.info(
+                "warm start: step %d/%d  sft loss %.4f  (%.0fs)", i + 1, ws.steps, float(loss), time.time() - start
+            )
     save_hf(model, staging)
     with open(os.path.join(staging, COMPLETE_MARKER), "w") as f:
         json.dump({"steps": ws.steps, "final_loss": float(loss), "seconds": time.time() - start}, f)

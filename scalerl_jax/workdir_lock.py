@@ -9,6 +9,7 @@ held). flock is per open file description, so a second `hold_workdir` of the sam
 one process is refused as well. On NFS, Linux maps flock to byte-range locks that all clients see.
 In a multi-host run only one process (process 0) should hold the workdir.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,9 +53,9 @@ def hold_workdir(workdir: str) -> Iterator[str]:
         except BlockingIOError:
             raise WorkdirLockedError(
                 f"workdir {os.path.abspath(workdir)} is in use by {_holder_text(path)} (lock file {path}); "
-                "wait for that run to end or use another workdir") from None
-        record = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                "wait for that run to end or use another workdir"
+            ) from None
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)

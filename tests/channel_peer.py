@@ -19,8 +19,12 @@ from scalerl_jax.distributed import channel
 
 def main(mode: str, address: str, secret_hex: str, process: str, role: str) -> int:
     connect = lambda: channel.connect(  # noqa: E731
-        address, secret=bytes.fromhex(secret_hex), process=int(process), role=role,
-        peer_name="process 0 (leader)", timeout=30.0,
+        address,
+        secret=bytes.fromhex(secret_hex),
+        process=int(process),
+        role=role,
+        peer_name="process 0 (leader)",
+        timeout=30.0,
     )
     if mode == "refused":
         try:

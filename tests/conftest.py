@@ -1,4 +1,5 @@
 """Test-session set-up: 8 fake CPU devices for sharding tests, set before jax is imported."""
+
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")

@@ -64,7 +64,9 @@ def main(port: str, process_id: str, shared_dir: str) -> None:
             coordination.barrier("late", 1.0)
             report("barrier_timeout", raised=None)
         except coordination.CoordinationTimeout as err:
-            report("barrier_timeout", raised="CoordinationTimeout", message=str(err), seconds=time.monotonic() - started)
+            report(
+                "barrier_timeout", raised="CoordinationTimeout", message=str(err), seconds=time.monotonic() - started
+            )
         try:
             coordination.lookup("never published", 0.5)
             report("lookup_timeout", raised=None)

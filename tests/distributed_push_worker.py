@@ -14,6 +14,7 @@ OUT_DIR/p{process}_v{version}.json (per leaf: spec, dtype, device ids per distin
 receiver's plan; and the senders' plans on trainer processes, written as plan_p{process}.json).
 The source values are `source_leaf(name, shape, version)` below; the test recomputes them.
 """
+
 import json
 import os
 import sys
@@ -35,8 +36,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 from scalerl_jax.distributed import weight_push  # noqa: E402
 
 TIMEOUT_MS = 60_000
-SHAPES = {"layer/w": ((8, 6), jnp.float32), "layer/b": ((6,), jnp.bfloat16),
-          "embed": ((4, 4), jnp.bfloat16), "scale": ((), jnp.float32)}
+SHAPES = {
+    "layer/w": ((8, 6), jnp.float32),
+    "layer/b": ((6,), jnp.bfloat16),
+    "embed": ((4, 4), jnp.bfloat16),
+    "scale": ((), jnp.float32),
+}
 
 
 def source_leaf(name, shape, version):
@@ -59,6 +64,7 @@ def trainer_params(mesh, specs, version):
         shape, dtype = SHAPES[name]
         source = source_leaf(name, shape, version).astype(dtype)
         return jax.make_array_from_callback(shape, NamedSharding(mesh, specs[name]), lambda index: source[index])
+
     return tree_of(make)
 
 
@@ -73,6 +79,7 @@ def shardings_on(mesh, specs):
 def no_host_transfers():
     """Guards that raise on an explicit host round trip (see the test for which ones trip on CPU)."""
     import contextlib
+
     stack = contextlib.ExitStack()
     stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
     stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
@@ -84,17 +91,28 @@ def plan_json(transfers):
 
 
 def write_pulled(params, version, receiver):
-    leaves = {"layer/w": params["layer"]["w"], "layer/b": params["layer"]["b"],
-              "embed": params["embed"], "scale": params["scale"]}
-    np.savez(os.path.join(OUT_DIR, f"p{PROCESS}_v{version}.npz"),
-             **{name: np.asarray(leaf).astype(np.float32) for name, leaf in leaves.items()})
+    leaves = {
+        "layer/w": params["layer"]["w"],
+        "layer/b": params["layer"]["b"],
+        "embed": params["embed"],
+        "scale": params["scale"],
+    }
+    np.savez(
+        os.path.join(OUT_DIR, f"p{PROCESS}_v{version}.npz"),
+        **{name: np.asarray(leaf).astype(np.float32) for name, leaf in leaves.items()},
+    )
     info = {"plan": plan_json(receiver.transfers), "leaves": {}}
     for name, leaf in leaves.items():
         info["leaves"][name] = {
-            "spec": str(leaf.sharding.spec), "dtype": str(leaf.dtype),
+            "spec": str(leaf.sharding.spec),
+            "dtype": str(leaf.dtype),
             "devices": sorted(d.id for d in leaf.sharding.device_set),
-            "shards": sorted([[shard.device.id, [list(i.indices(n)[:2]) for i, n in zip(shard.index, leaf.shape)]]
-                              for shard in leaf.addressable_shards]),
+            "shards": sorted(
+                [
+                    [shard.device.id, [list(i.indices(n)[:2]) for i, n in zip(shard.index, leaf.shape)]]
+                    for shard in leaf.addressable_shards
+                ]
+            ),
         }
     with open(os.path.join(OUT_DIR, f"p{PROCESS}_v{version}.json"), "w") as f:
         json.dump(info, f)
@@ -124,8 +142,9 @@ def rows_to_cols(client, server):
             for leaf in jax.tree.leaves(params):
                 leaf.delete()  # as a donating train step would: the offer must not alias these buffers
         with open(os.path.join(OUT_DIR, "plan_p1.json"), "w") as f:
-            json.dump({"plans": {g: plan_json(t) for g, t in sender.plans(params).items()},
-                       "offered_bytes": offered}, f)
+            json.dump(
+                {"plans": {g: plan_json(t) for g, t in sender.plans(params).items()}, "offered_bytes": offered}, f
+            )
         client.key_value_set("push/offered", "1,2")
     else:
         receiver = weight_push.ParamsReceiver(targets, abstract_params(), server, {1: address_of(client, 1)})
@@ -149,19 +168,23 @@ def spanning(client, server):
         0: {"layer/w": P("y", None), "layer/b": P(), "embed": P(), "scale": P()},
         1: {"layer/w": P(None, "y"), "layer/b": P("y"), "embed": P("y", None), "scale": P()},
     }
-    targets = {g: shardings_on(Mesh(np.array(devices_of(g)[1:]), ("y",)), specs)
-               for g, specs in generator_specs.items()}
+    targets = {
+        g: shardings_on(Mesh(np.array(devices_of(g)[1:]), ("y",)), specs) for g, specs in generator_specs.items()
+    }
     version = 7
     sender = weight_push.ParamsSender(trainer_mesh, server, targets)
     params = trainer_params(trainer_mesh, trainer_specs, version)
     with no_host_transfers():
         offered = sender.offer(params, version)
     with open(os.path.join(OUT_DIR, f"plan_p{PROCESS}.json"), "w") as f:
-        json.dump({"plans": {g: plan_json(t) for g, t in sender.plans(params).items()},
-                   "offered_bytes": {version: offered}}, f)
+        json.dump(
+            {"plans": {g: plan_json(t) for g, t in sender.plans(params).items()}, "offered_bytes": {version: offered}},
+            f,
+        )
     client.wait_at_barrier("push/offered", TIMEOUT_MS)  # the caller's announcement, in a real run
-    receiver = weight_push.ParamsReceiver(targets[PROCESS], abstract_params(), server,
-                                          {p: address_of(client, p) for p in (0, 1)})
+    receiver = weight_push.ParamsReceiver(
+        targets[PROCESS], abstract_params(), server, {p: address_of(client, p) for p in (0, 1)}
+    )
     with no_host_transfers():
         pulled = receiver.pull(version, timeout_s=60)
     write_pulled(pulled, version, receiver)

@@ -9,6 +9,7 @@ differ from the real checkpoints (the vocabulary is tiny); names, files and prec
 Chat templates: Llama 3.1 Instruct's (the same text ships with Llama 3.3 70B Instruct), Qwen2.5
 Instruct's and Qwen3's (as in Qwen3-0.6B), copied as data from the published tokenizer configs.
 """
+
 from __future__ import annotations
 
 import json
@@ -276,25 +277,43 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
 
 # Pre-tokenizer split patterns of the real tokenizer.json files (Llama 3 groups up to 3 digits;
 # Qwen2 splits every digit).
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 # family -> (added tokens as (content, special), tokenizer_config fields, generation eos names,
 #            config.json fields, architecture, model_type, chat template)
-_LLAMA31_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                     "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
+_LLAMA31_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
 _QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 EXPECTED = {
     # Names each family's files give (checked by tests against token_to_id of these names).
-    "llama3.1": dict(bos="<|begin_of_text|>", eos="<|eot_id|>", pad=None,
-                     generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"), adds_bos=True),
-    "qwen2.5": dict(bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-                    generation_eos=("<|im_end|>", "<|endoftext|>"), adds_bos=False),
-    "qwen3": dict(bos=None, eos="<|im_end|>", pad="<|endoftext|>",
-                  generation_eos=("<|im_end|>", "<|endoftext|>"), adds_bos=False),
+    "llama3.1": dict(
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad=None,
+        generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        adds_bos=True,
+    ),
+    "qwen2.5": dict(
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", generation_eos=("<|im_end|>", "<|endoftext|>"), adds_bos=False
+    ),
+    "qwen3": dict(
+        bos=None, eos="<|im_end|>", pad="<|endoftext|>", generation_eos=("<|im_end|>", "<|endoftext|>"), adds_bos=False
+    ),
 }
 
 
@@ -304,10 +323,14 @@ def math_corpus(seed: int = 0, lines: int = 300) -> list[str]:
     corpus = []
     for _ in range(lines):
         a, b = rng.randint(0, 9999), rng.randint(1, 999)
-        corpus.append(f"What is {a} + {b}? Please reason step by step, and put your final answer within "
-                      f"\\boxed{{}}.\nWe add {a} and {b} to get {a + b}, so the answer is \\boxed{{{a + b}}}.")
-        corpus.append(f"Let $x = \\frac{{{a}}}{{{b}}}$. Then $x^2 - {b}x = {a * a - b * a}$ and "
-                      f"the product is {a * b}. The question asks for the value.")
+        corpus.append(
+            f"What is {a} + {b}? Please reason step by step, and put your final answer within "
+            f"\\boxed{{}}.\nWe add {a} and {b} to get {a + b}, so the answer is \\boxed{{{a + b}}}."
+        )
+        corpus.append(
+            f"Let $x = \\frac{{{a}}}{{{b}}}$. Then $x^2 - {b}x = {a * a - b * a}$ and "
+            f"the product is {a * b}. The question asks for the value."
+        )
     return corpus
 
 
@@ -319,22 +342,30 @@ def _tokenizer(family: str, seed: int) -> Tokenizer:
     else:
         split = QWEN2_SPLIT
         tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB_SIZE, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train_from_iterator(math_corpus(seed), trainer=trainer)
     if family == "llama3.1":
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _LLAMA31_SPECIALS])
         bos = "<|begin_of_text|>"
-        tokenizer.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
-                                          special_tokens=[(bos, tokenizer.token_to_id(bos))]),
-        ])
+        tokenizer.post_processor = processors.Sequence(
+            [
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(
+                    single=f"{bos}:0 $A:0",
+                    pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                    special_tokens=[(bos, tokenizer.token_to_id(bos))],
+                ),
+            ]
+        )
     else:
         tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN_SPECIALS])
         if family == "qwen3":
@@ -344,42 +375,84 @@ def _tokenizer(family: str, seed: int) -> Tokenizer:
 
 
 def _added_tokens_decoder(tokenizer: Tokenizer) -> dict[str, dict]:
-    return {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
-                     "single_word": t.single_word, "special": t.special}
-            for i, t in sorted(tokenizer.get_added_tokens_decoder().items())}
+    return {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tokenizer.get_added_tokens_decoder().items())
+    }
 
 
 def _tokenizer_config(family: str, tokenizer: Tokenizer) -> dict:
     if family == "llama3.1":
-        return {"added_tokens_decoder": _added_tokens_decoder(tokenizer), "bos_token": "<|begin_of_text|>",
-                "chat_template": LLAMA31_CHAT_TEMPLATE, "clean_up_tokenization_spaces": True,
-                "eos_token": "<|eot_id|>", "model_input_names": ["input_ids", "attention_mask"],
-                "model_max_length": 131072, "tokenizer_class": "PreTrainedTokenizerFast"}
-    return {"add_bos_token": False, "add_prefix_space": False, "added_tokens_decoder": _added_tokens_decoder(tokenizer),
-            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "bos_token": None,
-            "chat_template": QWEN25_CHAT_TEMPLATE if family == "qwen2.5" else QWEN3_CHAT_TEMPLATE,
-            "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
-            "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
-            "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}
+        return {
+            "added_tokens_decoder": _added_tokens_decoder(tokenizer),
+            "bos_token": "<|begin_of_text|>",
+            "chat_template": LLAMA31_CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": True,
+            "eos_token": "<|eot_id|>",
+            "model_input_names": ["input_ids", "attention_mask"],
+            "model_max_length": 131072,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": _added_tokens_decoder(tokenizer),
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "chat_template": QWEN25_CHAT_TEMPLATE if family == "qwen2.5" else QWEN3_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
 
 
 def _model(family: str, vocab_size: int, ids: dict[str, int]):
     import transformers  # tests that need it import it; the module stays importable without torch
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     if family == "llama3.1":
         config = transformers.LlamaConfig(
-            **common, rms_norm_eps=1e-5, bos_token_id=ids["<|begin_of_text|>"],
+            **common,
+            rms_norm_eps=1e-5,
+            bos_token_id=ids["<|begin_of_text|>"],
             eos_token_id=[ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]],
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500_000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
         return transformers.LlamaForCausalLM(config)
     bos, eos = ids["<|endoftext|>"], ids["<|im_end|>"]
     if family == "qwen2.5":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, bos_token_id=bos, eos_token_id=eos))
-    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, tie_word_embeddings=True,
-                                                                  bos_token_id=bos, eos_token_id=eos))
+    return transformers.Qwen3ForCausalLM(
+        transformers.Qwen3Config(**common, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos)
+    )
 
 
 def make_family_checkpoint(family: str, directory: str, *, seed: int = 0) -> str:
@@ -391,6 +464,7 @@ def make_family_checkpoint(family: str, directory: str, *, seed: int = 0) -> str
     size rounded up to a multiple of 64 (real checkpoints pad theirs too). Returns `directory`.
     """
     import torch
+
     if family not in FAMILIES:
         raise ValueError(f"family {family!r}; expected one of {FAMILIES}")
     tokenizer = _tokenizer(family, seed)
@@ -399,13 +473,19 @@ def make_family_checkpoint(family: str, directory: str, *, seed: int = 0) -> str
     torch.manual_seed(seed)
     _model(family, vocab_size, ids).save_pretrained(directory, safe_serialization=True)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
-    generation = {"bos_token_id": ids.get(EXPECTED[family]["bos"] or "<|endoftext|>"),
-                  "eos_token_id": [ids[name] for name in EXPECTED[family]["generation_eos"]],
-                  "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    generation = {
+        "bos_token_id": ids.get(EXPECTED[family]["bos"] or "<|endoftext|>"),
+        "eos_token_id": [ids[name] for name in EXPECTED[family]["generation_eos"]],
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+    }
     if family != "llama3.1":
         generation["pad_token_id"] = ids["<|endoftext|>"]
-    for name, content in (("tokenizer_config.json", _tokenizer_config(family, tokenizer)),
-                          ("generation_config.json", generation)):
+    for name, content in (
+        ("tokenizer_config.json", _tokenizer_config(family, tokenizer)),
+        ("generation_config.json", generation),
+    ):
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2, ensure_ascii=False)
     return directory

@@ -9,6 +9,7 @@ PROBE_INIT=jax_default replaces `main.start` with JAX's own detection (`jax.dist
 PROBE_FAIL=crash|exit makes process 1 die (SIGKILL) or exit with status 3 after start-up, while the
 others wait for a key that never comes (bounded at 110 s), as a peer blocked in a collective would.
 """
+
 import json
 import os
 import signal

@@ -1,4 +1,5 @@
 """Runs the main job as N real local processes (jax.distributed on CPU, gloo collectives)."""
+
 import json
 import os
 import socket
@@ -9,10 +10,21 @@ import time
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 # A tiny run: 3 steps, a small warm start, checkpoints every step.
 TINY = {
-    "warm_start.steps": 8, "warm_start.batch_size": 16, "synthetic.sft_size": 64, "synthetic.train_size": 64,
-    "synthetic.heldout_size": 8, "num_steps": 3, "batch.prompts_per_step": 4, "batch.generations_per_prompt": 2,
-    "sampler.num_slots": 8, "eval.every": 2, "eval.num_prompts": 4, "eval.samples_per_prompt": 2,
-    "checkpoint.every": 1, "data.verify_workers": 1, "distributed.heartbeat_timeout_s": 20,
+    "warm_start.steps": 8,
+    "warm_start.batch_size": 16,
+    "synthetic.sft_size": 64,
+    "synthetic.train_size": 64,
+    "synthetic.heldout_size": 8,
+    "num_steps": 3,
+    "batch.prompts_per_step": 4,
+    "batch.generations_per_prompt": 2,
+    "sampler.num_slots": 8,
+    "eval.every": 2,
+    "eval.num_prompts": 4,
+    "eval.samples_per_prompt": 2,
+    "checkpoint.every": 1,
+    "data.verify_workers": 1,
+    "distributed.heartbeat_timeout_s": 20,
     "distributed.connect_timeout_s": 120,
 }
 
@@ -34,18 +46,36 @@ def start(workdir, overrides: dict, *, processes: int, devices: int = 2, log_dir
     os.makedirs(log_dir, exist_ok=True)
     procs = []
     for rank in range(processes):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", SCALERL_DISTRIBUTED="1" if processes > 1 else "0",
-                   SCALERL_COORDINATOR=f"127.0.0.1:{port}", SCALERL_NUM_PROCESSES=str(processes),
-                   SCALERL_PROCESS_ID=str(rank), SCALERL_ADVERTISE_HOST="127.0.0.1")
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            SCALERL_DISTRIBUTED="1" if processes > 1 else "0",
+            SCALERL_COORDINATOR=f"127.0.0.1:{port}",
+            SCALERL_NUM_PROCESSES=str(processes),
+            SCALERL_PROCESS_ID=str(rank),
+            SCALERL_ADVERTISE_HOST="127.0.0.1",
+        )
         env.pop("XLA_FLAGS", None)
         if processes == 1:
             for name in ("SCALERL_COORDINATOR", "SCALERL_NUM_PROCESSES", "SCALERL_PROCESS_ID"):
                 env.pop(name)
         log = open(os.path.join(log_dir, f"process{rank}.log"), "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={workdir}",
-             *flags({**overrides, "mesh.cpu_devices": devices})], cwd=REPO, env=env, stdout=log,
-            stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "scalerl_jax.main",
+                    "--config=configs/tiny.py",
+                    f"--workdir={workdir}",
+                    *flags({**overrides, "mesh.cpu_devices": devices}),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     return procs
 
 

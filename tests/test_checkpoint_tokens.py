@@ -1,6 +1,7 @@
 """Special tokens, stop ids and prompt ids of Llama 3.1 / Qwen2.5 / Qwen3 checkpoints, against
 transformers (AutoTokenizer, GenerationConfig) as the reference; dtype-likes and file errors of
 load_hf."""
+
 import json
 import os
 import shutil
@@ -63,7 +64,7 @@ def test_special_and_stop_tokens(checkpoints, family):
     assert (loaded.bos_id, loaded.eos_id) == (reference.bos_token_id, reference.eos_token_id)
     assert loaded.pad_id == (reference.pad_token_id if reference.pad_token_id is not None else reference.eos_token_id)
     generation = transformers.GenerationConfig.from_pretrained(path)
-    assert list(loaded.stop_ids[:len(generation.eos_token_id)]) == generation.eos_token_id
+    assert list(loaded.stop_ids[: len(generation.eos_token_id)]) == generation.eos_token_id
     assert loaded.chat_template == reference.chat_template
 
 
@@ -73,13 +74,15 @@ def test_chat_prompt_ids_match_apply_chat_template(checkpoints, family, system_m
     path = checkpoints[family]
     loaded = load_checkpoint_tokenizer(path)
     reference = transformers.AutoTokenizer.from_pretrained(path)
-    encoder = prompts.PromptEncoder(loaded.tokenizer, prompts.PromptFormat(
-        chat_template=loaded.chat_template, system_message=system_message), special_tokens=loaded.special_tokens)
+    encoder = prompts.PromptEncoder(
+        loaded.tokenizer,
+        prompts.PromptFormat(chat_template=loaded.chat_template, system_message=system_message),
+        special_tokens=loaded.special_tokens,
+    )
     for problem in PROBLEMS:
         messages = [{"role": "system", "content": system_message}] if system_message else []
         messages.append({"role": "user", "content": prompts.format_problem(problem, prompts.DEFAULT_TEMPLATE)})
-        expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)
+        expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert encoder.encode_unchecked(problem) == expected, (family, problem)
     if family == "llama3.1":
         assert encoder.encode_unchecked(PROBLEMS[0])[0] == loaded.bos_id  # written once, by the template
@@ -100,16 +103,32 @@ def test_plain_prompt_ids_match_tokenizer_call(checkpoints, family):
 
 def test_chat_template_file_and_named_list(checkpoints, tmp_path):
     path = checkpoints["qwen2.5"]
-    listed = _copy(path, tmp_path / "listed", "tokenizer_config.json", lambda c: c.update(chat_template=[
-        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0]['content'] }}"}]))
+    listed = _copy(
+        path,
+        tmp_path / "listed",
+        "tokenizer_config.json",
+        lambda c: c.update(
+            chat_template=[
+                {"name": "tool_use", "template": "tools"},
+                {"name": "default", "template": "{{ messages[0]['content'] }}"},
+            ]
+        ),
+    )
     assert load_checkpoint_tokenizer(listed).chat_template == "{{ messages[0]['content'] }}"
     jinja = _copy(path, tmp_path / "jinja")
     with open(os.path.join(jinja, "chat_template.jinja"), "w") as f:
         f.write("{{ bos_token }}{{ messages[0]['content'] }}")
-    assert load_checkpoint_tokenizer(jinja).chat_template == transformers.AutoTokenizer.from_pretrained(
-        jinja).chat_template == "{{ bos_token }}{{ messages[0]['content'] }}"
-    unnamed = _copy(path, tmp_path / "unnamed", "tokenizer_config.json",
-                    lambda c: c.update(chat_template=[{"name": "rag", "template": "x"}]))
+    assert (
+        load_checkpoint_tokenizer(jinja).chat_template
+        == transformers.AutoTokenizer.from_pretrained(jinja).chat_template
+        == "{{ bos_token }}{{ messages[0]['content'] }}"
+    )
+    unnamed = _copy(
+        path,
+        tmp_path / "unnamed",
+        "tokenizer_config.json",
+        lambda c: c.update(chat_template=[{"name": "rag", "template": "x"}]),
+    )
     with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat_template list has no 'default'"):
         load_checkpoint_tokenizer(unnamed)
 
@@ -120,14 +139,31 @@ def test_legacy_special_tokens_map_and_addedtoken_dicts(checkpoints, tmp_path):
 
     def legacy(config):
         del config["added_tokens_decoder"]
-        config["eos_token"] = {"__type": "AddedToken", "content": "<|endoftext|>", "lstrip": False,
-                               "normalized": False, "rstrip": False, "single_word": False}
+        config["eos_token"] = {
+            "__type": "AddedToken",
+            "content": "<|endoftext|>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+        }
         del config["pad_token"]
 
     legacy_dir = _copy(path, tmp_path / "legacy", "tokenizer_config.json", legacy)
     with open(os.path.join(legacy_dir, "special_tokens_map.json"), "w") as f:
-        json.dump({"eos_token": {"content": "<|im_end|>", "lstrip": False, "normalized": False, "rstrip": False,
-                                 "single_word": False}, "pad_token": "<|im_start|>"}, f)
+        json.dump(
+            {
+                "eos_token": {
+                    "content": "<|im_end|>",
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                },
+                "pad_token": "<|im_start|>",
+            },
+            f,
+        )
     loaded = load_checkpoint_tokenizer(legacy_dir)
     reference = transformers.AutoTokenizer.from_pretrained(legacy_dir)
     assert (loaded.eos_token, loaded.pad_token) == ("<|im_end|>", "<|im_start|>")
@@ -157,16 +193,26 @@ def test_tokenizer_file_errors_name_file_and_field(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"broken/tokenizer_config\.json: malformed JSON"):
         load_checkpoint_tokenizer(broken)
     unknown = _copy(path, tmp_path / "unknown", "tokenizer_config.json", lambda c: c.update(eos_token="<|im_end|>"))
-    with pytest.raises(ValueError, match=r"unknown/tokenizer_config\.json: eos_token '<\|im_end\|>' is not in the "
-                                         r"vocabulary of tokenizer\.json"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown/tokenizer_config\.json: eos_token '<\|im_end\|>' is not in the "
+        r"vocabulary of tokenizer\.json",
+    ):
         load_checkpoint_tokenizer(unknown)
     no_eos = _copy(path, tmp_path / "no_eos", "tokenizer_config.json", lambda c: c.pop("eos_token"))
     with pytest.raises(ValueError, match=r"no_eos/tokenizer_config\.json: no eos_token"):
         load_checkpoint_tokenizer(no_eos)
-    moved = _copy(path, tmp_path / "moved", "tokenizer_config.json",
-                  lambda c: c["added_tokens_decoder"].update({"3": c["added_tokens_decoder"]["600"]}))
-    with pytest.raises(ValueError, match=r"moved/tokenizer_config\.json: added_tokens_decoder\['3'\] is "
-                                         r"'<\|begin_of_text\|>', but tokenizer\.json gives that token id 600"):
+    moved = _copy(
+        path,
+        tmp_path / "moved",
+        "tokenizer_config.json",
+        lambda c: c["added_tokens_decoder"].update({"3": c["added_tokens_decoder"]["600"]}),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"moved/tokenizer_config\.json: added_tokens_decoder\['3'\] is "
+        r"'<\|begin_of_text\|>', but tokenizer\.json gives that token id 600",
+    ):
         load_checkpoint_tokenizer(moved)
     bad_stop = _copy(path, tmp_path / "bad_stop", "generation_config.json", lambda c: c.update(eos_token_id=[1 << 20]))
     with pytest.raises(ValueError, match=r"bad_stop/generation_config\.json: eos_token_id"):
@@ -175,9 +221,17 @@ def test_tokenizer_file_errors_name_file_and_field(checkpoints, tmp_path):
         load_checkpoint_tokenizer(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize("dtype,name", [(jnp.bfloat16, "bfloat16"), (np.float32, "float32"),
-                                        (np.dtype("float32"), "float32"), ("bfloat16", "bfloat16"),
-                                        ("float32", "float32"), (jnp.float16, "float16")])
+@pytest.mark.parametrize(
+    "dtype,name",
+    [
+        (jnp.bfloat16, "bfloat16"),
+        (np.float32, "float32"),
+        (np.dtype("float32"), "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float32", "float32"),
+        (jnp.float16, "float16"),
+    ],
+)
 def test_load_hf_accepts_dtype_likes(checkpoints, dtype, name):
     assert dtype_name(dtype) == name
     assert load_hf_config(checkpoints["qwen3"], dtype=dtype).dtype == name
@@ -187,8 +241,11 @@ def test_load_hf_accepts_dtype_likes(checkpoints, dtype, name):
 
 
 def test_load_hf_refuses_unsupported_dtypes(checkpoints):
-    for bad, pattern in (("int8", r"dtype='int8' \(int8\) is not supported"), ("bf16", r"dtype='bf16' is not a dtype"),
-                         (np.float64, r"float64.*not supported")):
+    for bad, pattern in (
+        ("int8", r"dtype='int8' \(int8\) is not supported"),
+        ("bf16", r"dtype='bf16' is not a dtype"),
+        (np.float64, r"float64.*not supported"),
+    ):
         with pytest.raises(ValueError, match=pattern):
             load_hf_config(checkpoints["qwen3"], dtype=bad)
 
@@ -205,7 +262,7 @@ def test_load_hf_file_errors_name_the_file(checkpoints, tmp_path):
     with open(weights, "rb") as f:
         content = f.read()
     with open(weights, "wb") as f:
-        f.write(content[:len(content) // 2])
+        f.write(content[: len(content) // 2])
     with pytest.raises(ValueError, match=r"truncated/model\.safetensors"):
         load_hf(truncated)
     garbage = _copy(path, tmp_path / "garbage")

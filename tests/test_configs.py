@@ -1,4 +1,5 @@
 """Every recipe variant loads and validates; bad configs fail naming the key."""
+
 import importlib.util
 import json
 import os
@@ -40,13 +41,24 @@ def test_every_8b_config_validates(name, arg):
 
 def abstract_train_state(config):
     """The config's policy and optimizer state as shapes only (`nnx.eval_shape`, `jax.eval_shape`)."""
-    model_config = get_preset(config.model.preset, dtype=config.model.dtype, fp32_head=config.model.fp32_head,
-                              scan_layers=config.model.scan_layers, remat_policy=config.model.remat_policy)
+    model_config = get_preset(
+        config.model.preset,
+        dtype=config.model.dtype,
+        fp32_head=config.model.fp32_head,
+        scan_layers=config.model.scan_layers,
+        remat_policy=config.model.remat_policy,
+    )
     model = nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0)))
     _, params = nnx.split(model)
-    optimizer = make_optimizer(OptimizerConfig(
-        learning_rate=config.optimizer.lr, warmup_steps=config.optimizer.warmup_steps, eps=config.optimizer.eps,
-        weight_decay=config.optimizer.weight_decay, max_grad_norm=config.optimizer.max_grad_norm or None))
+    optimizer = make_optimizer(
+        OptimizerConfig(
+            learning_rate=config.optimizer.lr,
+            warmup_steps=config.optimizer.warmup_steps,
+            eps=config.optimizer.eps,
+            weight_decay=config.optimizer.weight_decay,
+            max_grad_norm=config.optimizer.max_grad_norm or None,
+        )
+    )
     return jax.eval_shape(lambda p: create_train_state(p, optimizer), params)
 
 
@@ -57,8 +69,9 @@ def test_every_8b_config_builds_abstractly(name, arg):
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     assert num_params == 8_030_261_248  # meta-llama/Llama-3.1-8B (safetensors metadata)
     head = 128_256 * 4_096  # untied unembedding
-    float_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)
-                      if jnp.issubdtype(x.dtype, jnp.floating))
+    float_bytes = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)
+    )
     # Hand count: bf16 body (2 B/param), head 4 B with the FP32 head else 2 B; fp32 master, Adam mu and nu
     # (12 B/param) -> 14 N + 2 H with the FP32 head, 14 N without.
     expected = 14 * num_params + (2 * head if config.model.fp32_head else 0)

@@ -10,8 +10,7 @@ def _reference_keep(rewards, group_ids, valid):
     """Plain-python reference: a row is kept iff its prompt's valid rewards are not all equal."""
     keep = []
     for b in range(len(rewards)):
-        values = {rewards[i] for i in range(len(rewards))
-                  if group_ids[i] == group_ids[b] and valid[i]}
+        values = {rewards[i] for i in range(len(rewards)) if group_ids[i] == group_ids[b] and valid[i]}
         keep.append(bool(valid[b]) and len(values) > 1)
     return keep
 

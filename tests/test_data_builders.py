@@ -10,8 +10,7 @@ import pytest
 
 from scalerl_jax.data import builders, synthetic
 
-TASK = synthetic.SyntheticTaskConfig(
-    seed=1, split_sizes=(("heldout", 16), ("sft", 40), ("train", 48)))
+TASK = synthetic.SyntheticTaskConfig(seed=1, split_sizes=(("heldout", 16), ("sft", 40), ("train", 48)))
 
 
 def test_tensorflow_is_not_installed():
@@ -34,8 +33,7 @@ def test_synthetic_builds_and_reads_back(tmp_path):
     problems = {s: {r["problem"] for r in rows} for s, rows in splits.items()}
     assert not problems["heldout"] & problems["train"]
     assert not problems["heldout"] & problems["sft"]
-    assert any(f.name.endswith(".array_record-00000-of-00001")
-               for f in tmp_path.rglob("*") if f.is_file())
+    assert any(f.name.endswith(".array_record-00000-of-00001") for f in tmp_path.rglob("*") if f.is_file())
     # A second build of the same config in another directory holds the same held-out problems.
     again = builders.build_synthetic(str(tmp_path / "again"), TASK)
     assert {r["problem"] for r in builders.read_split(again, "heldout")} == problems["heldout"]
@@ -46,8 +44,10 @@ def _write_jsonl(path, records):
 
 
 def _polaris_rows(n):
-    return [{"problem": f"Find x if x - {i} = 0.", "answer": str(i), "difficulty": f"{i % 8}/8",
-             "extra": i} for i in range(n)]
+    return [
+        {"problem": f"Find x if x - {i} = 0.", "answer": str(i), "difficulty": f"{i % 8}/8", "extra": i}
+        for i in range(n)
+    ]
 
 
 def test_polaris_builds_with_disjoint_stable_heldout(tmp_path):
@@ -82,12 +82,15 @@ def test_polaris_missing_file(tmp_path):
         builders.build_polaris(str(tmp_path / "d"), str(tmp_path))
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda r: r.pop("answer"), r"row 3 has no field 'answer'"),
-    (lambda r: r.update(problem="   "), r"row 3 field 'problem' is empty"),
-    (lambda r: r.update(answer=7), r"row 3 field 'answer' is int"),
-    (lambda r: r.update(difficulty=None), r"row 3 has no field 'difficulty'"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r.pop("answer"), r"row 3 has no field 'answer'"),
+        (lambda r: r.update(problem="   "), r"row 3 field 'problem' is empty"),
+        (lambda r: r.update(answer=7), r"row 3 field 'answer' is int"),
+        (lambda r: r.update(difficulty=None), r"row 3 has no field 'difficulty'"),
+    ],
+)
 def test_polaris_bad_row_fails_with_index_and_field(tmp_path, mutate, message):
     records = _polaris_rows(8)
     mutate(records[3])
@@ -100,21 +103,25 @@ def test_undecodable_and_malformed_lines(tmp_path):
     good = "".join(json.dumps(r) + "\n" for r in _polaris_rows(4)).encode("utf-8")
     (tmp_path / "bad_utf8.jsonl").write_bytes(good + b'{"problem": "\xff\xfe", "answer": "1"}\n')
     with pytest.raises(ValueError, match=r"row 4 \(line 5\) is not valid UTF-8"):
-        builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "bad_utf8.jsonl"),
-                                  heldout_size=1)
+        builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "bad_utf8.jsonl"), heldout_size=1)
     (tmp_path / "bad_json.jsonl").write_bytes(good[:40] + b"\n" + good)
     with pytest.raises(ValueError, match=r"row 0 \(line 1\) is not valid JSON"):
-        builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "bad_json.jsonl"),
-                                  heldout_size=1)
+        builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "bad_json.jsonl"), heldout_size=1)
 
 
 def test_local_parquet_with_field_mapping(tmp_path):
-    table = pa.table({"question": [f"What is {i} squared?" for i in range(12)],
-                      "final": [str(i * i) for i in range(12)]})
+    table = pa.table(
+        {"question": [f"What is {i} squared?" for i in range(12)], "final": [str(i * i) for i in range(12)]}
+    )
     pq.write_table(table, tmp_path / "rows.parquet")
-    builder = builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "rows.parquet"),
-                                        problem_field="question", answer_field="final",
-                                        heldout_size=3, seed=5)
+    builder = builders.build_local_file(
+        str(tmp_path / "d"),
+        str(tmp_path / "rows.parquet"),
+        problem_field="question",
+        answer_field="final",
+        heldout_size=3,
+        seed=5,
+    )
     train = builders.read_split(builder, "train")
     heldout = builders.read_split(builder, "heldout")
     assert len(train) == 9 and len(heldout) == 3
@@ -124,8 +131,13 @@ def test_local_parquet_with_field_mapping(tmp_path):
     bad = pa.table({"question": ["ok", "fine"], "final": ["1", None]})
     pq.write_table(bad, tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match=r"row 1 has no field 'final'"):
-        builders.build_local_file(str(tmp_path / "d"), str(tmp_path / "bad.parquet"),
-                                  problem_field="question", answer_field="final", heldout_size=1)
+        builders.build_local_file(
+            str(tmp_path / "d"),
+            str(tmp_path / "bad.parquet"),
+            problem_field="question",
+            answer_field="final",
+            heldout_size=1,
+        )
 
 
 def test_changed_file_is_rebuilt(tmp_path):

@@ -65,10 +65,16 @@ def test_evaluate_with_scripted_policy():
         return out
 
     reward_fn = functools.partial(score_completions, config=RewardConfig(kind="exact"))
-    result = evaluate(sample_fn, [_encode("p0"), _encode("p1"), _encode("p2")],
-                      ["10", "11", "12"], num_samples=4, decode=_decode,
-                      reward_fn=reward_fn, pass_at=(1, 2, 4),
-                      difficulties=["easy", "hard", "hard"])
+    result = evaluate(
+        sample_fn,
+        [_encode("p0"), _encode("p1"), _encode("p2")],
+        ["10", "11", "12"],
+        num_samples=4,
+        decode=_decode,
+        reward_fn=reward_fn,
+        pass_at=(1, 2, 4),
+        difficulties=["easy", "hard", "hard"],
+    )
     m = result.metrics
     assert calls == [12]
     assert result.per_prompt_pass_rate.tolist() == [1.0, 0.25, 0.0]

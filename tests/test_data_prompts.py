@@ -33,8 +33,7 @@ LLAMA_LIKE = (
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    problems = synthetic.generate_splits(synthetic.SyntheticTaskConfig(
-        split_sizes=(("train", 64),)))["train"]
+    problems = synthetic.generate_splits(synthetic.SyntheticTaskConfig(split_sizes=(("train", 64),)))["train"]
     corpus = synthetic.tokenizer_corpus(problems, "Compute {problem}.")
     path = str(tmp_path_factory.mktemp("tok"))
     train_tokenizer(corpus, 290, path)
@@ -66,22 +65,20 @@ def test_plain_template_encodes_as_the_tokenizer_call(tokenizer, tokenizer_dir):
 @pytest.mark.parametrize("system_message", [None, "Be brief."])
 def test_chat_template_matches_transformers(tokenizer, chat_template, system_message):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                                              eos_token="</s>")
-    fmt = prompts.PromptFormat(template="Solve {problem}. Answer in \\boxed{}.",
-                               chat_template=chat_template, system_message=system_message)
-    encoder = prompts.PromptEncoder(tokenizer, fmt,
-                                    special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
-    messages = ([{"role": "system", "content": system_message}] if system_message else [])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fmt = prompts.PromptFormat(
+        template="Solve {problem}. Answer in \\boxed{}.", chat_template=chat_template, system_message=system_message
+    )
+    encoder = prompts.PromptEncoder(tokenizer, fmt, special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
+    messages = [{"role": "system", "content": system_message}] if system_message else []
     messages.append({"role": "user", "content": "Solve 3+4. Answer in \\boxed{}."})
-    expected = hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                      add_generation_prompt=True)
+    expected = hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False, add_generation_prompt=True)
     assert encoder.text("3+4") == expected
     # With a chat template, bos comes from the template text, not prepended again.
-    assert encoder.encode_unchecked("3+4") == tokenizer.encode(expected,
-                                                               add_special_tokens=False).ids
+    assert encoder.encode_unchecked("3+4") == tokenizer.encode(expected, add_special_tokens=False).ids
     assert encoder.encode_unchecked("3+4") == hf.apply_chat_template(
-        messages, chat_template=chat_template, add_generation_prompt=True, return_dict=False)
+        messages, chat_template=chat_template, add_generation_prompt=True, return_dict=False
+    )
 
 
 def test_over_budget_prompts_are_counted_and_skipped(tokenizer, caplog):
@@ -112,11 +109,12 @@ def test_bad_format(tokenizer):
 
 
 def test_build_prompt_set_aligns_answers_and_labels(tokenizer):
-    encoder = prompts.PromptEncoder(tokenizer, prompts.PromptFormat(template="{problem}",
-                                                                   max_prompt_tokens=5))
-    rows = [{"problem": "1+2", "answer": "3", "level": 0},
-            {"problem": "12+34", "answer": "46", "level": 1},  # 6 tokens with bos: skipped
-            {"problem": "9-4", "answer": "5", "level": 2}]
+    encoder = prompts.PromptEncoder(tokenizer, prompts.PromptFormat(template="{problem}", max_prompt_tokens=5))
+    rows = [
+        {"problem": "1+2", "answer": "3", "level": 0},
+        {"problem": "12+34", "answer": "46", "level": 1},  # 6 tokens with bos: skipped
+        {"problem": "9-4", "answer": "5", "level": 2},
+    ]
     prompt_set = prompts.build_prompt_set(rows, encoder, label_field="level")
     assert prompt_set.answers == ["3", "5"] and prompt_set.labels == ["0", "2"]
     assert prompt_set.source_indices == [0, 2] and prompt_set.num_too_long == 1
@@ -134,7 +132,7 @@ def test_sft_arrays(tokenizer):
     completion = tokenizer.encode(rows[0]["solution"], add_special_tokens=False).ids
     n = len(completion)
     assert tokens[0, :5].tolist() == [1] + tokenizer.encode("1+2=", add_special_tokens=False).ids
-    assert tokens[0, 5:5 + n].tolist() == completion and tokens[0, 5 + n] == 2
+    assert tokens[0, 5 : 5 + n].tolist() == completion and tokens[0, 5 + n] == 2
     assert mask[0].tolist() == [0.0] * 5 + [1.0] * (n + 1) + [0.0] * (24 - 6 - n)
     with pytest.raises(ValueError, match="row 0"):
         prompts.sft_arrays(rows, encoder, tokenizer, max_len=8, eos_id=2, pad_id=0)
@@ -151,12 +149,14 @@ DATED = (
 
 def test_transformers_template_globals(tokenizer):
     transformers = pytest.importorskip("transformers")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>",
-                                              eos_token="</s>")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     encoder = prompts.PromptEncoder(
-        tokenizer, prompts.PromptFormat(template="{problem}", chat_template=DATED),
-        special_tokens={"bos_token": "<s>", "eos_token": "</s>"})
-    expected = hf.apply_chat_template([{"role": "user", "content": "1+2"}], chat_template=DATED,
-                                      tokenize=False, add_generation_prompt=True)
+        tokenizer,
+        prompts.PromptFormat(template="{problem}", chat_template=DATED),
+        special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+    )
+    expected = hf.apply_chat_template(
+        [{"role": "user", "content": "1+2"}], chat_template=DATED, tokenize=False, add_generation_prompt=True
+    )
     assert encoder.text("1+2") == expected
     assert expected.endswith("1+2</s>[no tools]")

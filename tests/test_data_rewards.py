@@ -85,8 +85,9 @@ VERIFIER_TABLE = [
 def test_verifier_table(pool):
     assert len(VERIFIER_TABLE) >= 30
     got = [math_reward(completion, gold, pool=pool) for gold, completion, _ in VERIFIER_TABLE]
-    mismatches = [(gold, completion, expected, g)
-                  for (gold, completion, expected), g in zip(VERIFIER_TABLE, got) if g != expected]
+    mismatches = [
+        (gold, completion, expected, g) for (gold, completion, expected), g in zip(VERIFIER_TABLE, got) if g != expected
+    ]
     assert not mismatches
 
 
@@ -113,8 +114,9 @@ def test_adversarial_answer_times_out_without_hanging(pool):
 
     def run():
         before = pool.stats().timeouts
-        outcome = rewards.score_completions([_answer("9^{9^{9^{9}}}"), _answer("0.5")],
-                                            ["1", "\\frac{1}{2}"], RewardConfig(), pool=pool)
+        outcome = rewards.score_completions(
+            [_answer("9^{9^{9^{9}}}"), _answer("0.5")], ["1", "\\frac{1}{2}"], RewardConfig(), pool=pool
+        )
         result["outcome"] = outcome
         result["timeouts"] = pool.stats().timeouts - before
 
@@ -136,8 +138,7 @@ def test_hard_limit_kills_a_worker_that_does_not_stop():
         [result] = pool.score([(_answer("9^{9^{9^{9}}}"), "1", "")], **THINK)
         assert result.status == TIMEOUT and result.prediction is None
         assert pool.stats().kills == 1 and pool.stats().timeouts == 1
-        assert [r.status for r in pool.score([(_answer("0.5"), "\\frac{1}{2}", "")], **THINK)] == [
-            "equal"]
+        assert [r.status for r in pool.score([(_answer("0.5"), "\\frac{1}{2}", "")], **THINK)] == ["equal"]
 
 
 def _worker_processes() -> set:
@@ -147,8 +148,10 @@ def _worker_processes() -> set:
 def test_pool_from_many_threads_and_close():
     others = _worker_processes()  # e.g. the module fixture's pool
     pool = VerifyPool(2, time_limit_s=5.0)
-    items = [(_answer(pred), gold, "") for gold, pred in
-             [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]]
+    items = [
+        (_answer(pred), gold, "")
+        for gold, pred in [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]
+    ]
     expected = ["equal", "fast_not_equal", "equal", "equal"]
     results = [None] * 4
 
@@ -186,8 +189,8 @@ def test_last_boxed_brace_matching():
 def test_exact_kind():
     config = RewardConfig(kind="exact")
     scored = rewards.score_completions(
-        [_answer("51"), _answer("051"), _answer("50"), _answer("x"), "<think>51"],
-        ["51", "51", "51", "x", "51"], config)
+        [_answer("51"), _answer("051"), _answer("50"), _answer("x"), "<think>51"], ["51", "51", "51", "x", "51"], config
+    )
     assert scored.rewards.tolist() == [1.0, 1.0, -1.0, 1.0, -1.0]
     assert scored.counts[rewards.NO_THINK_END] == 1
 

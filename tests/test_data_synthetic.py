@@ -7,8 +7,7 @@ import pytest
 from scalerl_jax.data import synthetic
 from scalerl_jax.data.tokenizer import train_tokenizer
 
-SMALL = synthetic.SyntheticTaskConfig(
-    seed=3, split_sizes=(("heldout", 40), ("sft", 120), ("train", 120)))
+SMALL = synthetic.SyntheticTaskConfig(seed=3, split_sizes=(("heldout", 40), ("sft", 120), ("train", 120)))
 
 
 def _value_of(expression: str) -> int:
@@ -59,8 +58,7 @@ def test_splits_disjoint_balanced_and_deterministic():
     again = synthetic.generate_splits(SMALL)
     assert {n: [p.text for p in ps] for n, ps in again.items()} == texts
     # The held-out split does not depend on the sizes of the splits drawn after it.
-    bigger = synthetic.SyntheticTaskConfig(
-        seed=3, split_sizes=(("heldout", 40), ("sft", 500), ("train", 999)))
+    bigger = synthetic.SyntheticTaskConfig(seed=3, split_sizes=(("heldout", 40), ("sft", 500), ("train", 999)))
     assert [p.text for p in synthetic.generate_splits(bigger)["heldout"]] == texts["heldout"]
     other_seed = synthetic.SyntheticTaskConfig(seed=4, split_sizes=SMALL.split_sizes)
     assert [p.text for p in synthetic.generate_splits(other_seed)["heldout"]] != texts["heldout"]
@@ -69,7 +67,8 @@ def test_splits_disjoint_balanced_and_deterministic():
 def test_exhausted_level_raises_naming_it():
     # Level(1, 1): a op b with a, b in {0, 1}: at most 8 distinct problems.
     config = synthetic.SyntheticTaskConfig(
-        split_sizes=(("train", 20),), levels=(synthetic.Level(1, 1),), nonnegative=False)
+        split_sizes=(("train", 20),), levels=(synthetic.Level(1, 1),), nonnegative=False
+    )
     with pytest.raises(ValueError, match="level 0"):
         synthetic.generate_splits(config)
 
@@ -109,8 +108,7 @@ def test_tokenizer_round_trip_and_layout(tmp_path):
 def test_tokenizer_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     problems = synthetic.generate_splits(SMALL)["sft"]
-    tokenizer = train_tokenizer(synthetic.tokenizer_corpus(problems, "{problem}"), 280,
-                                str(tmp_path))
+    tokenizer = train_tokenizer(synthetic.tokenizer_corpus(problems, "{problem}"), 280, str(tmp_path))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
     text = problems[0].text + problems[0].solution

@@ -70,8 +70,15 @@ def test_decode_attention_matches_float64_reference(window, block):
     stacked_v = rng.normal(size=(layers, batch, max_len, kv_heads, dim)).astype(np.float32)
     q = rng.normal(size=(batch, 1, heads, dim)).astype(np.float32)
     positions = np.array([[0], [5], [window - 1], [-1]])  # the last row has no valid key: zeros
-    got = decode_attention(jnp.asarray(q), jnp.asarray(stacked_k), jnp.asarray(stacked_v), 1,
-                           jnp.asarray(positions), window=window, block=block)
+    got = decode_attention(
+        jnp.asarray(q),
+        jnp.asarray(stacked_k),
+        jnp.asarray(stacked_v),
+        1,
+        jnp.asarray(positions),
+        window=window,
+        block=block,
+    )
     want = reference_attention(q, stacked_k, stacked_v, 1, positions, window)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
@@ -96,8 +103,9 @@ def test_live_window_matches_full_length_attention(model):
     windowed = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=16, **common))
     full = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=128, **common))
     lengths = (3, 20, 9, 40, 5)
-    requests = [Request(i, p, 30 + 15 * i, seed=i, temperature=float(i % 2))
-                for i, p in enumerate(prompts_of(lengths, seed=2))]
+    requests = [
+        Request(i, p, 30 + 15 * i, seed=i, temperature=float(i % 2)) for i, p in enumerate(prompts_of(lengths, seed=2))
+    ]
     got, want = run_batcher(windowed, params, requests), run_batcher(full, params, requests)
     for i in range(len(requests)):
         assert got[i].tokens == want[i].tokens, i
@@ -117,9 +125,14 @@ def test_a_slot_without_pages_stops_the_chunk_instead_of_misreading(model):
     prompt = prompts_of([40], seed=4)[0]
     tokens = np.zeros((1, 64), np.int32)
     tokens[0, :40] = prompt
-    settings = host_settings(seeds=np.zeros(1), streams=np.zeros(1), max_new_tokens=np.full(1, 12),
-                             temperature=np.zeros(1), stop_tokens=np.full((1, 4), -1),
-                             interrupt=np.zeros(1, bool))
+    settings = host_settings(
+        seeds=np.zeros(1),
+        streams=np.zeros(1),
+        max_new_tokens=np.full(1, 12),
+        temperature=np.zeros(1),
+        stop_tokens=np.full((1, 4), -1),
+        interrupt=np.zeros(1, bool),
+    )
     state = engine.prefill_insert(params, engine.init_decode_state(), tokens, [40], [0], settings)
     engine.init_decode_state()  # another state: slot 0 now holds no pages on the host
     for _ in range(3):
@@ -133,8 +146,13 @@ def test_finished_slots_stop_widening_the_window(model):
     """A long prompt that finished no longer counts: the window falls back to what the short live
     request needs (before, the finished slot's bound kept growing and held the window at 128+)."""
     graphdef, params = nnx.split(model)
-    engine = Engine(graphdef, CONFIG, EngineConfig(num_slots=2, max_len=256, chunk_size=4, min_prefill_bucket=8,
-                                                   max_prefill_rows=2, min_decode_window=16))
+    engine = Engine(
+        graphdef,
+        CONFIG,
+        EngineConfig(
+            num_slots=2, max_len=256, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2, min_decode_window=16
+        ),
+    )
     batcher = ContinuousBatcher(engine, params, seed=5)
     batcher.add_request(Request("long prompt", list(range(1, 101)), 8, stop_tokens=()))
     batcher.add_request(Request("short prompt", [4, 5, 6], 200, stop_tokens=()))

@@ -33,7 +33,11 @@ def peer_env() -> dict:
 def spawn_peer(mode: str, address: str, *, process: int = 1, role: str = "generator", secret: bytes = SECRET):
     return subprocess.Popen(
         [sys.executable, str(PEER), mode, address, secret.hex(), str(process), role],
-        cwd=REPO, env=peer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+        env=peer_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -63,7 +67,11 @@ def local_server(**kwargs) -> channel.Server:
 def test_round_trip_keeps_values_dtypes_and_shapes():
     message = {
         "kind": "group",
-        "none": None, "flag": True, "count": -7, "ratio": 0.25, "blob": b"\x00\xff",
+        "none": None,
+        "flag": True,
+        "count": -7,
+        "ratio": 0.25,
+        "blob": b"\x00\xff",
         "tokens": np.arange(12, dtype=np.int32).reshape(3, 4),
         "logprobs": np.array([-0.5, -1.25, 0.0], dtype=np.float32),
         "mask": np.array([[True, False], [False, True]]),
@@ -77,8 +85,13 @@ def test_round_trip_keeps_values_dtypes_and_shapes():
 
     assert decoded["kind"] == "group" and decoded["none"] is None and decoded["flag"] is True
     assert decoded["count"] == -7 and decoded["ratio"] == 0.25 and decoded["blob"] == b"\x00\xff"
-    for key, dtype in [("tokens", np.int32), ("logprobs", np.float32), ("mask", np.bool_),
-                       ("bf16", ml_dtypes.bfloat16), ("empty", np.int64)]:
+    for key, dtype in [
+        ("tokens", np.int32),
+        ("logprobs", np.float32),
+        ("mask", np.bool_),
+        ("bf16", ml_dtypes.bfloat16),
+        ("empty", np.int64),
+    ]:
         assert decoded[key].dtype == np.dtype(dtype), key
         assert decoded[key].shape == message[key].shape, key
         np.testing.assert_array_equal(decoded[key], message[key])
@@ -252,8 +265,14 @@ def test_handshake_drops_strangers_and_refuses_unexpected_processes():
 
     def join(process: int):
         try:
-            outcomes[process] = channel.connect(server.address, secret=SECRET, process=process, role="trainer",
-                                                peer_name="process 0 (leader)", timeout=20.0)
+            outcomes[process] = channel.connect(
+                server.address,
+                secret=SECRET,
+                process=process,
+                role="trainer",
+                peer_name="process 0 (leader)",
+                timeout=20.0,
+            )
         except ConnectionRefusedError as err:
             outcomes[process] = err
 
@@ -301,15 +320,21 @@ def two_process_results(tmp_path_factory):
     shared = tmp_path_factory.mktemp("coordination")
     port = str(free_port())
     processes = [
-        subprocess.Popen([sys.executable, str(COORDINATION_PEER), port, str(rank), str(shared)],
-                         cwd=REPO, env=peer_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(COORDINATION_PEER), port, str(rank), str(shared)],
+            cwd=REPO,
+            env=peer_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in (0, 1)
     ]
     outputs = [finish(process) for process in processes]
     results = []
     for rank, (process, output) in enumerate(zip(processes, outputs)):
         assert process.returncode == 0, f"process {rank} failed:\n{output[-4000:]}"
-        lines = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+        lines = [json.loads(line[len("RESULT ") :]) for line in output.splitlines() if line.startswith("RESULT ")]
         results.append({line["scenario"]: line for line in lines})
     return results
 
@@ -344,8 +369,7 @@ def test_barrier_timeout_names_the_process_that_never_arrived(two_process_result
     timeout = zero["barrier_timeout"]
     assert timeout["raised"] == "CoordinationTimeout"
     assert timeout["message"] == (
-        "barrier 'late' (call 0) of processes [0, 1] timed out after 1.0 s on process 0: "
-        "processes [1] did not arrive"
+        "barrier 'late' (call 0) of processes [0, 1] timed out after 1.0 s on process 0: processes [1] did not arrive"
     )
     assert timeout["seconds"] < 30.0
     assert zero["lookup_timeout"]["message"] == "process 0: key 'never published' was not published within 0.5 s"

@@ -4,6 +4,7 @@ In-process tests use the conftest's 8 CPU devices; the 2-process runs start
 tests/distributed_push_worker.py twice (gloo collectives) and check what the generator wrote
 against numpy values recomputed here.
 """
+
 import json
 import os
 import socket
@@ -35,6 +36,7 @@ def S(*bounds):
 
 # --- unique_slices -----------------------------------------------------------------------------
 
+
 def test_unique_slices_rows_on_a_2x4_mesh_has_two_slices():
     sharding = NamedSharding(mesh_2x4(), P("a", None))
     assert unique_slices(sharding, (4, 6)) == [S((0, 2), (0, 6)), S((2, 4), (0, 6))]
@@ -42,8 +44,12 @@ def test_unique_slices_rows_on_a_2x4_mesh_has_two_slices():
 
 def test_unique_slices_columns():
     sharding = NamedSharding(mesh_2x4(), P(None, "b"))
-    assert unique_slices(sharding, (4, 8)) == [S((0, 4), (0, 2)), S((0, 4), (2, 4)), S((0, 4), (4, 6)),
-                                               S((0, 4), (6, 8))]
+    assert unique_slices(sharding, (4, 8)) == [
+        S((0, 4), (0, 2)),
+        S((0, 4), (2, 4)),
+        S((0, 4), (4, 6)),
+        S((0, 4), (6, 8)),
+    ]
 
 
 def test_unique_slices_two_axes_on_one_dimension():
@@ -65,6 +71,7 @@ def test_unique_slices_replicated_and_scalar():
 
 # --- plan ---------------------------------------------------------------------------------------
 
+
 def plan_leaves():
     """A f32 (4,4) two row slices (32 B each), B f32 (4,) replicated (16 B), C bf16 (8,) two slices (8 B each)."""
     mesh = Mesh(np.array(jax.devices()[:2]), ("y",))
@@ -79,8 +86,13 @@ def owners(transfers):
 def test_plan_generator_0_starts_at_the_lowest_trainer_and_balances_bytes():
     # bytes so far {1, 3}: A0->1 (32,0) A1->3 (32,32) B->1 tie (48,32) C0->3 (48,40) C1->3 (48,48)
     transfers = plan(*plan_leaves(), generator=0, trainer_processes=[3, 1])
-    assert owners(transfers) == [(0, S((0, 2), (0, 4)), 1), (0, S((2, 4), (0, 4)), 3), (1, S((0, 4)), 1),
-                                 (2, S((0, 4)), 3), (2, S((4, 8)), 3)]
+    assert owners(transfers) == [
+        (0, S((0, 2), (0, 4)), 1),
+        (0, S((2, 4), (0, 4)), 3),
+        (1, S((0, 4)), 1),
+        (2, S((0, 4)), 3),
+        (2, S((4, 8)), 3),
+    ]
 
 
 def test_plan_generator_1_starts_the_rotation_at_the_next_trainer():
@@ -91,8 +103,7 @@ def test_plan_generator_1_starts_the_rotation_at_the_next_trainer():
 
 def test_plan_equal_slices_is_round_robin():
     mesh = Mesh(np.array(jax.devices()[:4]), ("y",))
-    transfers = plan([NamedSharding(mesh, P("y"))], [(8,)], [jnp.float32], generator=2,
-                     trainer_processes=[0, 1, 2])
+    transfers = plan([NamedSharding(mesh, P("y"))], [(8,)], [jnp.float32], generator=2, trainer_processes=[0, 1, 2])
     assert [t.owner for t in transfers] == [2, 0, 1, 2]
 
 
@@ -105,15 +116,16 @@ def test_plan_rejects_mismatched_inputs_and_no_trainers():
 
 
 def test_transfer_uuid_is_unique_and_fits_64_bits():
-    triples = [(v, g, o) for v in (0, 1, 2, 2 ** 32 - 1) for g in (0, 1, 65535) for o in (0, 1, 65535)]
+    triples = [(v, g, o) for v in (0, 1, 2, 2**32 - 1) for g in (0, 1, 65535) for o in (0, 1, 65535)]
     uuids = [transfer_uuid(*triple) for triple in triples]
     assert len(set(uuids)) == len(triples)
-    assert all(0 <= u < 2 ** 64 for u in uuids)
-    assert transfer_uuid(3, 2, 1) == 3 * 2 ** 32 + 2 * 2 ** 16 + 1
+    assert all(0 <= u < 2**64 for u in uuids)
+    assert transfer_uuid(3, 2, 1) == 3 * 2**32 + 2 * 2**16 + 1
 
 
-@pytest.mark.parametrize("triple, what", [((2 ** 32, 0, 0), "version"), ((0, 2 ** 16, 0), "generator"),
-                                           ((0, 0, -1), "owner")])
+@pytest.mark.parametrize(
+    "triple, what", [((2**32, 0, 0), "version"), ((0, 2**16, 0), "generator"), ((0, 0, -1), "owner")]
+)
 def test_transfer_uuid_rejects_out_of_range(triple, what):
     with pytest.raises(ValueError, match=what):
         transfer_uuid(*triple)
@@ -121,10 +133,12 @@ def test_transfer_uuid_rejects_out_of_range(triple, what):
 
 # --- single process: local reshard and the transfer path over a self-connection -----------------
 
+
 def host_round_trip_guards():
     """Guards that trip on an explicit host round trip. On CPU the device-to-host guard never trips
     (`np.asarray` of a CPU array is not a transfer), so the host-to-device one is what catches it."""
     import contextlib
+
     stack = contextlib.ExitStack()
     stack.enter_context(jax.transfer_guard_host_to_device("disallow_explicit"))
     stack.enter_context(jax.transfer_guard_device_to_host("disallow_explicit"))
@@ -152,12 +166,18 @@ def test_push_local_reshards_device_to_device_without_aliasing():
     w_source = np.arange(48, dtype=np.float32).reshape(8, 6)
     b_source = (np.arange(4) - 2).astype(jnp.bfloat16)
     c_source = np.arange(24, dtype=np.float32).reshape(2, 12)
-    params = {"w": sharded(w_source, NamedSharding(trainer_mesh, P("x", None))),
-              "b": sharded(b_source, NamedSharding(trainer_mesh, P())),
-              "c": sharded(c_source, NamedSharding(trainer_mesh, P(None, "x"))),
-              "s": sharded(np.float32(2.5), NamedSharding(trainer_mesh, P()))}
-    targets = {"w": NamedSharding(generator_mesh, P("z", "y")), "b": NamedSharding(generator_mesh, P("y")),
-               "c": NamedSharding(generator_mesh, P("y", None)), "s": NamedSharding(generator_mesh, P())}
+    params = {
+        "w": sharded(w_source, NamedSharding(trainer_mesh, P("x", None))),
+        "b": sharded(b_source, NamedSharding(trainer_mesh, P())),
+        "c": sharded(c_source, NamedSharding(trainer_mesh, P(None, "x"))),
+        "s": sharded(np.float32(2.5), NamedSharding(trainer_mesh, P())),
+    }
+    targets = {
+        "w": NamedSharding(generator_mesh, P("z", "y")),
+        "b": NamedSharding(generator_mesh, P("y")),
+        "c": NamedSharding(generator_mesh, P("y", None)),
+        "s": NamedSharding(generator_mesh, P()),
+    }
     with host_round_trip_guards():
         pushed = weight_push.push_local(params, targets)
     for leaf in jax.tree.leaves(params):
@@ -217,8 +237,9 @@ def test_sender_rejects_params_of_another_structure():
     with pytest.raises(ValueError, match="tree structure of generator process 1"):
         sender.offer(params, 0)
     with pytest.raises(ValueError, match="generator process 2 and 1 have different tree structures"):
-        weight_push.ParamsSender(trainer_mesh, weight_push.start_transfer_server(),
-                                 {1: targets, 2: {"w": targets["w"], "x": targets["w"]}})
+        weight_push.ParamsSender(
+            trainer_mesh, weight_push.start_transfer_server(), {1: targets, 2: {"w": targets["w"], "x": targets["w"]}}
+        )
 
 
 # --- two real processes -------------------------------------------------------------------------
@@ -243,8 +264,16 @@ def run_two_processes(scenario, out_dir):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("XLA_FLAGS", None)  # each worker sets its own device count
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(port), str(i), str(out_dir)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, str(port), str(i), str(out_dir)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     outputs = []
     try:
         for proc in procs:

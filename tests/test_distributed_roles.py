@@ -1,4 +1,5 @@
 """Roles of each process for a device split, the routes params take, and each process's batch rows."""
+
 import dataclasses
 
 import jax

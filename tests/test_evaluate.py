@@ -7,6 +7,7 @@ prompt it writes `</think>\\boxed{` then `3` or `4` with probability 1/2 each, t
 through the real sampler and verifier each sample is right with probability 1/2 against a gold
 of 3 or 4, and the correctness matrix has both values.
 """
+
 import json
 import math
 import os
@@ -24,8 +25,10 @@ from scalerl_jax import data as data_lib  # noqa: E402
 from scalerl_jax import evaluate  # noqa: E402
 
 TINY_CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "tiny.py")
-ROWS = [{"problem": f"What is {a} + {b}?", "answer": a + b, "level": 1 + i % 2}
-        for i, (a, b) in enumerate([(1, 2), (2, 2), (0, 3), (3, 1), (1, 3), (4, 0)])]
+ROWS = [
+    {"problem": f"What is {a} + {b}?", "answer": a + b, "level": 1 + i % 2}
+    for i, (a, b) in enumerate([(1, 2), (2, 2), (0, 3), (3, 1), (1, 3), (4, 0)])
+]
 
 
 def _bigram_transitions(tokenizer, last_prompt_token: int) -> dict[int, tuple[int, ...]]:
@@ -85,7 +88,8 @@ def _check_report(report, samples, ks):
         group = [p["correct"] for p in per_prompt if p["group"] == level]
         assert report["groups"][level]["num_prompts"] == len(group) == 3
         assert report["groups"][level][f"mean@{samples}"] == pytest.approx(
-            np.mean([sum(c) / samples for c in group]), abs=1e-12)
+            np.mean([sum(c) / samples for c in group]), abs=1e-12
+        )
         for k in ks:
             assert report["groups"][level][f"pass@{k}"] == pytest.approx(_hand_pass_at_k(group, k), abs=1e-12)
     return correct
@@ -97,8 +101,26 @@ def test_evaluate_run_dir_jsonl_and_parquet(setup, tmp_path, capsys):
     correct = {}
     for name, path in (("jsonl", jsonl), ("parquet", parquet)):
         out = tmp_path / f"{name}.json"
-        assert evaluate.main(["--checkpoint", run_dir, "--data", path, "--samples", "4", "--k", "1,2,4",
-                              "--group-field", "level", "--out", str(out), "--completions"]) == 0
+        assert (
+            evaluate.main(
+                [
+                    "--checkpoint",
+                    run_dir,
+                    "--data",
+                    path,
+                    "--samples",
+                    "4",
+                    "--k",
+                    "1,2,4",
+                    "--group-field",
+                    "level",
+                    "--out",
+                    str(out),
+                    "--completions",
+                ]
+            )
+            == 0
+        )
         report = json.loads(out.read_text())
         assert report["step"] == 3 and report["sampling"]["reward_kind"] == "exact"
         correct[name] = _check_report(report, 4, (1, 2, 4))
@@ -111,11 +133,32 @@ def test_evaluate_run_dir_jsonl_and_parquet(setup, tmp_path, capsys):
 def test_evaluate_hf_dir_with_config_overrides(setup, tmp_path):
     _, base_dir, jsonl, _ = setup
     out = tmp_path / "hf.json"
-    assert evaluate.main(["--checkpoint", base_dir, "--data", jsonl, "--samples", "2", "--k", "1,2",
-                          "--group-field", "level", "--out", str(out), "--completions", f"--config={TINY_CONFIG}",
-                          "--config.sampler.num_slots=8", "--config.sampler.max_new_tokens=16",
-                          "--config.sampler.think_budget_min=8", "--config.sampler.think_budget_max=10",
-                          "--config.sampler.answer_budget=8"]) == 0
+    assert (
+        evaluate.main(
+            [
+                "--checkpoint",
+                base_dir,
+                "--data",
+                jsonl,
+                "--samples",
+                "2",
+                "--k",
+                "1,2",
+                "--group-field",
+                "level",
+                "--out",
+                str(out),
+                "--completions",
+                f"--config={TINY_CONFIG}",
+                "--config.sampler.num_slots=8",
+                "--config.sampler.max_new_tokens=16",
+                "--config.sampler.think_budget_min=8",
+                "--config.sampler.think_budget_max=10",
+                "--config.sampler.answer_budget=8",
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["step"] is None and report["sampling"]["max_new_tokens"] == 16
     _check_report(report, 2, (1, 2))

@@ -1,5 +1,6 @@
 """`python -m scalerl_jax.export`: a run's checkpoint as a Hugging Face directory that transformers
 loads with our logits (the independent reference: transformers' torch Llama), and clear errors."""
+
 import json
 import os
 import shutil
@@ -29,8 +30,9 @@ def run(tmp_path_factory):
     config = policy_fixtures.run_config(base_dir)
     run_dir = str(root / "run")
     saved = policy_fixtures.make_run_dir(run_dir, config, step_seeds={1: 1, 2: 2})
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(
-        policy_source.run_model_config(config, base_dir), rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(
+        nnx.eval_shape(lambda: Transformer(policy_source.run_model_config(config, base_dir), rngs=nnx.Rngs(0)))
+    )
     return run_dir, base_model, saved, graphdef, base_dir
 
 
@@ -66,13 +68,22 @@ def test_export_tokenizer_and_generation_config_load(run, tmp_path):
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     text = "What is 3 + 4?\nAnswer in \\boxed{}.<think>3+4</think>\\boxed{7}"
     run_tokenizer = tokenizers.Tokenizer.from_file(os.path.join(base_dir, "tokenizer.json"))  # what the run used
-    assert hf_tokenizer.encode(text, add_special_tokens=False) == run_tokenizer.encode(text, add_special_tokens=False).ids
+    assert (
+        hf_tokenizer.encode(text, add_special_tokens=False) == run_tokenizer.encode(text, add_special_tokens=False).ids
+    )
     assert hf_tokenizer.eos_token == "</s>" and hf_tokenizer.bos_token == "<s>"
     generation = transformers.GenerationConfig.from_pretrained(str(out))
     assert generation.eos_token_id == base_model.config.eos_token_id
-    assert sorted(os.listdir(out)) == sorted(["config.json", "model.safetensors", "tokenizer.json",
-                                              "tokenizer_config.json", "generation_config.json",
-                                              "scalerl_export.json"])
+    assert sorted(os.listdir(out)) == sorted(
+        [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "scalerl_export.json",
+        ]
+    )
 
 
 def test_export_errors_name_the_problem(run, tmp_path, capsys):

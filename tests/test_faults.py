@@ -40,6 +40,7 @@ policies (tests/test_main.py), unbounded answer extraction (tests/test_rewards_l
 reward timeouts and crashes (tests/test_rewards_custom.py, tests/test_rewards_formats.py), malformed
 config.json / safetensors / tokenizer files (tests/test_checkpoint_tokens.py).
 """
+
 import contextlib
 import json
 import os
@@ -91,9 +92,7 @@ def metrics_bytes(workdir) -> bytes:
 
 def expected_rows(steps) -> bytes:
     """The JSONL the writer produces for `steps`, built by hand."""
-    return b"".join(
-        json.dumps({"step": s, "train/loss": 0.5 + s}, sort_keys=True).encode() + b"\n" for s in steps
-    )
+    return b"".join(json.dumps({"step": s, "train/loss": 0.5 + s}, sort_keys=True).encode() + b"\n" for s in steps)
 
 
 def test_m1_offset_past_end_of_file_cuts_without_padding(tmp_path):
@@ -122,7 +121,11 @@ def test_m2_half_written_row_before_offset_is_cut_and_reported(tmp_path):
     report = writer.resume_report
     writer.close()
     assert metrics_bytes(tmp_path) == expected_rows(range(2))
-    assert (report.kept_rows, report.damaged_bytes, report.lost_bytes) == (2, offsets[2] - 10 - offsets[1], offsets[2] - offsets[1])
+    assert (report.kept_rows, report.damaged_bytes, report.lost_bytes) == (
+        2,
+        offsets[2] - 10 - offsets[1],
+        offsets[2] - offsets[1],
+    )
 
 
 def test_m3_zero_filled_tail_is_cut_before_the_nuls(tmp_path):
@@ -161,8 +164,13 @@ WAIT_S = 20.0
 @contextlib.contextmanager
 def lock_holder(workdir):
     """A child process holding `workdir` (waits, bounded, until it says so); killed on exit."""
-    process = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(workdir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         selector = selectors.DefaultSelector()
         selector.register(process.stdout, selectors.EVENT_READ)
@@ -225,8 +233,9 @@ def train_state(step: int, *, nan: bool = False):
 def save_steps(workdir, steps, *, nan_steps=()):
     checkpointer = RunCheckpointer(str(workdir), keep=5)
     for step in steps:
-        checkpointer.save(step, train_state(step, nan=step in nan_steps)[0], {"version": step},
-                          config={**CONFIG, "num_steps": step})
+        checkpointer.save(
+            step, train_state(step, nan=step in nan_steps)[0], {"version": step}, config={**CONFIG, "num_steps": step}
+        )
     return checkpointer
 
 
@@ -315,8 +324,12 @@ def test_c6_missing_integrity_record_is_refused_and_saved_config_falls_back(tmp_
 def tiny_tmpfs(path, size_kib):
     """A `size_kib` tmpfs mounted at `path` (root only); skips the test when mount is refused."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
-                             capture_output=True, text=True, timeout=10)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     try:
@@ -373,8 +386,10 @@ def write_curve(directory, num_evals=30):
         for i in range(num_evals + 1):
             c = 500.0 * i
             rate = 0.3 + 0.3 / (1 + (5000.0 / c) ** 2) if c > 0 else 0.3
-            f.write(json.dumps({"step": i, "compute/device_hours": c, "compute/unit": "gpu_hours",
-                                "eval/pass_rate": rate}) + "\n")
+            f.write(
+                json.dumps({"step": i, "compute/device_hours": c, "compute/unit": "gpu_hours", "eval/pass_rate": rate})
+                + "\n"
+            )
     return directory
 
 
@@ -425,7 +440,9 @@ def test_f3_fit_end_not_above_fit_start_is_refused(tmp_path, capsys):
     assert "--fit-end 1000.0 must exceed --fit-start 2000.0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad, what", [(b"\x00" * 40 + b"\n", "malformed JSON"), (b"[1, 2]\n", "expected a JSON object")])
+@pytest.mark.parametrize(
+    "bad, what", [(b"\x00" * 40 + b"\n", "malformed JSON"), (b"[1, 2]\n", "expected a JSON object")]
+)
 def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
     run = write_curve(tmp_path / "run")
     lines = (run / "metrics.jsonl").read_bytes().splitlines(keepends=True)
@@ -441,16 +458,34 @@ def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
 # ----------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
-    ("optimizer.lr", float("nan")), ("optimizer.lr", float("inf")), ("optimizer.lr", -1e-6),
-    ("optimizer.eps", float("nan")), ("optimizer.b1", 2.0), ("optimizer.b2", 1.0),
-    ("optimizer.weight_decay", -0.1), ("optimizer.max_grad_norm", float("nan")),
-    ("sampler.temperature", float("nan")), ("sampler.temperature", 0.0), ("sampler.top_p", 1.5),
-    ("sampler.top_k", -1), ("rl.eps_low", -0.2), ("rl.eps_low", 1.0), ("rl.eps_high", float("inf")),
-    ("rl.eps_max", 0.0), ("rl.positive_pass_rate", 1.5), ("data.verify_workers", 0),
-    ("data.verify_timeout_s", float("nan")), ("data.reward_correct", float("nan")),
-    ("mesh.generator_fraction", float("nan")), ("checkpoint.keep", 0), ("batch.generations_per_prompt", 1),
-    ("warm_start.steps", 0), ("warm_start.direct_answer_fraction", 1.5), ("eval.samples_per_prompt", 0),
-    ("data.answer_format", "boxed"), ("data.reward_fn", "no_colon"),
+    ("optimizer.lr", float("nan")),
+    ("optimizer.lr", float("inf")),
+    ("optimizer.lr", -1e-6),
+    ("optimizer.eps", float("nan")),
+    ("optimizer.b1", 2.0),
+    ("optimizer.b2", 1.0),
+    ("optimizer.weight_decay", -0.1),
+    ("optimizer.max_grad_norm", float("nan")),
+    ("sampler.temperature", float("nan")),
+    ("sampler.temperature", 0.0),
+    ("sampler.top_p", 1.5),
+    ("sampler.top_k", -1),
+    ("rl.eps_low", -0.2),
+    ("rl.eps_low", 1.0),
+    ("rl.eps_high", float("inf")),
+    ("rl.eps_max", 0.0),
+    ("rl.positive_pass_rate", 1.5),
+    ("data.verify_workers", 0),
+    ("data.verify_timeout_s", float("nan")),
+    ("data.reward_correct", float("nan")),
+    ("mesh.generator_fraction", float("nan")),
+    ("checkpoint.keep", 0),
+    ("batch.generations_per_prompt", 1),
+    ("warm_start.steps", 0),
+    ("warm_start.direct_answer_fraction", 1.5),
+    ("eval.samples_per_prompt", 0),
+    ("data.answer_format", "boxed"),
+    ("data.reward_fn", "no_colon"),
 ]
 
 
@@ -512,11 +547,19 @@ def test_r3_all_prompts_too_long_names_the_key(tmp_path):
 
     checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
     data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
-                            for i in range(6)))
+    data.write_text(
+        "".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(6))
+    )
     config = recipe.scalerl_8b()
-    config.update_from_flattened_dict({"model.checkpoint": checkpoint, "data.dataset": "jsonl", "data.path": str(data),
-                                       "data.heldout_size": 2, "data.max_prompt_tokens": 8})
+    config.update_from_flattened_dict(
+        {
+            "model.checkpoint": checkpoint,
+            "data.dataset": "jsonl",
+            "data.path": str(data),
+            "data.heldout_size": 2,
+            "data.max_prompt_tokens": 8,
+        }
+    )
     tokens = load_checkpoint_tokenizer(checkpoint)
     encoder = sampling_setup.make_prompt_encoder(config, tokens, checkpoint)
     with pytest.raises(ConfigError, match=r"`data.max_prompt_tokens` = 8: all 4 training prompts are longer"):
@@ -554,7 +597,12 @@ def test_r6_a_locked_workdir_stops_main_with_one_line(tmp_path):
     with hold_workdir(str(tmp_path)):
         result = subprocess.run(
             [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
-            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+            cwd=REPO,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 1
     assert f"pid {os.getpid()}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "warm_start").exists()
@@ -565,7 +613,12 @@ def test_r7_read_only_workdir_stops_main_with_one_line_naming_the_path(tmp_path)
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, timeout=10)
         result = subprocess.run(
             [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={mount / 'run'}"],
-            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=120)
+            cwd=REPO,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert result.returncode == 1
     assert "Read-only file system" in result.stderr and str(mount / "run") in result.stderr
     assert "Traceback" not in result.stderr

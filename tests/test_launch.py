@@ -5,6 +5,7 @@ The real-process tests run `tests/launch_probe.py` (main.start, then one PROBE l
 On the CPU backend JAX ignores `local_device_ids`; what it would restrict on GPUs is the
 `visible_devices` option JAX hands the CUDA plugin, so the tests assert on that option.
 """
+
 import json
 import os
 import re
@@ -31,40 +32,70 @@ PROCESS_TIMEOUT_S = 120
 
 
 def expected_kwargs(coordinator, num_processes, process_id, init=300, heartbeat=30, shutdown=60):
-    return {"coordinator_address": coordinator, "num_processes": num_processes, "process_id": process_id,
-            "local_device_ids": None, "cluster_detection_method": "deactivate",
-            "initialization_timeout": init, "heartbeat_timeout_seconds": heartbeat,
-            "shutdown_timeout_seconds": shutdown}
+    return {
+        "coordinator_address": coordinator,
+        "num_processes": num_processes,
+        "process_id": process_id,
+        "local_device_ids": None,
+        "cluster_detection_method": "deactivate",
+        "initialization_timeout": init,
+        "heartbeat_timeout_seconds": heartbeat,
+        "shutdown_timeout_seconds": shutdown,
+    }
 
 
-SLURM_10_NODES = {"SCALERL_DISTRIBUTED": "1", "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[007-009,012-018]",
-                  "SLURM_JOB_NODELIST": "gpu[007-009,012-018],login1", "SLURM_NTASKS": "10", "SLURM_PROCID": "3",
-                  "SLURM_LOCALID": "0", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+SLURM_10_NODES = {
+    "SCALERL_DISTRIBUTED": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "gpu[007-009,012-018]",
+    "SLURM_JOB_NODELIST": "gpu[007-009,012-018],login1",
+    "SLURM_NTASKS": "10",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "0",
+    "SLURM_GPUS_ON_NODE": "8",
+    "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+}
 
 
 # --- distributed_init_kwargs on hand-written environments ---------------------------------------
 
-@pytest.mark.parametrize("environ", [{}, {"SCALERL_DISTRIBUTED": "0"}, {"SCALERL_DISTRIBUTED": ""},
-                                     {"SCALERL_DISTRIBUTED": "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"}])
+
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {},
+        {"SCALERL_DISTRIBUTED": "0"},
+        {"SCALERL_DISTRIBUTED": ""},
+        {"SCALERL_DISTRIBUTED": "0", "SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"},
+    ],
+)
 def test_single_process_unless_asked(environ):
     assert distributed_init_kwargs(environ) is None
 
 
 def test_explicit_variables():
-    environ = {"SCALERL_DISTRIBUTED": "1", "SCALERL_COORDINATOR": "10.0.0.5:1234", "SCALERL_NUM_PROCESSES": "4",
-               "SCALERL_PROCESS_ID": "3", "SCALERL_INIT_TIMEOUT_S": "120", "SCALERL_HEARTBEAT_TIMEOUT_S": "15",
-               "SCALERL_SHUTDOWN_TIMEOUT_S": "20"}
+    environ = {
+        "SCALERL_DISTRIBUTED": "1",
+        "SCALERL_COORDINATOR": "10.0.0.5:1234",
+        "SCALERL_NUM_PROCESSES": "4",
+        "SCALERL_PROCESS_ID": "3",
+        "SCALERL_INIT_TIMEOUT_S": "120",
+        "SCALERL_HEARTBEAT_TIMEOUT_S": "15",
+        "SCALERL_SHUTDOWN_TIMEOUT_S": "20",
+    }
     assert distributed_init_kwargs(environ) == expected_kwargs("10.0.0.5:1234", 4, 3, 120, 15, 20)
 
 
 def test_explicit_variables_win_over_slurm():
-    environ = dict(SLURM_10_NODES, SCALERL_COORDINATOR="127.0.0.1:5555", SCALERL_NUM_PROCESSES="2",
-                   SCALERL_PROCESS_ID="1")
+    environ = dict(
+        SLURM_10_NODES, SCALERL_COORDINATOR="127.0.0.1:5555", SCALERL_NUM_PROCESSES="2", SCALERL_PROCESS_ID="1"
+    )
     assert distributed_init_kwargs(environ) == expected_kwargs("127.0.0.1:5555", 2, 1)
 
 
-@pytest.mark.parametrize("present", [("SCALERL_COORDINATOR",), ("SCALERL_NUM_PROCESSES", "SCALERL_PROCESS_ID"),
-                                     ("SCALERL_PROCESS_ID",)])
+@pytest.mark.parametrize(
+    "present", [("SCALERL_COORDINATOR",), ("SCALERL_NUM_PROCESSES", "SCALERL_PROCESS_ID"), ("SCALERL_PROCESS_ID",)]
+)
 def test_partial_explicit_set_names_the_missing(present):
     values = {"SCALERL_COORDINATOR": "h:1", "SCALERL_NUM_PROCESSES": "2", "SCALERL_PROCESS_ID": "0"}
     environ = {"SCALERL_DISTRIBUTED": "1", **{name: values[name] for name in present}}
@@ -74,14 +105,30 @@ def test_partial_explicit_set_names_the_missing(present):
     assert sorted(missing_part.split(", ")) == sorted(set(values) - set(present))
 
 
-@pytest.mark.parametrize("variable, value", [
-    ("SCALERL_DISTRIBUTED", "yes"), ("SCALERL_NUM_PROCESSES", "two"), ("SCALERL_NUM_PROCESSES", "0"),
-    ("SCALERL_PROCESS_ID", "2"), ("SCALERL_PROCESS_ID", "-1"), ("SCALERL_COORDINATOR", "nohost"),
-    ("SCALERL_COORDINATOR", "host:70000"), ("SCALERL_COORDINATOR", ":1234"), ("SCALERL_INIT_TIMEOUT_S", "0"),
-    ("SCALERL_HEARTBEAT_TIMEOUT_S", "abc"), ("SCALERL_SHUTDOWN_TIMEOUT_S", "1.5")])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("SCALERL_DISTRIBUTED", "yes"),
+        ("SCALERL_NUM_PROCESSES", "two"),
+        ("SCALERL_NUM_PROCESSES", "0"),
+        ("SCALERL_PROCESS_ID", "2"),
+        ("SCALERL_PROCESS_ID", "-1"),
+        ("SCALERL_COORDINATOR", "nohost"),
+        ("SCALERL_COORDINATOR", "host:70000"),
+        ("SCALERL_COORDINATOR", ":1234"),
+        ("SCALERL_INIT_TIMEOUT_S", "0"),
+        ("SCALERL_HEARTBEAT_TIMEOUT_S", "abc"),
+        ("SCALERL_SHUTDOWN_TIMEOUT_S", "1.5"),
+    ],
+)
 def test_malformed_values_name_their_variable(variable, value):
-    environ = {"SCALERL_DISTRIBUTED": "1", "SCALERL_COORDINATOR": "h:1", "SCALERL_NUM_PROCESSES": "2",
-               "SCALERL_PROCESS_ID": "0", variable: value}
+    environ = {
+        "SCALERL_DISTRIBUTED": "1",
+        "SCALERL_COORDINATOR": "h:1",
+        "SCALERL_NUM_PROCESSES": "2",
+        "SCALERL_PROCESS_ID": "0",
+        variable: value,
+    }
     with pytest.raises(LaunchEnvError, match=f"^{variable}="):
         distributed_init_kwargs(environ)
 
@@ -128,18 +175,22 @@ def test_slurm_procid_beyond_ntasks():
 
 # --- SLURM hostlists ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("hostlist, hosts", [
-    ("node01", ["node01"]),
-    ("node01,host2", ["node01", "host2"]),
-    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-    ("n[8-10]", ["n8", "n9", "n10"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("gpu[1-2],cpu[5],login", ["gpu1", "gpu2", "cpu5", "login"]),
-    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
-    ("node[1-2]-ib", ["node1-ib", "node2-ib"]),
-    ("node-a1.cluster.org", ["node-a1.cluster.org"]),
-    ("localhost", ["localhost"]),
-])
+
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node01,host2", ["node01", "host2"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("n[8-10]", ["n8", "n9", "n10"]),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("gpu[1-2],cpu[5],login", ["gpu1", "gpu2", "cpu5", "login"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("node[1-2]-ib", ["node1-ib", "node2-ib"]),
+        ("node-a1.cluster.org", ["node-a1.cluster.org"]),
+        ("localhost", ["localhost"]),
+    ],
+)
 def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
 
@@ -150,8 +201,9 @@ def test_expand_hostlist_rejects_malformed(hostlist):
         expand_hostlist(hostlist, "SLURM_JOB_NODELIST")
 
 
-@pytest.mark.parametrize("nodelist", ["node001", "node001,host2", "node[001-015],host2", "node[007,009-015],x",
-                                      "a1b[2-3]"])
+@pytest.mark.parametrize(
+    "nodelist", ["node001", "node001,host2", "node[001-015],host2", "node[007,009-015],x", "a1b[2-3]"]
+)
 def test_first_host_and_port_agree_with_jax(nodelist):
     from jax._src.clusters.slurm_cluster import SlurmCluster
 
@@ -162,14 +214,24 @@ def test_first_host_and_port_agree_with_jax(nodelist):
 
 # --- which platform gets gloo ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("platforms, plugins, cpu", [
-    ("cpu", [], True), ("", [], True), ("cuda,cpu", [], False), ("", ["xla_cuda12"], False),
-    ("cpu", ["xla_cuda12"], True), (" cpu , cuda", ["xla_cuda12"], True)])
+
+@pytest.mark.parametrize(
+    "platforms, plugins, cpu",
+    [
+        ("cpu", [], True),
+        ("", [], True),
+        ("cuda,cpu", [], False),
+        ("", ["xla_cuda12"], False),
+        ("cpu", ["xla_cuda12"], True),
+        (" cpu , cuda", ["xla_cuda12"], True),
+    ],
+)
 def test_platform_will_be_cpu(platforms, plugins, cpu):
     assert platform_will_be_cpu(platforms, plugins) is cpu
 
 
 # --- real processes ----------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -179,10 +241,15 @@ def free_port() -> int:
 
 def child_env(**extra) -> dict:
     """The test's environment without its forced device count or any launch variables, CPU only."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "SCALERL_", "JAX_COORDINATOR", "PROBE_"))}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(REPO, "tests"),
-                                                                                env.get("PYTHONPATH")])))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "XLA_FLAGS" and not k.startswith(("SLURM_", "SCALERL_", "JAX_COORDINATOR", "PROBE_"))
+    }
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(REPO, "tests"), env.get("PYTHONPATH")])),
+    )
     env.update(extra)
     return env
 
@@ -192,8 +259,17 @@ PROBE_COMMAND = [sys.executable, "-u", "-m", "launch_probe", "--config=configs/t
 
 def run_probes(envs: list[dict], workdir) -> list[tuple[int, str]]:
     """Starts one probe per environment, waits (bounded) for all; (exit status, stdout + stderr) each."""
-    processes = [subprocess.Popen([*PROBE_COMMAND, f"--workdir={workdir}"], cwd=REPO, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for env in envs]
+    processes = [
+        subprocess.Popen(
+            [*PROBE_COMMAND, f"--workdir={workdir}"],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for env in envs
+    ]
     results = []
     try:
         for process in processes:
@@ -210,18 +286,33 @@ def run_probes(envs: list[dict], workdir) -> list[tuple[int, str]]:
 def probe_report(output: str, prefix: str = "") -> dict:
     """The probe's one JSON report among the lines of one process (`prefix`). Gloo writes to the
     same stream without line buffering, so the report may follow its text on the same line."""
-    reports = [match.group(1) for line in output.splitlines() if line.startswith(prefix)
-               for match in [re.search(r"PROBE (\{.*\})", line)] if match]
+    reports = [
+        match.group(1)
+        for line in output.splitlines()
+        if line.startswith(prefix)
+        for match in [re.search(r"PROBE (\{.*\})", line)]
+        if match
+    ]
     assert len(reports) == 1, output[-3000:]
     return json.loads(reports[0])
 
 
 def fake_slurm_env(process_id: int, port: int, **extra) -> dict:
     """One task per node as SLURM describes it, on a 'node' named localhost with 2 GPUs."""
-    return child_env(SCALERL_DISTRIBUTED="1", SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
-                     SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(process_id),
-                     SLURM_LOCALID="0", SLURM_GPUS_ON_NODE="2", CUDA_VISIBLE_DEVICES="0,1",
-                     SCALERL_COORDINATOR_PORT=str(port), JAX_COORDINATOR_PORT=str(port), **extra)
+    return child_env(
+        SCALERL_DISTRIBUTED="1",
+        SLURM_JOB_ID="4242",
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        SLURM_PROCID=str(process_id),
+        SLURM_LOCALID="0",
+        SLURM_GPUS_ON_NODE="2",
+        CUDA_VISIBLE_DEVICES="0,1",
+        SCALERL_COORDINATOR_PORT=str(port),
+        JAX_COORDINATOR_PORT=str(port),
+        **extra,
+    )
 
 
 def test_fake_slurm_processes_keep_all_local_devices(tmp_path):
@@ -250,11 +341,17 @@ def test_jax_default_slurm_detection_restricts_gpus_to_one(tmp_path):
 
 
 def test_malformed_launch_variable_is_a_config_error(tmp_path):
-    env = child_env(SCALERL_DISTRIBUTED="1", SCALERL_COORDINATOR="127.0.0.1:1", SCALERL_NUM_PROCESSES="two",
-                    SCALERL_PROCESS_ID="0")
-    result = subprocess.run([sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py",
-                             f"--workdir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=PROCESS_TIMEOUT_S)
+    env = child_env(
+        SCALERL_DISTRIBUTED="1", SCALERL_COORDINATOR="127.0.0.1:1", SCALERL_NUM_PROCESSES="two", SCALERL_PROCESS_ID="0"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "config error: SCALERL_NUM_PROCESSES='two': not an integer" in result.stderr
 
@@ -262,8 +359,14 @@ def test_malformed_launch_variable_is_a_config_error(tmp_path):
 def run_local_sh(num_processes: int, workdir, **extra) -> tuple[int, str, float]:
     env = child_env(PYTHON=sys.executable, SCALERL_MAIN_MODULE="launch_probe", **extra)
     started = time.monotonic()
-    result = subprocess.run([LOCAL_SH, str(num_processes), "configs/tiny.py", str(workdir)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=PROCESS_TIMEOUT_S)
+    result = subprocess.run(
+        [LOCAL_SH, str(num_processes), "configs/tiny.py", str(workdir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+    )
     return result.returncode, result.stdout + result.stderr, time.monotonic() - started
 
 
@@ -275,7 +378,8 @@ def test_local_sh_starts_n_processes_with_prefixed_output(tmp_path):
         assert report["process_index"] == process_id
         assert (report["local_devices"], report["global_devices"], report["gathered"]) == (2, 4, [10, 11])
         assert f"[p{process_id}] " in output and re.search(
-            rf"^\[p{process_id}\] .*process {process_id} of 2, local devices", output, re.MULTILINE)
+            rf"^\[p{process_id}\] .*process {process_id} of 2, local devices", output, re.MULTILINE
+        )
 
 
 def test_local_sh_stops_hung_peers_after_a_failure(tmp_path):
@@ -291,8 +395,7 @@ def test_local_sh_stops_hung_peers_after_a_failure(tmp_path):
 def test_failing_process_does_not_hang_at_exit(tmp_path):
     # Process 1 exits with status 3; at exit JAX waits at its shutdown barrier for process 0, which
     # waits for process 1: SCALERL_SHUTDOWN_TIMEOUT_S bounds that, and both processes stop non-zero.
-    status, output, seconds = run_local_sh(2, tmp_path, PROBE_FAIL="exit", GRACE_S="90",
-                                           SCALERL_SHUTDOWN_TIMEOUT_S="5")
+    status, output, seconds = run_local_sh(2, tmp_path, PROBE_FAIL="exit", GRACE_S="90", SCALERL_SHUTDOWN_TIMEOUT_S="5")
     assert status != 0, output[-3000:]
     assert re.search(r"local.sh: process 1 exited with status [1-9]", output)
     assert "terminating processes" not in output  # they ended on their own, before the grace period
@@ -302,8 +405,16 @@ def test_failing_process_does_not_hang_at_exit(tmp_path):
 @pytest.mark.slow
 def test_dead_peer_stops_the_others_within_60_s_by_default(tmp_path):
     port = free_port()
-    envs = [child_env(SCALERL_DISTRIBUTED="1", SCALERL_COORDINATOR=f"127.0.0.1:{port}", SCALERL_NUM_PROCESSES="2",
-                      SCALERL_PROCESS_ID=str(i), PROBE_FAIL="crash") for i in range(2)]
+    envs = [
+        child_env(
+            SCALERL_DISTRIBUTED="1",
+            SCALERL_COORDINATOR=f"127.0.0.1:{port}",
+            SCALERL_NUM_PROCESSES="2",
+            SCALERL_PROCESS_ID=str(i),
+            PROBE_FAIL="crash",
+        )
+        for i in range(2)
+    ]
     started = time.monotonic()
     results = run_probes(envs, tmp_path)
     seconds = time.monotonic() - started

@@ -1,4 +1,5 @@
 """The main job end to end on the tiny config (a handful of steps), and its bad-input errors."""
+
 import json
 import os
 import re
@@ -18,9 +19,18 @@ from scalerl_jax.config_validation import validate
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 SMALL = {
-    "warm_start.steps": 8, "warm_start.batch_size": 16, "synthetic.sft_size": 64, "synthetic.train_size": 64,
-    "synthetic.heldout_size": 8, "num_steps": 3, "batch.prompts_per_step": 4, "batch.generations_per_prompt": 2,
-    "sampler.num_slots": 8, "eval.every": 2, "eval.num_prompts": 4, "eval.samples_per_prompt": 2,
+    "warm_start.steps": 8,
+    "warm_start.batch_size": 16,
+    "synthetic.sft_size": 64,
+    "synthetic.train_size": 64,
+    "synthetic.heldout_size": 8,
+    "num_steps": 3,
+    "batch.prompts_per_step": 4,
+    "batch.generations_per_prompt": 2,
+    "sampler.num_slots": 8,
+    "eval.every": 2,
+    "eval.num_prompts": 4,
+    "eval.samples_per_prompt": 2,
     "checkpoint.every": 2,
 }
 
@@ -38,8 +48,14 @@ def main_env(devices: int = 2) -> dict:
 
 
 def run_main(workdir, *overrides, timeout=600, devices=2):
-    return subprocess.run(main_command(workdir, *overrides), cwd=REPO, env=main_env(devices),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        main_command(workdir, *overrides),
+        cwd=REPO,
+        env=main_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def read_metrics(workdir) -> list[dict]:
@@ -52,9 +68,17 @@ def test_tiny_run_writes_metrics_and_checkpoints(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0 is the initial evaluation
-    required = ("compute/device_hours", "train/loss", "pipeline/lag_max", "pipeline/lag_mean",
-                "sampler/tokens_per_s", "sampler/interrupted_frac", "sampler/truncated_frac",
-                "data/zero_variance_dropped", "data/pool_remaining")
+    required = (
+        "compute/device_hours",
+        "train/loss",
+        "pipeline/lag_max",
+        "pipeline/lag_mean",
+        "sampler/tokens_per_s",
+        "sampler/interrupted_frac",
+        "sampler/truncated_frac",
+        "data/zero_variance_dropped",
+        "data/pool_remaining",
+    )
     for row in rows[1:]:
         assert all(key in row for key in required), sorted(set(required) - set(row))
         assert isinstance(row["train/loss"], float)  # non-finite values are written as strings
@@ -90,8 +114,13 @@ def test_unknown_config_key_fails_before_anything_heavy(tmp_path):
 
 
 def test_config_errors_are_listed_together_with_exit_code_2(tmp_path):
-    result = run_main(tmp_path, "--config.optimizer.lr=nan", "--config.sampler.top_p=1.5",
-                      "--config.data.verify_workers=0", timeout=120)
+    result = run_main(
+        tmp_path,
+        "--config.optimizer.lr=nan",
+        "--config.sampler.top_p=1.5",
+        "--config.data.verify_workers=0",
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "3 config problems" in result.stderr
@@ -104,8 +133,14 @@ def test_cpu_backend_is_split_into_the_configured_devices_without_xla_flags(tmp_
     # 4 devices x generator_fraction 0.25 -> 1 generator and 3 trainers, which 128 rows do not divide:
     # the refusal names the device count, proving the host was split before JAX started.
     env = {k: v for k, v in main_env().items() if k != "XLA_FLAGS"}
-    result = subprocess.run(main_command(tmp_path, "--config.mesh.cpu_devices=4", "--config.mesh.generator_fraction=0.25"),
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        main_command(tmp_path, "--config.mesh.cpu_devices=4", "--config.mesh.generator_fraction=0.25"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "3 trainer devices" in result.stderr and "of 4 devices" in result.stderr
 
@@ -116,17 +151,30 @@ def test_accelerator_recipe_refuses_the_cpu_backend(tmp_path):
     (model / "config.json").write_text("{}")
     data.write_text('{"problem": "1+1", "answer": "2", "difficulty": 1}\n')
     result = subprocess.run(
-        [sys.executable, "-m", "scalerl_jax.main", "--config=configs/scalerl_8b.py", f"--workdir={tmp_path / 'run'}",
-         f"--config.model.checkpoint={model}", f"--config.data.path={data}"],
-        cwd=REPO, env=main_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "scalerl_jax.main",
+            "--config=configs/scalerl_8b.py",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.model.checkpoint={model}",
+            f"--config.data.path={data}",
+        ],
+        cwd=REPO,
+        env=main_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "mesh.require_accelerator" in result.stderr and "CPU backend" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_missing_dataset_path_names_the_key(tmp_path):
-    result = run_main(tmp_path, "--config.data.dataset=polaris_53k",
-                      f"--config.data.path={tmp_path / 'missing.jsonl'}", timeout=120)
+    result = run_main(
+        tmp_path, "--config.data.dataset=polaris_53k", f"--config.data.path={tmp_path / 'missing.jsonl'}", timeout=120
+    )
     assert result.returncode != 0
     assert "data.path" in result.stderr
 
@@ -141,9 +189,17 @@ def test_batch_that_does_not_divide_the_trainer_devices_names_the_keys(tmp_path)
 
 # One-operation problems and 80 warm-start steps, so that some samples are right and the losses are
 # not all zero; zero-variance groups stay in the loss, so every step's entropy depends on its samples.
-PPO = {**SMALL, "schedule.kind": "ppo_off_policy", "schedule.k": 2, "num_steps": 8, "warm_start.steps": 80,
-       "synthetic.levels": ((1, 9),), "batch.generations_per_prompt": 4, "sampler.num_slots": 16,
-       "rl.zero_variance_filter": False}
+PPO = {
+    **SMALL,
+    "schedule.kind": "ppo_off_policy",
+    "schedule.k": 2,
+    "num_steps": 8,
+    "warm_start.steps": 80,
+    "synthetic.levels": ((1, 9),),
+    "batch.generations_per_prompt": 4,
+    "sampler.num_slots": 16,
+    "rl.zero_variance_filter": False,
+}
 
 
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
@@ -155,8 +211,13 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
     for name in ("warm_start", "tfds"):
         shutil.copytree(full / name, killed / name)
 
-    process = subprocess.Popen(main_command(killed, *flags(PPO)), cwd=REPO, env=main_env(),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        main_command(killed, *flags(PPO)),
+        cwd=REPO,
+        env=main_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while not (killed / "checkpoints" / "4").is_dir():  # orbax renames the directory when complete
         assert process.poll() is None, "the run ended before its step-4 checkpoint"

@@ -1,4 +1,5 @@
 """Model config, presets, RoPE, dtypes, chunked log-probs memory: checked against hand calculations."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,13 +17,16 @@ def _abstract_param_count(name):
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract)))
 
 
-@pytest.mark.parametrize("name,expected", [
-    # Published totals of the Hugging Face checkpoints (safetensors metadata):
-    ("llama3.1-8b", 8_030_261_248),   # meta-llama/Llama-3.1-8B
-    ("qwen3-8b", 8_190_735_360),      # Qwen/Qwen3-8B
-    ("qwen2.5-7b", 7_615_616_512),    # Qwen/Qwen2.5-7B
-    ("llama3.2-1b", 1_235_814_400),   # meta-llama/Llama-3.2-1B (tied embeddings)
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        # Published totals of the Hugging Face checkpoints (safetensors metadata):
+        ("llama3.1-8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
+        ("qwen3-8b", 8_190_735_360),  # Qwen/Qwen3-8B
+        ("qwen2.5-7b", 7_615_616_512),  # Qwen/Qwen2.5-7B
+        ("llama3.2-1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B (tied embeddings)
+    ],
+)
 def test_preset_param_counts_without_allocation(name, expected):
     assert _abstract_param_count(name) == expected
     assert get_preset(name).num_params() == expected
@@ -48,12 +52,15 @@ def test_llama31_rope_scaling_frequencies_by_hand():
     np.testing.assert_allclose(rope_inverse_frequencies(16, 10_000.0)[:3], [1.0, 0.3162278, 0.1], rtol=1e-6)
 
 
-@pytest.mark.parametrize("preset,fp32_head,expected_head_dtype", [
-    ("tiny-llama", True, jnp.float32),    # untied: lm_head fp32
-    ("tiny-llama", False, jnp.bfloat16),
-    ("tiny-qwen3", True, jnp.float32),    # tied: the shared table is fp32
-    ("tiny-qwen3", False, jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    "preset,fp32_head,expected_head_dtype",
+    [
+        ("tiny-llama", True, jnp.float32),  # untied: lm_head fp32
+        ("tiny-llama", False, jnp.bfloat16),
+        ("tiny-qwen3", True, jnp.float32),  # tied: the shared table is fp32
+        ("tiny-qwen3", False, jnp.bfloat16),
+    ],
+)
 def test_bf16_body_dtypes_and_fp32_head(preset, fp32_head, expected_head_dtype):
     config = get_preset(preset, dtype="bfloat16", fp32_head=fp32_head)
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
@@ -71,7 +78,8 @@ def test_fp32_head_matmul_is_float32_at_highest_precision():
     for fp32_head, operand_dtype in ((True, jnp.float32), (False, jnp.bfloat16)):
         config = get_preset("tiny-llama", dtype="bfloat16", fp32_head=fp32_head)
         closed = jax.make_jaxpr(lambda h: Transformer(config, rngs=nnx.Rngs(0)).head(h))(
-            jnp.zeros((2, config.hidden_size), jnp.bfloat16))
+            jnp.zeros((2, config.hidden_size), jnp.bfloat16)
+        )
         dots = [eqn for eqn in closed.jaxpr.eqns if eqn.primitive.name == "dot_general"]
         assert len(dots) == 1
         assert [v.aval.dtype for v in dots[0].invars] == [operand_dtype, operand_dtype]
@@ -117,8 +125,9 @@ def test_chunked_logprobs_never_hold_full_logits(with_entropy):
 
     def scratch_bytes(chunk_size):
         def objective(h, w, t):
-            logp, entropy = chunked_head_logprobs(lambda x: x @ w, h, t, temperature=0.9, chunk_size=chunk_size,
-                                                  with_entropy=with_entropy)
+            logp, entropy = chunked_head_logprobs(
+                lambda x: x @ w, h, t, temperature=0.9, chunk_size=chunk_size, with_entropy=with_entropy
+            )
             return jnp.sum(logp) + (jnp.sum(entropy) if with_entropy else 0.0)
 
         compiled = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(hidden, weight, targets).compile()

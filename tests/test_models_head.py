@@ -1,4 +1,5 @@
 """FP32 head algorithm ('bf16x3') and 'auto' attention: fp64 numpy references, lowerings per backend."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,18 +112,21 @@ def test_model_head_lowers_per_platform():
     assert len(cpu) == 1 and "HIGHEST" in cpu[0] and "algorithm" not in cpu[0]
 
 
-@pytest.mark.parametrize("impl,dtype,head_dim,platform,expected", [
-    ("auto", "bfloat16", 16, "gpu", "cudnn"),
-    ("auto", "bfloat16", 16, "cuda", "cudnn"),
-    ("auto", "float16", 128, "gpu", "cudnn"),
-    ("auto", "bfloat16", 16, "cpu", "xla"),
-    ("auto", "bfloat16", 16, "tpu", "xla"),
-    ("auto", "float32", 16, "gpu", "xla"),     # cuDNN flash attention has no float32 kernel
-    ("auto", "bfloat16", 160, "gpu", "xla"),   # head_dim above cuDNN's pre-Hopper limit
-    ("auto", "bfloat16", 20, "gpu", "xla"),    # head_dim not a multiple of 8
-    ("xla", "bfloat16", 16, "gpu", "xla"),
-    ("cudnn", "bfloat16", 16, "cpu", "cudnn"),  # explicit choices are taken as given
-])
+@pytest.mark.parametrize(
+    "impl,dtype,head_dim,platform,expected",
+    [
+        ("auto", "bfloat16", 16, "gpu", "cudnn"),
+        ("auto", "bfloat16", 16, "cuda", "cudnn"),
+        ("auto", "float16", 128, "gpu", "cudnn"),
+        ("auto", "bfloat16", 16, "cpu", "xla"),
+        ("auto", "bfloat16", 16, "tpu", "xla"),
+        ("auto", "float32", 16, "gpu", "xla"),  # cuDNN flash attention has no float32 kernel
+        ("auto", "bfloat16", 160, "gpu", "xla"),  # head_dim above cuDNN's pre-Hopper limit
+        ("auto", "bfloat16", 20, "gpu", "xla"),  # head_dim not a multiple of 8
+        ("xla", "bfloat16", 16, "gpu", "xla"),
+        ("cudnn", "bfloat16", 16, "cpu", "cudnn"),  # explicit choices are taken as given
+    ],
+)
 def test_resolve_attention_impl_per_backend(impl, dtype, head_dim, platform, expected):
     config = get_preset("tiny-llama", attention_impl=impl, dtype=dtype, head_dim=head_dim)
     assert resolve_attention_impl(config, platform) == expected
@@ -132,8 +136,9 @@ def test_auto_attention_on_cpu_equals_xla_forward_and_gradient():
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(2, 11)), jnp.int32)
 
     def loss_and_grads(attention_impl):
-        config = get_preset("tiny-llama", dtype="bfloat16", attention_impl=attention_impl,
-                            scan_layers=True, remat_policy="full")
+        config = get_preset(
+            "tiny-llama", dtype="bfloat16", attention_impl=attention_impl, scan_layers=True, remat_policy="full"
+        )
         graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
         loss = lambda p: jnp.sum(sequence_logprobs(nnx.merge(graphdef, p), tokens, chunk_size=4))  # noqa: E731
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -171,8 +176,9 @@ def test_prefill_on_gpu_traces_cudnn_attention_and_decode_does_not(monkeypatch):
         model = Transformer(config, rngs=nnx.Rngs(0))
         cache = init_kv_cache(config, 2, 16)
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (2, length))
-        return jax.eval_shape(lambda t: model.forward_cached(t, positions, cache)[0],
-                              jax.ShapeDtypeStruct((2, length), jnp.int32))
+        return jax.eval_shape(
+            lambda t: model.forward_cached(t, positions, cache)[0], jax.ShapeDtypeStruct((2, length), jnp.int32)
+        )
 
     with pytest.raises(RuntimeError, match="cuDNN"):
         trace(8)
@@ -182,10 +188,18 @@ def test_prefill_on_gpu_traces_cudnn_attention_and_decode_does_not(monkeypatch):
 def test_memory_plan_counts_scores_only_for_xla():
     config = get_preset("llama3.1-8b")
     mesh = {"data": 1, "fsdp": 8, "tensor": 1}
-    terms = {(impl, platform): activation_terms(config.replace(attention_impl=impl), mesh, microbatch=8,
-                                                seq_len=16_384, remat_policy="full", logprob_chunk=1024,
-                                                platform=platform)["one_layer_working_set"]
-             for impl, platform in (("auto", "gpu"), ("cudnn", "gpu"), ("auto", "cpu"), ("xla", "gpu"))}
+    terms = {
+        (impl, platform): activation_terms(
+            config.replace(attention_impl=impl),
+            mesh,
+            microbatch=8,
+            seq_len=16_384,
+            remat_policy="full",
+            logprob_chunk=1024,
+            platform=platform,
+        )["one_layer_working_set"]
+        for impl, platform in (("auto", "gpu"), ("cudnn", "gpu"), ("auto", "cpu"), ("xla", "gpu"))
+    }
     assert terms[("auto", "gpu")] == terms[("cudnn", "gpu")]
     assert terms[("auto", "cpu")] == terms[("xla", "gpu")]
     # Per token of b=1 sequence of T=16384 and 32 heads, xla keeps fp32 + bf16 scores, 32 T (4 + 2)

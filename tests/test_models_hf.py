@@ -4,6 +4,7 @@ Tiny random LlamaForCausalLM (Llama 3.1 rope scaling), Qwen2ForCausalLM (qkv bia
 Qwen3ForCausalLM (q/k norm, tied embeddings) are built by transformers, saved with
 `save_pretrained(safe_serialization=True)` and loaded with `load_hf`.
 """
+
 import json
 import os
 
@@ -22,18 +23,34 @@ from scalerl_jax.models import hf, init_kv_cache, sequence_logprobs  # noqa: E40
 from scalerl_jax.models.logprobs import chunked_head_logprobs  # noqa: E402
 
 VOCAB = 256
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
 # Llama 3.1 scaling with a small original context so that, with head_dim 16 and theta 1e4, the
 # frequencies fall in all three bands (kept: wavelength < 16, interpolated, divided by 8: > 64).
-LLAMA_ROPE = {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10_000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 def _hf_models():
     return {
-        "llama": (transformers.LlamaForCausalLM,
-                  transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA_ROPE, rms_norm_eps=1e-5)),
+        "llama": (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(**COMMON, rope_parameters=LLAMA_ROPE, rms_norm_eps=1e-5),
+        ),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**COMMON, rms_norm_eps=1e-6)),
         "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**COMMON, tie_word_embeddings=True)),
     }
@@ -126,7 +143,7 @@ def test_forward_cached_prefill_then_decode_matches_transformers(checkpoints):
     cache = init_kv_cache(model.config, batch=2, max_len=16)
     prefill_len = 8
     prompt = full[:, :prefill_len].copy()
-    prompt[1, prompt_lens[1]:] = 5  # padding garbage beyond row 1's prompt
+    prompt[1, prompt_lens[1] :] = 5  # padding garbage beyond row 1's prompt
     positions = np.broadcast_to(np.arange(prefill_len), (2, prefill_len))
     step = jax.jit(lambda m, t, p, c: m.forward_cached(t, p, c))
     hidden, cache = step(model, jnp.asarray(prompt), jnp.asarray(positions), cache)
@@ -166,8 +183,9 @@ def test_sequence_logprobs_and_entropy_match_transformers(checkpoints, chunk_siz
     model = hf.load_hf(path, dtype="float32")
     tokens = _tokens(batch=3, length=20, seed=5)
     temperature = 0.7
-    logp, entropy = jax.jit(lambda m, t: sequence_logprobs(m, t, temperature=temperature, chunk_size=chunk_size,
-                                                           return_entropy=True))(model, jnp.asarray(tokens))
+    logp, entropy = jax.jit(
+        lambda m, t: sequence_logprobs(m, t, temperature=temperature, chunk_size=chunk_size, return_entropy=True)
+    )(model, jnp.asarray(tokens))
     ref = _log_softmax(_torch_logits(torch_model, tokens) / temperature)  # [B, T, V] float64
     ref_logp = np.take_along_axis(ref[:, :-1], tokens[:, 1:, None], -1)[..., 0]
     ref_entropy = -(np.exp(ref[:, :-1]) * ref[:, :-1]).sum(-1)
@@ -177,8 +195,14 @@ def test_sequence_logprobs_and_entropy_match_transformers(checkpoints, chunk_siz
     np.testing.assert_allclose(np.asarray(entropy[:, 1:]), ref_entropy, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("scan,remat", [pytest.param(True, "none", marks=pytest.mark.slow), (True, "full"),
-                                         pytest.param(False, "dots", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "scan,remat",
+    [
+        pytest.param(True, "none", marks=pytest.mark.slow),
+        (True, "full"),
+        pytest.param(False, "dots", marks=pytest.mark.slow),
+    ],
+)
 def test_logprob_gradients_match_torch_autograd(checkpoints, scan, remat):
     """d/dparams sum_t log p(tokens_t) equals torch autograd through the transformers model."""
     path, torch_model = checkpoints["llama"]
@@ -231,8 +255,9 @@ def test_fp32_head_reduces_mismatch_between_two_body_computations(checkpoints, t
         hidden_b = upcast.hidden(tokens).astype(jnp.bfloat16)
 
         def logprobs(hidden):
-            return chunked_head_logprobs(bf16_model.head, hidden[:, :-1], tokens[:, 1:], temperature=1.0,
-                                         chunk_size=16, with_entropy=False)[0]
+            return chunked_head_logprobs(
+                bf16_model.head, hidden[:, :-1], tokens[:, 1:], temperature=1.0, chunk_size=16, with_entropy=False
+            )[0]
 
         mismatch[fp32_head] = float(jnp.mean(jnp.abs(logprobs(hidden_a) - logprobs(hidden_b))))
     print(f"mean |logp_a - logp_b|: fp32 head {mismatch[True]:.4f}, bf16 head {mismatch[False]:.4f}")
@@ -244,6 +269,7 @@ def test_load_hf_onto_mesh_shards_each_param(checkpoints):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
     from scalerl_jax.models import make_mesh
+
     mesh = make_mesh((1, 4, 2))
     model = hf.load_hf(path, dtype="float32", mesh=mesh)
     q = model.layers.attn.q_proj[...]

@@ -1,4 +1,5 @@
 """Memory plan: exact per-device parameter / optimizer / gradient bytes against a hand calculation."""
+
 import pytest
 
 from scalerl_jax.models import get_preset
@@ -30,14 +31,18 @@ def test_tensor_parallel_and_kv_cache_bytes():
     with_tp = plan_memory(config, (1, 4, 2), microbatch=8, seq_len=1024, remat_policy="full")
     assert with_tp.params == fsdp_only.params  # 8 shards either way, norms replicated
     # KV cache: 2 (k, v) * 32 layers * 64 slots * 16384 * 8 kv heads * 128 * 2 bytes, slots over fsdp=8.
-    assert kv_cache_bytes(config, {"data": 1, "fsdp": 8, "tensor": 1}, slots=64, max_len=16384) == \
-        2 * 32 * 64 * 16384 * 8 * 128 * 2 // 8
+    assert (
+        kv_cache_bytes(config, {"data": 1, "fsdp": 8, "tensor": 1}, slots=64, max_len=16384)
+        == 2 * 32 * 64 * 16384 * 8 * 128 * 2 // 8
+    )
 
 
 def test_remat_policies_order_activation_estimates():
     config = get_preset("llama3.1-8b")
-    act = {policy: plan_memory(config, (1, 8, 1), microbatch=8, seq_len=8192, remat_policy=policy).activations
-           for policy in ("none", "dots", "dots_with_no_batch_dims", "full")}
+    act = {
+        policy: plan_memory(config, (1, 8, 1), microbatch=8, seq_len=8192, remat_policy=policy).activations
+        for policy in ("none", "dots", "dots_with_no_batch_dims", "full")
+    }
     assert act["none"] > act["dots"] > act["dots_with_no_batch_dims"] > act["full"] > 0
 
 
@@ -47,8 +52,22 @@ def test_indivisible_mesh_is_named():
 
 
 def test_cli_prints_fit(capsys):
-    main(["--preset", "llama3.1-8b", "--mesh", "1,8,1", "--microbatch", "8", "--seq_len", "16384",
-          "--remat", "full", "--attention_impl", "cudnn"])
+    main(
+        [
+            "--preset",
+            "llama3.1-8b",
+            "--mesh",
+            "1,8,1",
+            "--microbatch",
+            "8",
+            "--seq_len",
+            "16384",
+            "--remat",
+            "full",
+            "--attention_impl",
+            "cudnn",
+        ]
+    )
     out = capsys.readouterr().out
     assert "H100 80GB: fits" in out and "H200 141GB: fits" in out and "optimizer" in out
 
@@ -64,8 +83,16 @@ def test_decode_plan_llama31_8b_h200_by_hand():
     #     = 832 pages = 1,744,830,464 B -> floor(60.63) = 60 slots.
     config = get_preset("llama3.1-8b")
     assert kv_bytes_per_token(config) == 131_072
-    plan = plan_decode(config, max_len=16_384, page_size=16, mean_prompt=2_048, mean_completion=11_264,
-                       device_gb=141, usable_fraction=0.9, workspace_gb=4.0)
+    plan = plan_decode(
+        config,
+        max_len=16_384,
+        page_size=16,
+        mean_prompt=2_048,
+        mean_completion=11_264,
+        device_gb=141,
+        usable_fraction=0.9,
+        workspace_gb=4.0,
+    )
     assert plan.weights == 17_111_195_648
     assert plan.kv_budget == 105_788_804_352
     assert plan.slots_unpaged == 49

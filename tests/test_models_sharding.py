@@ -3,6 +3,7 @@
 Forward logits and gradients on meshes (8,1,1), (1,4,2), (2,2,2) equal the single-device result;
 parameter shardings equal a table of expected PartitionSpecs written out by hand below.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +11,17 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scalerl_jax.models import (get_preset, init_kv_cache, init_transformer, logical_to_spec, make_mesh,
-                                param_shardings, sequence_logprobs, split_devices, use_mesh_rules)
+from scalerl_jax.models import (
+    get_preset,
+    init_kv_cache,
+    init_transformer,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    sequence_logprobs,
+    split_devices,
+    use_mesh_rules,
+)
 from scalerl_jax.models.sharding import constrain
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in tests/conftest.py)")
@@ -72,16 +82,18 @@ def test_sharded_forward_and_grads_equal_single_device(reference, mesh_shape):
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp")))
     sharded_tokens = jax.device_put(tokens, batch_sharding)
     with use_mesh_rules(mesh):
-        grads, logits = jax.jit(jax.grad(objective, has_aux=True), in_shardings=(shardings, batch_sharding),
-                                out_shardings=(shardings, None))(sharded_params, sharded_tokens)
+        grads, logits = jax.jit(
+            jax.grad(objective, has_aux=True), in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None)
+        )(sharded_params, sharded_tokens)
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     assert logits.sharding.shard_shape(logits.shape)[0] == 8 // batch_shards  # activations batch-sharded
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-6)
     ref_flat, got_flat = _flat(ref_grads), _flat(grads)
     for name, ref in ref_flat.items():
         scale = float(np.abs(np.asarray(ref)).max())
-        np.testing.assert_allclose(np.asarray(got_flat[name]), np.asarray(ref), rtol=1e-5, atol=1e-5 * scale,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            np.asarray(got_flat[name]), np.asarray(ref), rtol=1e-5, atol=1e-5 * scale, err_msg=name
+        )
     for tree in (sharded_params, grads):
         for name, leaf in _flat(tree).items():
             assert _padded(leaf.sharding.spec, leaf.ndim) == EXPECTED_SPECS[name], name

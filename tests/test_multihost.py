@@ -1,5 +1,6 @@
 """One run over two real processes (jax.distributed on CPU, gloo): three device layouts, the
 PPO-off-policy losses against a one-process run on the same global layout, and a killed process."""
+
 import os
 import signal
 import time
@@ -15,8 +16,11 @@ LAYOUTS = {
     "trainer_on_0_generator_on_1": {"mesh.generator_fraction": 0.5},
     # trainer p0d0 + p0d1 + p1d0 (spans both processes; data-parallel over 3); generator p1d1, on
     # the follower trainer process
-    "trainer_spans_both": {"mesh.generator_fraction": 0.25, "mesh.trainer_shape": "(-1,1,1)",
-                           "batch.prompts_per_step": 3},
+    "trainer_spans_both": {
+        "mesh.generator_fraction": 0.25,
+        "mesh.trainer_shape": "(-1,1,1)",
+        "batch.prompts_per_step": 3,
+    },
     # trainer p0d0; generator p0d1 + p1d0 + p1d1 (two generator processes, one of them the leader)
     "generators_span_both": {"mesh.generator_fraction": 0.75},
 }
@@ -34,10 +38,14 @@ def check_run(workdir, num_steps: int, k: int) -> list[dict]:
 
 # The trainer-spanning layout (follower, batches by process rows, transfer to the leader's own
 # generator) runs in the fast suite (~1 min); the other two with -m slow.
-@pytest.mark.parametrize("layout", [
-    pytest.param("trainer_on_0_generator_on_1", marks=pytest.mark.slow),
-    "trainer_spans_both",
-    pytest.param("generators_span_both", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param("trainer_on_0_generator_on_1", marks=pytest.mark.slow),
+        "trainer_spans_both",
+        pytest.param("generators_span_both", marks=pytest.mark.slow),
+    ],
+)
 def test_two_processes_complete_every_step(tmp_path, layout):
     workdir = str(tmp_path / "run")
     procs = start(workdir, {**TINY, **LAYOUTS[layout]}, processes=2)
@@ -50,8 +58,14 @@ def test_two_processes_complete_every_step(tmp_path, layout):
 
 @pytest.mark.slow
 def test_ppo_off_policy_losses_match_one_process(tmp_path):
-    overrides = {**TINY, **LAYOUTS["trainer_spans_both"], "schedule.kind": "ppo_off_policy", "schedule.k": 2,
-                 "num_steps": 4, "eval.every": 4}
+    overrides = {
+        **TINY,
+        **LAYOUTS["trainer_spans_both"],
+        "schedule.kind": "ppo_off_policy",
+        "schedule.k": 2,
+        "num_steps": 4,
+        "eval.every": 4,
+    }
     one = str(tmp_path / "one")
     assert wait(start(one, overrides, processes=1, devices=4), timeout=400) == [0], logs(one, 1)
     two = str(tmp_path / "two")

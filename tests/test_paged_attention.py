@@ -3,6 +3,7 @@
 The reference assembles each slot's keys and values position by position from the page table
 (page_table[s, p // P], row p % P) and computes softmax(q.K / sqrt(D)) V in float64.
 """
+
 import re
 
 import jax
@@ -10,12 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalerl_jax.models.paged_attention import (block_table_columns, paged_attention_supported,
-                                                paged_decode_attention, triton_shape_problems)
+from scalerl_jax.models.paged_attention import (
+    block_table_columns,
+    paged_attention_supported,
+    paged_decode_attention,
+    triton_shape_problems,
+)
 
-PAGE = 4            # P tokens per page
-TABLE_PAGES = 8     # M page-table columns per slot -> at most 32 tokens
-POOL_PAGES = 32     # N pages in the shared pool
+PAGE = 4  # P tokens per page
+TABLE_PAGES = 8  # M page-table columns per slot -> at most 32 tokens
+POOL_PAGES = 32  # N pages in the shared pool
 HEAD_DIM = 16
 PAGES_PER_BLOCK = 2  # B = 8 tokens per block
 # idle, one token, exactly one page, exactly one block, mid-page, the maximum (M * P)
@@ -36,12 +41,12 @@ def paged_layout(rng, *, num_layers, num_kv_heads, lengths=LENGTHS):
     v_pages = np.full(shape, np.nan, np.float32)
     live_pages = -(-lengths // PAGE)
     pool_order = rng.permutation(POOL_PAGES)
-    owned, unowned = pool_order[:live_pages.sum()], pool_order[live_pages.sum():]
+    owned, unowned = pool_order[: live_pages.sum()], pool_order[live_pages.sum() :]
     garbage = np.concatenate([[POOL_PAGES, -1, 10**6], unowned])
     page_table = rng.choice(garbage, size=(len(lengths), TABLE_PAGES)).astype(np.int32)
     start = 0
     for slot, (length, count) in enumerate(zip(lengths, live_pages)):
-        page_table[slot, :count] = owned[start:start + count]
+        page_table[slot, :count] = owned[start : start + count]
         start += count
         for position in range(length):
             page, row = page_table[slot, position // PAGE], position % PAGE
@@ -61,10 +66,8 @@ def reference_attention(q, k_pages, v_pages, layer, page_table, lengths):
             positions = range(lengths[slot])
             if not positions:
                 continue
-            keys = np.stack([k_pages[layer, page_table[slot, p // PAGE], p % PAGE, head // group]
-                             for p in positions])
-            values = np.stack([v_pages[layer, page_table[slot, p // PAGE], p % PAGE, head // group]
-                               for p in positions])
+            keys = np.stack([k_pages[layer, page_table[slot, p // PAGE], p % PAGE, head // group] for p in positions])
+            values = np.stack([v_pages[layer, page_table[slot, p // PAGE], p % PAGE, head // group] for p in positions])
             scores = keys @ q[slot, head] / np.sqrt(head_dim)
             weights = np.exp(scores - scores.max())
             out[slot, head] = weights / weights.sum() @ values
@@ -86,10 +89,15 @@ def test_matches_fp64_reference_with_garbage_outside_live_pages(dtype, num_heads
     q = rng.standard_normal((len(LENGTHS), num_heads, HEAD_DIM)).astype(np.float32)
     q, k_pages, v_pages = (as_dtype(x, dtype) for x in (q, k_pages, v_pages))
 
-    attend = jax.jit(lambda *args: paged_decode_attention(
-        *args, pages_per_block=PAGES_PER_BLOCK, interpret=True))
-    out = attend(jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
-                 jnp.int32(layer), page_table, LENGTHS)
+    attend = jax.jit(lambda *args: paged_decode_attention(*args, pages_per_block=PAGES_PER_BLOCK, interpret=True))
+    out = attend(
+        jnp.asarray(q, dtype),
+        jnp.asarray(k_pages, dtype),
+        jnp.asarray(v_pages, dtype),
+        jnp.int32(layer),
+        page_table,
+        LENGTHS,
+    )
 
     assert out.dtype == dtype and out.shape == q.shape
     expected = reference_attention(q, k_pages, v_pages, layer, page_table, LENGTHS)
@@ -104,15 +112,15 @@ def test_layer_index_traced_in_a_scan_selects_each_layer():
     q = rng.standard_normal((len(LENGTHS), num_heads, HEAD_DIM)).astype(np.float32)
 
     def per_layer(_, layer):
-        return None, paged_decode_attention(q, k_pages, v_pages, layer, page_table, LENGTHS,
-                                            pages_per_block=PAGES_PER_BLOCK, interpret=True)
+        return None, paged_decode_attention(
+            q, k_pages, v_pages, layer, page_table, LENGTHS, pages_per_block=PAGES_PER_BLOCK, interpret=True
+        )
 
     _, outs = jax.jit(lambda: jax.lax.scan(per_layer, None, jnp.arange(num_layers)))()
 
     for layer in range(num_layers):
         expected = reference_attention(q, k_pages, v_pages, layer, page_table, LENGTHS)
-        np.testing.assert_allclose(np.asarray(outs[layer], np.float64), expected,
-                                   atol=TOLERANCE[jnp.float32], rtol=0)
+        np.testing.assert_allclose(np.asarray(outs[layer], np.float64), expected, atol=TOLERANCE[jnp.float32], rtol=0)
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 4, 8])
@@ -120,11 +128,11 @@ def test_block_sizes_agree_with_reference(pages_per_block):
     rng = np.random.default_rng(2)
     k_pages, v_pages, page_table = paged_layout(rng, num_layers=1, num_kv_heads=1)
     q = rng.standard_normal((len(LENGTHS), 2, HEAD_DIM)).astype(np.float32)
-    out = paged_decode_attention(q, k_pages, v_pages, 0, page_table, LENGTHS,
-                                 pages_per_block=pages_per_block, interpret=True)
+    out = paged_decode_attention(
+        q, k_pages, v_pages, 0, page_table, LENGTHS, pages_per_block=pages_per_block, interpret=True
+    )
     expected = reference_attention(q, k_pages, v_pages, 0, page_table, LENGTHS)
-    np.testing.assert_allclose(np.asarray(out, np.float64), expected,
-                               atol=TOLERANCE[jnp.float32], rtol=0)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=TOLERANCE[jnp.float32], rtol=0)
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 3, 8])
@@ -136,27 +144,40 @@ def test_block_columns_cover_exactly_the_live_table_entries(live_pages, pages_pe
     values test above cannot see a read past the live pages; this checks the indices themselves.)
     """
     num_blocks = -(-live_pages // pages_per_block)
-    columns = np.concatenate([
-        np.asarray(block_table_columns(jnp.int32(block), jnp.int32(live_pages), pages_per_block))
-        for block in range(num_blocks)])
+    columns = np.concatenate(
+        [
+            np.asarray(block_table_columns(jnp.int32(block), jnp.int32(live_pages), pages_per_block))
+            for block in range(num_blocks)
+        ]
+    )
     assert set(columns.tolist()) == set(range(live_pages))
     positions = np.arange(num_blocks * pages_per_block)
     # each live column is read at its own position; clamped repeats only after the live pages
     np.testing.assert_array_equal(columns[:live_pages], positions[:live_pages])
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,dtype", [
-    (8, 2, 64, jnp.bfloat16), (32, 8, 128, jnp.bfloat16), (4, 4, 128, jnp.float32)],
-    ids=["gqa-d64-bf16", "llama8b-heads-bf16", "mha-d128-f32"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,dtype",
+    [(8, 2, 64, jnp.bfloat16), (32, 8, 128, jnp.bfloat16), (4, 4, 128, jnp.float32)],
+    ids=["gqa-d64-bf16", "llama8b-heads-bf16", "mha-d128-f32"],
+)
 def test_lowers_to_one_triton_call_on_the_whole_pool(num_heads, num_kv_heads, head_dim, dtype):
     """Pallas -> Triton IR lowering for CUDA runs on CPU: the kernel lowers, and the stacked pool
     reaches the Triton custom call as the jitted function's own arguments (no slice or copy)."""
     num_slots, page, table_pages, pool_pages, layers = 4, 16, 8, 64, 3
     pool = jax.ShapeDtypeStruct((layers, pool_pages, page, num_kv_heads, head_dim), dtype)
-    lowered = jax.jit(paged_decode_attention).trace(
-        jax.ShapeDtypeStruct((num_slots, num_heads, head_dim), dtype), pool, pool,
-        jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((num_slots, table_pages), jnp.int32),
-        jax.ShapeDtypeStruct((num_slots,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    lowered = (
+        jax.jit(paged_decode_attention)
+        .trace(
+            jax.ShapeDtypeStruct((num_slots, num_heads, head_dim), dtype),
+            pool,
+            pool,
+            jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((num_slots, table_pages), jnp.int32),
+            jax.ShapeDtypeStruct((num_slots,), jnp.int32),
+        )
+        .lower(lowering_platforms=("cuda",))
+    )
     main_body = lowered.as_text().split("func.func public @main")[1].split("func.func")[0]
     lines = main_body.splitlines()[1:]
     calls = [line for line in lines if "stablehlo.custom_call" in line]
@@ -175,8 +196,7 @@ def test_shape_limits_of_the_triton_kernel():
     assert "head_dim=8" in triton_shape_problems(head_dim=8, page_size=16, pages_per_block=8)
     assert "page_size=12" in triton_shape_problems(head_dim=64, page_size=12, pages_per_block=8)
     assert "pages_per_block=3" in triton_shape_problems(head_dim=64, page_size=16, pages_per_block=3)
-    assert "page_size*pages_per_block=8" in triton_shape_problems(head_dim=64, page_size=4,
-                                                                   pages_per_block=2)
+    assert "page_size*pages_per_block=8" in triton_shape_problems(head_dim=64, page_size=4, pages_per_block=2)
 
 
 def test_bad_shapes_raise_naming_the_argument():

@@ -3,56 +3,91 @@
 import numpy as np
 import pytest
 
-from scalerl_jax.pipeline.batching import (build_train_batch, cut_by_length, pick_bucket,
-                                           power_of_two_buckets)
+from scalerl_jax.pipeline.batching import build_train_batch, cut_by_length, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion
 from scalerl_jax.train.step import validate_batch
 
 
-def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False,
-               finish_reason="stop"):
-    return Completion(request_id=None, prompt_tokens=[], tokens=list(tokens),
-                      logprobs=list(logprobs), versions=list(versions), sampled=list(sampled),
-                      interrupted=interrupted, truncated=truncated, num_think_tokens=0,
-                      num_answer_tokens=0, finish_reason=finish_reason, think_budget=-1)
+def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False, finish_reason="stop"):
+    return Completion(
+        request_id=None,
+        prompt_tokens=[],
+        tokens=list(tokens),
+        logprobs=list(logprobs),
+        versions=list(versions),
+        sampled=list(sampled),
+        interrupted=interrupted,
+        truncated=truncated,
+        num_think_tokens=0,
+        num_answer_tokens=0,
+        finish_reason=finish_reason,
+        think_budget=-1,
+    )
 
 
 def two_groups():
     # group 0: prompt [5, 6], rewards differ; completion 1 has a forced token (sampled False).
-    g0 = Group(0, Prompt("a", (5, 6)), admit_version=3, rewards=[1.0, -1.0], completions=[
-        completion([7, 8], [-0.5, -0.25], [True, True], [3, 4]),
-        completion([9, 10, 11], [-1.0, 0.0, -2.0], [True, False, True], [4, 4, 5],
-                   interrupted=True)])
+    g0 = Group(
+        0,
+        Prompt("a", (5, 6)),
+        admit_version=3,
+        rewards=[1.0, -1.0],
+        completions=[
+            completion([7, 8], [-0.5, -0.25], [True, True], [3, 4]),
+            completion([9, 10, 11], [-1.0, 0.0, -2.0], [True, False, True], [4, 4, 5], interrupted=True),
+        ],
+    )
     # group 1: prompt [1], both rewards equal -> zero variance.
-    g1 = Group(1, Prompt("b", (1,)), admit_version=4, rewards=[-1.0, -1.0], completions=[
-        completion([2], [-0.125], [True], [4]),
-        completion([3, 4, 5, 6], [-1.0, -1.0, -1.0, -1.0], [True] * 4, [5, 5, 5, 6],
-                   truncated=True)])
+    g1 = Group(
+        1,
+        Prompt("b", (1,)),
+        admit_version=4,
+        rewards=[-1.0, -1.0],
+        completions=[
+            completion([2], [-0.125], [True], [4]),
+            completion([3, 4, 5, 6], [-1.0, -1.0, -1.0, -1.0], [True] * 4, [5, 5, 5, 6], truncated=True),
+        ],
+    )
     return [g0, g1]
 
 
 def test_batch_arrays_by_hand():
     batch, info = build_train_batch(two_groups(), rows=6, length_buckets=(4, 8, 16))
     # longest row: prompt 1 + completion 4 = 5, or 2 + 3 = 5 -> bucket 8
-    np.testing.assert_array_equal(batch["tokens"], [
-        [5, 6, 7, 8, 0, 0, 0, 0],
-        [5, 6, 9, 10, 11, 0, 0, 0],
-        [1, 2, 0, 0, 0, 0, 0, 0],
-        [1, 3, 4, 5, 6, 0, 0, 0],
-        [0] * 8, [0] * 8])
-    np.testing.assert_array_equal(batch["loss_mask"], [
-        [0, 0, 1, 1, 0, 0, 0, 0],
-        [0, 0, 1, 0, 1, 0, 0, 0],
-        [0, 1, 0, 0, 0, 0, 0, 0],
-        [0, 1, 1, 1, 1, 0, 0, 0],
-        [0] * 8, [0] * 8])
-    np.testing.assert_array_equal(batch["behavior_logp"], [
-        [0, 0, -0.5, -0.25, 0, 0, 0, 0],
-        [0, 0, -1.0, 0.0, -2.0, 0, 0, 0],
-        [0, -0.125, 0, 0, 0, 0, 0, 0],
-        [0, -1.0, -1.0, -1.0, -1.0, 0, 0, 0],
-        [0] * 8, [0] * 8])
+    np.testing.assert_array_equal(
+        batch["tokens"],
+        [
+            [5, 6, 7, 8, 0, 0, 0, 0],
+            [5, 6, 9, 10, 11, 0, 0, 0],
+            [1, 2, 0, 0, 0, 0, 0, 0],
+            [1, 3, 4, 5, 6, 0, 0, 0],
+            [0] * 8,
+            [0] * 8,
+        ],
+    )
+    np.testing.assert_array_equal(
+        batch["loss_mask"],
+        [
+            [0, 0, 1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 1, 0, 0, 0],
+            [0, 1, 0, 0, 0, 0, 0, 0],
+            [0, 1, 1, 1, 1, 0, 0, 0],
+            [0] * 8,
+            [0] * 8,
+        ],
+    )
+    np.testing.assert_array_equal(
+        batch["behavior_logp"],
+        [
+            [0, 0, -0.5, -0.25, 0, 0, 0, 0],
+            [0, 0, -1.0, 0.0, -2.0, 0, 0, 0],
+            [0, -0.125, 0, 0, 0, 0, 0, 0],
+            [0, -1.0, -1.0, -1.0, -1.0, 0, 0, 0],
+            [0] * 8,
+            [0] * 8,
+        ],
+    )
     np.testing.assert_array_equal(batch["rewards"], [1, -1, -1, -1, 0, 0])
     np.testing.assert_array_equal(batch["group_ids"], [0, 0, 1, 1, 4, 5])
     # group 1 has zero variance, rows 4-5 are padding
@@ -74,22 +109,27 @@ def mixed_endings_group():
     """Prompt [5]; completion 0 cut by the token limit (truncated, 'length'), completion 1
     interrupted (forced token 9, sampled False) then answered with a stop token, completion 2 a
     plain stop. Rewards differ, so no row is zero-variance."""
-    return Group(0, Prompt("p", (5,)), admit_version=0, rewards=[0.0, 1.0, 0.5], completions=[
-        completion([1, 2, 3], [-0.5, -0.5, -0.5], [True] * 3, [0] * 3, truncated=True,
-                   finish_reason="length"),
-        completion([4, 9, 6], [-0.25, 0.0, -0.75], [True, False, True], [0] * 3, interrupted=True),
-        completion([7, 8], [-1.0, -2.0], [True, True], [0, 0])])
+    return Group(
+        0,
+        Prompt("p", (5,)),
+        admit_version=0,
+        rewards=[0.0, 1.0, 0.5],
+        completions=[
+            completion([1, 2, 3], [-0.5, -0.5, -0.5], [True] * 3, [0] * 3, truncated=True, finish_reason="length"),
+            completion([4, 9, 6], [-0.25, 0.0, -0.75], [True, False, True], [0] * 3, interrupted=True),
+            completion([7, 8], [-1.0, -2.0], [True, True], [0, 0]),
+        ],
+    )
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
 def test_mask_truncated_drops_only_completions_cut_by_length(mask_truncated):
-    batch, info = build_train_batch([mixed_endings_group()], rows=4, length_buckets=(4,),
-                                    mask_truncated=mask_truncated)
+    batch, info = build_train_batch([mixed_endings_group()], rows=4, length_buckets=(4,), mask_truncated=mask_truncated)
     truncated_row = [0, 0, 0, 0] if mask_truncated else [0, 1, 1, 1]
-    np.testing.assert_array_equal(batch["loss_mask"], [
-        truncated_row, [0, 1, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0]])
-    np.testing.assert_array_equal(batch["behavior_logp"], [
-        np.multiply(truncated_row, -0.5), [0, -0.25, 0, -0.75], [0, -1.0, -2.0, 0], [0] * 4])
+    np.testing.assert_array_equal(batch["loss_mask"], [truncated_row, [0, 1, 0, 1], [0, 1, 1, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        batch["behavior_logp"], [np.multiply(truncated_row, -0.5), [0, -0.25, 0, -0.75], [0, -1.0, -2.0, 0], [0] * 4]
+    )
     # the truncated row stays valid: its reward keeps its place in the group's baseline.
     np.testing.assert_array_equal(batch["sample_valid"], [True, True, True, False])
     np.testing.assert_array_equal(batch["tokens"][0], [5, 1, 2, 3])
@@ -101,8 +141,7 @@ def test_mask_truncated_drops_only_completions_cut_by_length(mask_truncated):
 def test_cut_by_length():
     assert cut_by_length(completion([1], [0.0], [True], [0], truncated=True, finish_reason="length"))
     assert not cut_by_length(completion([1], [0.0], [True], [0], interrupted=True))
-    assert not cut_by_length(completion([1], [0.0], [True], [0], truncated=True,
-                                        finish_reason="answer_budget"))
+    assert not cut_by_length(completion([1], [0.0], [True], [0], truncated=True, finish_reason="answer_budget"))
 
 
 def test_versions_and_lags():
@@ -117,12 +156,12 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="do not fit rows=3"):
         build_train_batch(two_groups(), rows=3, length_buckets=(8,))
     with pytest.raises(ValueError, match="group 9: 1 rewards for 2 completions"):
-        Group(9, Prompt("c", (1,)), 0, rewards=[1.0],
-              completions=two_groups()[0].completions)
+        Group(9, Prompt("c", (1,)), 0, rewards=[1.0], completions=two_groups()[0].completions)
     bad = completion([1, 2], [-1.0], [True, True], [0, 0])
     with pytest.raises(ValueError, match="group 2 completion 0: tokens/logprobs/sampled"):
-        build_train_batch([Group(2, Prompt("d", (1,)), 0, rewards=[0.0], completions=[bad])],
-                          rows=1, length_buckets=(8,))
+        build_train_batch(
+            [Group(2, Prompt("d", (1,)), 0, rewards=[0.0], completions=[bad])], rows=1, length_buckets=(8,)
+        )
 
 
 def test_buckets():

@@ -80,11 +80,27 @@ def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at):
             evaluate(record.version + 1, record.train_state)
 
     pipeline = Pipeline(
-        PipelineConfig(schedule=schedule, k=k, prompts_per_step=GROUPS, samples_per_prompt=SAMPLES,
-                       num_steps=num_steps, max_new_tokens=MAX_NEW, max_seq_len=24, min_length_bucket=24,
-                       temperature=1.0, stop_tokens=STOP, poll_s=0.01),
-        batcher=batcher, prompt_source=prompt_source(), reward_fn=reward, train_step=setup.step,
-        train_state=state, on_step=on_step, on_start=(lambda: evaluate(0, state)) if 0 in evaluate_at else None)
+        PipelineConfig(
+            schedule=schedule,
+            k=k,
+            prompts_per_step=GROUPS,
+            samples_per_prompt=SAMPLES,
+            num_steps=num_steps,
+            max_new_tokens=MAX_NEW,
+            max_seq_len=24,
+            min_length_bucket=24,
+            temperature=1.0,
+            stop_tokens=STOP,
+            poll_s=0.01,
+        ),
+        batcher=batcher,
+        prompt_source=prompt_source(),
+        reward_fn=reward,
+        train_step=setup.step,
+        train_state=state,
+        on_step=on_step,
+        on_start=(lambda: evaluate(0, state)) if 0 in evaluate_at else None,
+    )
     return pipeline, batcher, evaluations, records, scorer_threads
 
 
@@ -92,8 +108,17 @@ def reference_samples(setup, params, seed_offset):
     """EVAL_PROMPTS sampled alone on a fresh batcher (own engine) with the same request seeds."""
     batcher = ContinuousBatcher(setup.reference_engine, params, seed=0)
     for i, prompt in enumerate(EVAL_PROMPTS):
-        batcher.add_request(Request(request_id=i, prompt_tokens=prompt, max_new_tokens=MAX_NEW,
-                                    seed=seed_offset + i, temperature=1.0, stop_tokens=STOP, interrupt=True))
+        batcher.add_request(
+            Request(
+                request_id=i,
+                prompt_tokens=prompt,
+                max_new_tokens=MAX_NEW,
+                seed=seed_offset + i,
+                temperature=1.0,
+                stop_tokens=STOP,
+                interrupt=True,
+            )
+        )
     done = {c.request_id: c for c in batcher.drain()}
     return [done[i] for i in range(len(EVAL_PROMPTS))]
 
@@ -107,7 +132,8 @@ def assert_same_samples(got, expected, version):
 
 def test_evaluation_shares_the_generator_batcher_and_matches_a_direct_run(setup):
     pipeline, batcher, evaluations, records, scorer_threads = evaluating_pipeline(
-        setup, schedule="pipeline", k=2, num_steps=4, evaluate_at={0, 2, 3, 4})
+        setup, schedule="pipeline", k=2, num_steps=4, evaluate_at={0, 2, 3, 4}
+    )
     result = pipeline.run()
     assert result.version == 4 and sorted(evaluations) == [0, 2, 3, 4]
     # Evaluations shared batches with training requests, on the generator thread's batcher.
@@ -130,7 +156,8 @@ def test_ppo_evaluation_of_a_version_the_schedule_does_not_push(setup):
     # k = 2: version 1 is mid-phase (never pushed for training); evaluating it pushes it first,
     # and the phases still generate on their frozen versions 0 and 2.
     pipeline, batcher, evaluations, records, _ = evaluating_pipeline(
-        setup, schedule="ppo_off_policy", k=2, num_steps=4, evaluate_at={1, 2})
+        setup, schedule="ppo_off_policy", k=2, num_steps=4, evaluate_at={1, 2}
+    )
     pipeline.run()
     for version, (params, completions) in evaluations.items():
         assert_same_samples(completions, reference_samples(setup, params, version << 20), version)
@@ -138,12 +165,13 @@ def test_ppo_evaluation_of_a_version_the_schedule_does_not_push(setup):
         phase_start = record.version - record.version % 2
         assert {v for g in record.groups for c in g.completions for v in c.versions} == {phase_start}
     # Admission is held while on_step runs: the evaluation at the phase start 2 had the engine alone.
-    assert batcher.training_beside_eval[-len(EVAL_PROMPTS):] == [0] * len(EVAL_PROMPTS)
+    assert batcher.training_beside_eval[-len(EVAL_PROMPTS) :] == [0] * len(EVAL_PROMPTS)
 
 
 def test_stop_requested_during_an_evaluation_lets_it_finish(setup):
     pipeline, _, evaluations, records, _ = evaluating_pipeline(
-        setup, schedule="pipeline", k=1, num_steps=10, evaluate_at={1})
+        setup, schedule="pipeline", k=1, num_steps=10, evaluate_at={1}
+    )
     on_step = pipeline.on_step
 
     def stop_then_evaluate(record):
@@ -172,8 +200,7 @@ def test_reward_runs_on_the_scoring_thread_with_unchanged_accounting():
         return run_chunk()
 
     batcher.run_chunk = recording_run_chunk
-    pipeline, records = make_pipeline(batcher, CountingStep(), reward_fn=reward, samples_per_prompt=2,
-                                      num_steps=5, k=2)
+    pipeline, records = make_pipeline(batcher, CountingStep(), reward_fn=reward, samples_per_prompt=2, num_steps=5, k=2)
     result = pipeline.run()
     assert calls and generator_idents and not set(calls) & generator_idents
     assert len(set(calls)) == 1  # one scoring thread, groups scored one at a time
@@ -195,15 +222,32 @@ def test_a_failing_reward_still_ends_the_run_with_its_error():
 
 def completion(request_id, versions):
     n = len(versions)
-    return Completion(request_id=request_id, prompt_tokens=[5], tokens=[2] * n, logprobs=[-1.0] * n,
-                      versions=list(versions), sampled=[True] * n, interrupted=False, truncated=False,
-                      num_think_tokens=0, num_answer_tokens=n, finish_reason="stop", think_budget=-1)
+    return Completion(
+        request_id=request_id,
+        prompt_tokens=[5],
+        tokens=[2] * n,
+        logprobs=[-1.0] * n,
+        versions=list(versions),
+        sampled=[True] * n,
+        interrupted=False,
+        truncated=False,
+        num_think_tokens=0,
+        num_answer_tokens=n,
+        finish_reason="stop",
+        think_budget=-1,
+    )
 
 
 def local_link():
     buffer = GroupBuffer(make_schedule("pipeline", k=1, groups_per_step=1), capacity=2)
-    return LocalLink(buffer, prompt_source=None, reward_fn=None, samples_per_prompt=1, zero_variance="none",
-                     counters=GeneratorCounters())
+    return LocalLink(
+        buffer,
+        prompt_source=None,
+        reward_fn=None,
+        samples_per_prompt=1,
+        zero_variance="none",
+        counters=GeneratorCounters(),
+    )
 
 
 def run_in_thread(fn, *args):
@@ -269,10 +313,19 @@ def test_link_service_serves_evaluation_requests_with_the_leader_prompts():
     reply = service._answer(link, {"op": "take_evaluations", "version": 0, "limit": 4})
     (item,) = [eval_item_from_message(m) for m in reply["items"]]
     assert item == EvalItem(0, 0, (5, 6), 7, 0)
-    sent = {"request_id": list(item.request_id), "tokens": np.asarray([2], np.int32),
-            "logprobs": np.asarray([-1.0], np.float32), "versions": np.asarray([0]), "sampled": np.asarray([True]),
-            "interrupted": False, "truncated": False, "num_think_tokens": 0, "num_answer_tokens": 1,
-            "finish_reason": "stop", "think_budget": -1}
+    sent = {
+        "request_id": list(item.request_id),
+        "tokens": np.asarray([2], np.int32),
+        "logprobs": np.asarray([-1.0], np.float32),
+        "versions": np.asarray([0]),
+        "sampled": np.asarray([True]),
+        "interrupted": False,
+        "truncated": False,
+        "num_think_tokens": 0,
+        "num_answer_tokens": 1,
+        "finish_reason": "stop",
+        "think_budget": -1,
+    }
     service._answer(link, {"op": "finish_evaluations", "completions": [sent]})
     thread.join(5)
     assert out["value"][0].prompt_tokens == [5, 6] and out["value"][0].request_id == ("eval", 0, 0)

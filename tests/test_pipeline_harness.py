@@ -26,8 +26,7 @@ class ScriptedBatcher:
     emits one token per chunk with the version of that chunk; while `hold(group, sample, n)` (n:
     tokens so far) is true it does not advance. `fail_at_chunk`: raise in that chunk."""
 
-    def __init__(self, num_slots, *, chunks=lambda g, s: 1, hold=lambda g, s, n: False,
-                 fail_at_chunk=None):
+    def __init__(self, num_slots, *, chunks=lambda g, s: 1, hold=lambda g, s, n: False, fail_at_chunk=None):
         self.num_slots = num_slots
         self.chunks = chunks
         self.hold = hold
@@ -85,11 +84,22 @@ class ScriptedBatcher:
             self.tokens_by_version[self.version] = self.tokens_by_version.get(self.version, 0) + 1
             if len(slot["tokens"]) >= self.chunks(group, sample):
                 n = len(slot["tokens"])
-                finished.append(Completion(
-                    request_id=(group, sample), prompt_tokens=list(slot["request"].prompt_tokens),
-                    tokens=slot["tokens"], logprobs=[-1.0] * n, versions=slot["versions"],
-                    sampled=[True] * n, interrupted=False, truncated=False, num_think_tokens=0,
-                    num_answer_tokens=n, finish_reason="stop", think_budget=-1))
+                finished.append(
+                    Completion(
+                        request_id=(group, sample),
+                        prompt_tokens=list(slot["request"].prompt_tokens),
+                        tokens=slot["tokens"],
+                        logprobs=[-1.0] * n,
+                        versions=slot["versions"],
+                        sampled=[True] * n,
+                        interrupted=False,
+                        truncated=False,
+                        num_think_tokens=0,
+                        num_answer_tokens=n,
+                        finish_reason="stop",
+                        think_budget=-1,
+                    )
+                )
                 self.slots[i] = None
         return finished
 
@@ -121,16 +131,28 @@ def boom_in_step():
 def make_pipeline(batcher, step, reward_fn=None, **overrides):
     counter = iter(range(10**6))
     records = []
-    settings = dict(max_new_tokens=8, max_seq_len=32, min_length_bucket=8, prompts_per_step=1,
-                    samples_per_prompt=1, num_steps=3, k=1, admission_slack=0, poll_s=0.01)
+    settings = dict(
+        max_new_tokens=8,
+        max_seq_len=32,
+        min_length_bucket=8,
+        prompts_per_step=1,
+        samples_per_prompt=1,
+        num_steps=3,
+        k=1,
+        admission_slack=0,
+        poll_s=0.01,
+    )
     settings.update(overrides)
     pipeline = Pipeline(
-        PipelineConfig(**settings), batcher=batcher,
+        PipelineConfig(**settings),
+        batcher=batcher,
         prompt_source=lambda: Prompt(next(counter), (1, 2, 3)),
         reward_fn=reward_fn or (lambda prompt, completions: [float(i % 2) for i in range(len(completions))]),
-        train_step=step, train_state=0,
+        train_step=step,
+        train_state=0,
         push_params=lambda state, version: batcher.update_params(state, version),
-        on_step=records.append)
+        on_step=records.append,
+    )
     return pipeline, records
 
 
@@ -156,8 +178,11 @@ def test_trainer_waits_for_the_group_whose_deadline_has_come():
     pipeline = None
 
     def hold(group, sample, num_tokens):
-        return group == 0 and num_tokens == 1 and not (
-            pipeline.buffer.trainer_waiting_for() == 1 and pipeline.buffer.counts().queued >= 1)
+        return (
+            group == 0
+            and num_tokens == 1
+            and not (pipeline.buffer.trainer_waiting_for() == 1 and pipeline.buffer.counts().queued >= 1)
+        )
 
     batcher = ScriptedBatcher(2, chunks=lambda g, s: 2 if g == 0 else 1, hold=hold)
     step = CountingStep()
@@ -191,8 +216,7 @@ def test_generator_blocks_while_trainer_is_slow(k, capacity, reason):
             seen["counts"] = pipeline.buffer.counts()
 
     batcher = ScriptedBatcher(4)
-    pipeline, records = make_pipeline(batcher, CountingStep(gate), k=k, capacity=capacity,
-                                      num_steps=2)
+    pipeline, records = make_pipeline(batcher, CountingStep(gate), k=k, capacity=capacity, num_steps=2)
     result = pipeline.run()
     # admitted before the block: `capacity` groups (full) or (k+1)*G = 2 (lag), then one more
     # once batch 0 was taken; it stays there while step 0 runs.
@@ -274,8 +298,7 @@ def test_signal_stops_after_the_current_step(signum):
 def test_request_stop_from_on_step():
     batcher = ScriptedBatcher(4)
     pipeline, records = make_pipeline(batcher, CountingStep(), k=3, num_steps=50)
-    pipeline.on_step = lambda record: (records.append(record),
-                                       record.version == 4 and pipeline.request_stop())
+    pipeline.on_step = lambda record: (records.append(record), record.version == 4 and pipeline.request_stop())
     result = pipeline.run()
     assert result.stop_reason == "stop_requested" and result.steps == 5
     assert_accounting(result, records)
@@ -285,9 +308,16 @@ def test_ppo_off_policy_k_updates_per_phase_on_one_version():
     k, groups, samples = 3, 2, 2
     batcher = ScriptedBatcher(3, chunks=lambda g, s: 1 + (g * 7 + s) % 4)
     step = CountingStep()
-    pipeline, records = make_pipeline(batcher, step, schedule="ppo_off_policy", k=k,
-                                      prompts_per_step=groups, samples_per_prompt=samples,
-                                      num_steps=3 * k, admission_slack=2)
+    pipeline, records = make_pipeline(
+        batcher,
+        step,
+        schedule="ppo_off_policy",
+        k=k,
+        prompts_per_step=groups,
+        samples_per_prompt=samples,
+        num_steps=3 * k,
+        admission_slack=2,
+    )
     result = pipeline.run()
     assert [r.version for r in records] == list(range(3 * k))
     for r in records:
@@ -303,9 +333,16 @@ def test_ppo_off_policy_k_updates_per_phase_on_one_version():
 def test_zero_variance_refill_discards_and_counts():
     # n=2 with rewards [r, r] for even groups: they are discarded on arrival and counted.
     batcher = ScriptedBatcher(4)
-    pipeline, records = make_pipeline(batcher, CountingStep(), samples_per_prompt=2,
-                                      prompts_per_step=2, zero_variance="refill", k=2, num_steps=3,
-                                      reward_fn=lambda prompt, completions: [1.0, 1.0 - 2 * (prompt.key % 2)])
+    pipeline, records = make_pipeline(
+        batcher,
+        CountingStep(),
+        samples_per_prompt=2,
+        prompts_per_step=2,
+        zero_variance="refill",
+        k=2,
+        num_steps=3,
+        reward_fn=lambda prompt, completions: [1.0, 1.0 - 2 * (prompt.key % 2)],
+    )
     result = pipeline.run()
     for r in records:
         assert all(g.prompt.key % 2 == 1 for g in r.groups)
@@ -320,14 +357,23 @@ def test_mask_truncated_and_flops_reach_the_batch_and_metrics():
 
     class CutFirstSample(ScriptedBatcher):
         def run_chunk(self):
-            return [dataclasses.replace(c, truncated=True, finish_reason="length")
-                    if c.request_id[1] == 0 else c for c in super().run_chunk()]
+            return [
+                dataclasses.replace(c, truncated=True, finish_reason="length") if c.request_id[1] == 0 else c
+                for c in super().run_chunk()
+            ]
 
     step = CountingStep()
     flops = lambda rows, length: 1e9 * rows * length
-    pipeline, records = make_pipeline(CutFirstSample(4), step, samples_per_prompt=2, k=1,
-                                      num_steps=2, mask_truncated=True, train_step_flops=flops,
-                                      peak_flops_per_s=1e15)
+    pipeline, records = make_pipeline(
+        CutFirstSample(4),
+        step,
+        samples_per_prompt=2,
+        k=1,
+        num_steps=2,
+        mask_truncated=True,
+        train_step_flops=flops,
+        peak_flops_per_s=1e15,
+    )
     pipeline.run()
     assert len(step.batches) == 2
     for batch, record in zip(step.batches, records):

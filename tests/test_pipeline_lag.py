@@ -10,8 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from scalerl_jax.pipeline.lag import (PipelineSchedule, PPOOffPolicySchedule, Ticket,
-                                      default_capacity, make_schedule)
+from scalerl_jax.pipeline.lag import PipelineSchedule, PPOOffPolicySchedule, Ticket, default_capacity, make_schedule
 
 
 def remaining_feasible(deadlines, next_version, size):
@@ -64,8 +63,9 @@ def test_pipeline_selection_matches_brute_force():
 def test_pipeline_admission_rule_by_hand():
     # k=1, G=2, generator at version 0, next batch 0: (0 + 1 - 0 + 1) * 2 = 4 groups may be open.
     schedule = PipelineSchedule(max_lag=1, groups_per_step=2)
-    allowed = [schedule.admission_allowed(num_unconsumed=n, generator_version=0, next_batch_version=0)
-               for n in range(6)]
+    allowed = [
+        schedule.admission_allowed(num_unconsumed=n, generator_version=0, next_batch_version=0) for n in range(6)
+    ]
     assert allowed == [True, True, True, True, False, False]
     # After batch 0 was taken (next batch 1) with 2 open, a generator still on version 0 may
     # admit nothing: (0 + 1 - 1 + 1) * 2 = 2 already reached. Once it holds version 1: 4.
@@ -101,9 +101,13 @@ def test_random_pipeline_run_respects_lag_and_never_deadlocks(k):
     lags = []
     for _ in range(3000):
         action = rng.integers(0, 4)
-        if action == 0 and len(open_tickets) < capacity and schedule.admission_allowed(
-                num_unconsumed=len(open_tickets), generator_version=generator_version,
-                next_batch_version=next_batch):
+        if (
+            action == 0
+            and len(open_tickets) < capacity
+            and schedule.admission_allowed(
+                num_unconsumed=len(open_tickets), generator_version=generator_version, next_batch_version=next_batch
+            )
+        ):
             open_tickets[next_id] = Ticket(next_id, generator_version, False)
             next_id += 1
         elif action == 1:

@@ -1,4 +1,5 @@
 """The pipeline's per-step metrics (pipeline_rl.step_metrics) on a hand-built batch."""
+
 import pytest
 
 from scalerl_jax.pipeline.batching import build_train_batch
@@ -10,30 +11,61 @@ from scalerl_jax.sampler import Completion
 
 
 def completion(length, *, truncated=False, finish_reason="stop"):
-    return Completion(request_id=None, prompt_tokens=[], tokens=[1] * length,
-                      logprobs=[-1.0] * length, versions=[0] * length, sampled=[True] * length,
-                      interrupted=False, truncated=truncated, num_think_tokens=0,
-                      num_answer_tokens=length, finish_reason=finish_reason, think_budget=-1)
+    return Completion(
+        request_id=None,
+        prompt_tokens=[],
+        tokens=[1] * length,
+        logprobs=[-1.0] * length,
+        versions=[0] * length,
+        sampled=[True] * length,
+        interrupted=False,
+        truncated=truncated,
+        num_think_tokens=0,
+        num_answer_tokens=length,
+        finish_reason=finish_reason,
+        think_budget=-1,
+    )
 
 
 def groups():
     # rewards (1, 0, 0.5, 0, 0): mean 0.3, squared deviations .49 .09 .04 .09 .09, sum 0.8,
     # population variance 0.16, std 0.4. Completion lengths 3, 3, 2, 5, 1: mean 2.8, max 5.
-    return [Group(0, Prompt("a", (7,)), 0, rewards=[1.0, 0.0, 0.5], completions=[
-                completion(3), completion(3, truncated=True, finish_reason="length"),
-                completion(2)]),
-            Group(1, Prompt("b", (7,)), 0, rewards=[0.0, 0.0], completions=[
-                completion(5), completion(1, truncated=True, finish_reason="answer_budget")])]
+    return [
+        Group(
+            0,
+            Prompt("a", (7,)),
+            0,
+            rewards=[1.0, 0.0, 0.5],
+            completions=[completion(3), completion(3, truncated=True, finish_reason="length"), completion(2)],
+        ),
+        Group(
+            1,
+            Prompt("b", (7,)),
+            0,
+            rewards=[0.0, 0.0],
+            completions=[completion(5), completion(1, truncated=True, finish_reason="answer_budget")],
+        ),
+    ]
 
 
 def metrics_of(step_flops=None, peak_flops_per_s=None, mask_truncated=True):
     batch_groups = groups()
-    _, info = build_train_batch(batch_groups, rows=6, length_buckets=(8,),
-                                mask_truncated=mask_truncated)
+    _, info = build_train_batch(batch_groups, rows=6, length_buckets=(8,), mask_truncated=mask_truncated)
     return step_metrics(
-        batch_groups, info, version=1, counts=BufferCounts(2, 2, 0, 0, 0, 2), waits=WaitTimes(),
-        generator=GeneratorStats(), totals=_Totals(start=0.0), elapsed=10.0, wait_s=0.0,
-        step_s=0.5, push_s=0.0, step_flops=step_flops, peak_flops_per_s=peak_flops_per_s)
+        batch_groups,
+        info,
+        version=1,
+        counts=BufferCounts(2, 2, 0, 0, 0, 2),
+        waits=WaitTimes(),
+        generator=GeneratorStats(),
+        totals=_Totals(start=0.0),
+        elapsed=10.0,
+        wait_s=0.0,
+        step_s=0.5,
+        push_s=0.0,
+        step_flops=step_flops,
+        peak_flops_per_s=peak_flops_per_s,
+    )
 
 
 def test_reward_and_length_metrics_by_hand():

@@ -54,9 +54,10 @@ def test_close_wakes_every_waiter_with_pipeline_stopped():
         except PipelineStopped:
             errors.append(fn)
 
-    waiters = [threading.Thread(target=call, args=(lambda: buffer.take_batch(),)),
-               threading.Thread(target=call, args=(
-                   lambda: buffer.wait_admissible(0, epoch=buffer.epoch, timeout=30),))]
+    waiters = [
+        threading.Thread(target=call, args=(lambda: buffer.take_batch(),)),
+        threading.Thread(target=call, args=(lambda: buffer.wait_admissible(0, epoch=buffer.epoch, timeout=30),)),
+    ]
     for waiter in waiters:
         waiter.start()
     deadline = time.monotonic() + 10

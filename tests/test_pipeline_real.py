@@ -17,8 +17,7 @@ from scalerl_jax.models import Transformer, get_preset, make_mesh
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.train import (OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer,
-                               make_train_step)
+from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 
 GROUPS, SAMPLES = 2, 2
 MAX_NEW, MAX_LEN = 10, 24
@@ -28,18 +27,29 @@ class Setup:
     """Model, engine and jitted step built (and compiled) once for the module."""
 
     def __init__(self):
-        self.config = get_preset("tiny-llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+        self.config = get_preset(
+            "tiny-llama",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+        )
         model = Transformer(self.config, rngs=nnx.Rngs(0))
         self.graphdef, self.params = nnx.split(model)
-        self.engine = Engine(self.graphdef, self.config,
-                             EngineConfig(num_slots=4, max_len=MAX_LEN, chunk_size=4))
+        self.engine = Engine(self.graphdef, self.config, EngineConfig(num_slots=4, max_len=MAX_LEN, chunk_size=4))
         self.optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3, warmup_steps=0))
         self.mesh = make_mesh((1, 4, 1), devices=jax.devices()[4:8])
         _, self.shardings = init_train_state(self.copy_params(), self.optimizer, mesh=self.mesh)
-        self.step = make_train_step(self.graphdef, self.optimizer,
-                                    TrainStepConfig(logprob_chunk_size=8),
-                                    mesh=self.mesh, state_shardings=self.shardings)
+        self.step = make_train_step(
+            self.graphdef,
+            self.optimizer,
+            TrainStepConfig(logprob_chunk_size=8),
+            mesh=self.mesh,
+            state_shardings=self.shardings,
+        )
 
     def copy_params(self):
         return jax.tree.map(lambda x: x.copy(), self.params)
@@ -74,8 +84,9 @@ def parity_reward(prompt, completions):
     return [1.0 if sum(c.tokens) % 2 == 0 else -1.0 for c in completions]
 
 
-def run(setup, *, schedule, k, num_steps, step=None, batcher=None, gate=None, state=None,
-        first_version=0, first_prompt=0):
+def run(
+    setup, *, schedule, k, num_steps, step=None, batcher=None, gate=None, state=None, first_version=0, first_prompt=0
+):
     fresh_batcher, fresh_state = setup.fresh()
     batcher = batcher or fresh_batcher
     state = fresh_state if state is None else state
@@ -89,12 +100,27 @@ def run(setup, *, schedule, k, num_steps, step=None, batcher=None, gate=None, st
         return train_step(state, batch)
 
     pipeline = Pipeline(
-        PipelineConfig(schedule=schedule, k=k, prompts_per_step=GROUPS, samples_per_prompt=SAMPLES,
-                       num_steps=num_steps, max_new_tokens=MAX_NEW, max_seq_len=MAX_LEN,
-                       min_length_bucket=MAX_LEN, temperature=1.0, stop_tokens=(1,),
-                       poll_s=0.01, first_version=first_version),
-        batcher=batcher, prompt_source=prompt_source(first_prompt), reward_fn=parity_reward,
-        train_step=gated_step, train_state=state, on_step=records.append)
+        PipelineConfig(
+            schedule=schedule,
+            k=k,
+            prompts_per_step=GROUPS,
+            samples_per_prompt=SAMPLES,
+            num_steps=num_steps,
+            max_new_tokens=MAX_NEW,
+            max_seq_len=MAX_LEN,
+            min_length_bucket=MAX_LEN,
+            temperature=1.0,
+            stop_tokens=(1,),
+            poll_s=0.01,
+            first_version=first_version,
+        ),
+        batcher=batcher,
+        prompt_source=prompt_source(first_prompt),
+        reward_fn=parity_reward,
+        train_step=gated_step,
+        train_state=state,
+        on_step=records.append,
+    )
     return pipeline, records
 
 
@@ -121,8 +147,7 @@ def check_accounting(result, records):
 def test_pipeline_lag_bound_exactly_once_and_versions(setup, k):
     # The trainer is slowed until the generator saturates the bound before every step, so the
     # bound is reached: from step k on, every completion is trained exactly k versions late.
-    pipeline, records = run(setup, schedule="pipeline", k=k, num_steps=k + 3,
-                            gate=wait_until_generator_blocked)
+    pipeline, records = run(setup, schedule="pipeline", k=k, num_steps=k + 3, gate=wait_until_generator_blocked)
     result = pipeline.run()
     assert result.steps == k + 3 and result.stop_reason == "num_steps"
     for r in records:
@@ -173,16 +198,24 @@ def test_ppo_off_policy_resume_at_phase_boundary_is_exact(setup):
     pipeline.run()
     pipeline, _ = run(setup, schedule="ppo_off_policy", k=k, num_steps=k)
     state = pipeline.run().train_state
-    batcher = ContinuousBatcher(setup.engine, jax.device_put(state.params, jax.devices()[0]),
-                                version=k, seed=0)
-    pipeline, resumed = run(setup, schedule="ppo_off_policy", k=k, num_steps=k, batcher=batcher,
-                            state=state, first_version=k, first_prompt=k * GROUPS)
+    batcher = ContinuousBatcher(setup.engine, jax.device_put(state.params, jax.devices()[0]), version=k, seed=0)
+    pipeline, resumed = run(
+        setup,
+        schedule="ppo_off_policy",
+        k=k,
+        num_steps=k,
+        batcher=batcher,
+        state=state,
+        first_version=k,
+        first_prompt=k * GROUPS,
+    )
     pipeline.run()
     assert [r.version for r in resumed] == [2, 3]
     for a, b in zip(full[k:], resumed):
         assert [g.prompt.key for g in a.groups] == [g.prompt.key for g in b.groups]
-        assert [c.tokens for g in a.groups for c in g.completions] == \
-            [c.tokens for g in b.groups for c in g.completions]
+        assert [c.tokens for g in a.groups for c in g.completions] == [
+            c.tokens for g in b.groups for c in g.completions
+        ]
         assert a.metrics["train/loss"] == pytest.approx(b.metrics["train/loss"], abs=1e-6)
 
 

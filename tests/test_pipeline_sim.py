@@ -16,8 +16,9 @@ def step_by_step_cost(spec, remaining, context, steps):
         active = remaining > 0
         if not active.any():
             break
-        seconds += (spec.decode_step_s + spec.decode_slot_s * active.sum()
-                    + spec.decode_kv_token_s * context[active].sum())
+        seconds += (
+            spec.decode_step_s + spec.decode_slot_s * active.sum() + spec.decode_kv_token_s * context[active].sum()
+        )
         remaining[active] -= 1
         context[active] += 1
     return seconds
@@ -44,11 +45,27 @@ def test_chunk_costs_match_step_by_step_reference():
 # 0.01 s per decode step: a group takes 0.64 s. A train step on 2 x (16 + 64) = 160 tokens
 # takes 160 * train_token_s. No prefill, push or load costs.
 TINY = ClusterSpec(
-    num_generators=1, num_trainers=1, slots_per_generator=2, chunk_steps=32, prompts_per_step=1,
-    samples_per_prompt=2, prompt_tokens=16, length_median=64.0, group_sigma=0.0, sample_sigma=0.0,
-    min_completion_tokens=1, max_completion_tokens=64, decode_step_s=0.01, decode_slot_s=0.0,
-    decode_kv_token_s=0.0, prefill_token_s=0.0, train_token_s=0.005, train_step_overhead_s=0.0,
-    weight_push_s=0.0, weight_load_s=0.0)
+    num_generators=1,
+    num_trainers=1,
+    slots_per_generator=2,
+    chunk_steps=32,
+    prompts_per_step=1,
+    samples_per_prompt=2,
+    prompt_tokens=16,
+    length_median=64.0,
+    group_sigma=0.0,
+    sample_sigma=0.0,
+    min_completion_tokens=1,
+    max_completion_tokens=64,
+    decode_step_s=0.01,
+    decode_slot_s=0.0,
+    decode_kv_token_s=0.0,
+    prefill_token_s=0.0,
+    train_token_s=0.005,
+    train_step_overhead_s=0.0,
+    weight_push_s=0.0,
+    weight_load_s=0.0,
+)
 
 
 def test_ppo_off_policy_1_is_generate_then_train():
@@ -96,9 +113,18 @@ def test_pipeline_1_generator_bound_with_in_flight_update():
     assert ppo.step_time_s == pytest.approx(0.8)
 
 
-SMALL = ClusterSpec(num_generators=4, num_trainers=2, slots_per_generator=8, chunk_steps=16,
-                    prompts_per_step=4, samples_per_prompt=4, prompt_tokens=64,
-                    length_median=300.0, max_completion_tokens=2000, train_token_s=2e-4)
+SMALL = ClusterSpec(
+    num_generators=4,
+    num_trainers=2,
+    slots_per_generator=8,
+    chunk_steps=16,
+    prompts_per_step=4,
+    samples_per_prompt=4,
+    prompt_tokens=64,
+    length_median=300.0,
+    max_completion_tokens=2000,
+    train_token_s=2e-4,
+)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])

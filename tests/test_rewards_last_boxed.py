@@ -27,7 +27,7 @@ def reference_last_boxed(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             if depth == 0:
                 if i > best_end:
-                    best_end, best = i, text[start + len(BOX):i]
+                    best_end, best = i, text[start + len(BOX) : i]
                 break
             i += 1
         start = text.find(BOX, start + 1)
@@ -106,6 +106,5 @@ def test_step_count_catches_a_quadratic_scan():
     """The measure above tells quadratic from linear: the brute-force reference rescans the
     rest of the text from every open box, ~100x the steps for 10x the text."""
     small, large = _adversarial(500), _adversarial(5_000)
-    ratio = (_interpreter_steps(reference_last_boxed, large)
-             / _interpreter_steps(reference_last_boxed, small))
+    ratio = _interpreter_steps(reference_last_boxed, large) / _interpreter_steps(reference_last_boxed, small)
     assert ratio > 50, ratio

@@ -52,9 +52,7 @@ def ref_advantages(rewards, group_ids, valid, normalization):
     for b in range(len(rewards)):
         if not valid[b]:
             continue
-        members = np.array(
-            [rewards[i] for i in range(len(rewards)) if valid[i] and group_ids[i] == group_ids[b]]
-        )
+        members = np.array([rewards[i] for i in range(len(rewards)) if valid[i] and group_ids[i] == group_ids[b]])
         centered[b] = rewards[b] - members.mean()
         prompt_std[b] = members.std()  # numpy's default ddof=0: population std
     if normalization == "none":
@@ -88,8 +86,19 @@ def ref_weights(mask, group_ids, aggregation):
     return w
 
 
-def ref_loss_grad(logp, blogp, adv, mask, group_ids, objective, aggregation, eps_low=0.2,
-                  eps_high=0.28, eps_max=4.0, cispo_weight_logp=None):
+def ref_loss_grad(
+    logp,
+    blogp,
+    adv,
+    mask,
+    group_ids,
+    objective,
+    aggregation,
+    eps_low=0.2,
+    eps_high=0.28,
+    eps_max=4.0,
+    cispo_weight_logp=None,
+):
     """(loss, dloss/dlogp, clipped-token fraction, mean ratio) in float64.
 
     cispo_weight_logp: log-probs from which CISPO's stop-gradient weight min(r, eps_max) is
@@ -164,8 +173,7 @@ def matrix_batch(objective: str, seed: int = 0):
     blogp = logp - delta
     logp = np.where(mask > 0, logp, -30.0).astype(np.float32)
     blogp = np.where(mask > 0, blogp, 0.0).astype(np.float32)
-    return dict(logp=logp, blogp=blogp, rewards=rewards, mask=mask, group_ids=group_ids,
-                row_valid=row_valid)
+    return dict(logp=logp, blogp=blogp, rewards=rewards, mask=mask, group_ids=group_ids, row_valid=row_valid)
 
 
 def assert_away_from_kinks(batch, objective, clip):
@@ -176,8 +184,7 @@ def assert_away_from_kinks(batch, objective, clip):
         ratios = np.exp((mask * (logp - blogp)).sum(1) / n)[mask.sum(1) > 0]
     else:
         ratios = np.exp(logp - blogp)[mask > 0]
-    bounds = ([clip["eps_max"]] if objective == "cispo"
-              else [1 - clip["eps_low"], 1 + clip["eps_high"]])
+    bounds = [clip["eps_max"]] if objective == "cispo" else [1 - clip["eps_low"], 1 + clip["eps_high"]]
     for bound in bounds:
         assert np.min(np.abs(ratios - bound)) > 1e-5 * bound
 
@@ -191,8 +198,17 @@ def jax_loss_and_grad(objective, aggregation, **clip):
 @functools.lru_cache(maxsize=None)
 def _jitted_loss_and_grad(objective, aggregation, clip_items):
     def loss_fn(logp, blogp, adv, mask, group_ids, valid):
-        return rl.policy_loss(logp, blogp, adv, mask, group_ids, objective=objective,
-                              aggregation=aggregation, valid=valid, **dict(clip_items))
+        return rl.policy_loss(
+            logp,
+            blogp,
+            adv,
+            mask,
+            group_ids,
+            objective=objective,
+            aggregation=aggregation,
+            valid=valid,
+            **dict(clip_items),
+        )
 
     return jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
 
@@ -207,22 +223,24 @@ def test_policy_loss_matches_numpy_reference(objective):
     assert_away_from_kinks(batch, objective, clip)
     zv = ref_zero_variance(batch["rewards"], batch["group_ids"], batch["row_valid"])
     np.testing.assert_array_equal(
-        np.asarray(rl.zero_variance_mask(batch["rewards"], batch["group_ids"],
-                                          valid=batch["row_valid"])), zv)
+        np.asarray(rl.zero_variance_mask(batch["rewards"], batch["group_ids"], valid=batch["row_valid"])), zv
+    )
     valid = batch["row_valid"] & zv
     ref_mask = batch["mask"] * valid[:, None]
     for aggregation, normalization in itertools.product(AGGREGATIONS, NORMALIZATIONS):
         ref_adv = ref_advantages(batch["rewards"], batch["group_ids"], valid, normalization)
         adv = jax.jit(rl.compute_advantages, static_argnames="normalization")(
-            batch["rewards"], batch["group_ids"], normalization=normalization, valid=valid)
+            batch["rewards"], batch["group_ids"], normalization=normalization, valid=valid
+        )
         np.testing.assert_allclose(np.asarray(adv), ref_adv, rtol=1e-5, atol=1e-6)
         # feed the reference the float32 advantages the loss will see, so the loss check
         # isolates the loss math.
         ref_loss, ref_grad, ref_clip, ref_ratio = ref_loss_grad(
-            batch["logp"], batch["blogp"], np.asarray(adv), ref_mask, batch["group_ids"],
-            objective, aggregation, **clip)
+            batch["logp"], batch["blogp"], np.asarray(adv), ref_mask, batch["group_ids"], objective, aggregation, **clip
+        )
         (loss, metrics), grad = jax_loss_and_grad(objective, aggregation, **clip)(
-            batch["logp"], batch["blogp"], adv, batch["mask"], batch["group_ids"], valid)
+            batch["logp"], batch["blogp"], adv, batch["mask"], batch["group_ids"], valid
+        )
         where = f"{objective}/{aggregation}/{normalization}"
         np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7, err_msg=where)
         np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-8, err_msg=where)
@@ -256,8 +274,7 @@ def test_reference_gradient_matches_finite_differences(objective):
             plus, minus = logp.copy(), logp.copy()
             plus[b, t] += h
             minus[b, t] -= h
-            numeric[b, t] = (ref_loss_grad(plus, *args, **clip)[0]
-                             - ref_loss_grad(minus, *args, **clip)[0]) / (2 * h)
+            numeric[b, t] = (ref_loss_grad(plus, *args, **clip)[0] - ref_loss_grad(minus, *args, **clip)[0]) / (2 * h)
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-9)
 
 
@@ -290,8 +307,7 @@ def test_hand_computed_case():
     np.testing.assert_allclose(np.asarray(adv), [a, -a], rtol=1e-6)
 
     def run(objective, **kw):
-        fn = lambda lp: rl.policy_loss(lp, blogp, adv, mask, group_ids, objective=objective,
-                                       aggregation="prompt", **kw)
+        fn = lambda lp: rl.policy_loss(lp, blogp, adv, mask, group_ids, objective=objective, aggregation="prompt", **kw)
         return jax.value_and_grad(fn, has_aux=True)(logp)
 
     (loss, metrics), grad = run("cispo", eps_max=1.5)
@@ -311,20 +327,30 @@ def test_hand_computed_case():
     assert float(metrics["clip_frac_low"]) == pytest.approx(1 / 3)  # row 1, A < 0
 
 
-@pytest.mark.parametrize("objective,clip", [
-    ("cispo", dict(eps_max=1.3)), ("dapo", dict(eps_low=0.2, eps_high=0.28)),
-    ("grpo", dict(eps_low=0.15)), ("gspo", dict(eps_low=0.1, eps_high=0.12))])
+@pytest.mark.parametrize(
+    "objective,clip",
+    [
+        ("cispo", dict(eps_max=1.3)),
+        ("dapo", dict(eps_low=0.2, eps_high=0.28)),
+        ("grpo", dict(eps_low=0.15)),
+        ("gspo", dict(eps_low=0.1, eps_high=0.12)),
+    ],
+)
 def test_clip_fractions_split_by_side(objective, clip):
     """clip_frac_low / clip_frac_high against numpy on hand-built ratios and advantages: low is
     A < 0 and r < 1 - eps_low, high is A > 0 and r > 1 + eps_high (cispo: r > eps_max, low 0);
     the ratio is per token, or gspo's per-row exp(mean log-ratio) on each of the row's tokens."""
-    log_ratio = np.log(np.array([
-        [1.5, 0.9, 1.35, 1.2, 9.0],
-        [0.5, 1.4, 0.95, 0.7, 1.05],
-        [1.6, 0.3, 1.0, 2.0, 1.0],
-        [0.75, 0.82, 1.35, 0.5, 1.0]]))
-    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]],
-                    np.float32)
+    log_ratio = np.log(
+        np.array(
+            [
+                [1.5, 0.9, 1.35, 1.2, 9.0],
+                [0.5, 1.4, 0.95, 0.7, 1.05],
+                [1.6, 0.3, 1.0, 2.0, 1.0],
+                [0.75, 0.82, 1.35, 0.5, 1.0],
+            ]
+        )
+    )
+    mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0]], np.float32)
     adv = np.array([0.9, -1.2, 0.0, -0.4], np.float32)  # row 2: A = 0 is clipped on no side
     blogp = np.full(mask.shape, -2.0, np.float32)
     logp = (blogp + log_ratio).astype(np.float32)
@@ -343,8 +369,9 @@ def test_clip_fractions_split_by_side(objective, clip):
         high = (adv[:, None] > 0) & (ratio > 1 + eps_high)
     want_low, want_high = (np.sum(on & side) / on.sum() for side in (low, high))
     assert want_high > 0 and (objective == "cispo" or want_low > 0)
-    _, metrics = jax.jit(lambda lp: rl.policy_loss(
-        lp, blogp, adv, mask, np.arange(4), objective=objective, aggregation="token", **clip))(logp)
+    _, metrics = jax.jit(
+        lambda lp: rl.policy_loss(lp, blogp, adv, mask, np.arange(4), objective=objective, aggregation="token", **clip)
+    )(logp)
     assert float(metrics["clip_frac_low"]) == pytest.approx(want_low, abs=1e-7)
     assert float(metrics["clip_frac_high"]) == pytest.approx(want_high, abs=1e-7)
     assert float(metrics["clip_frac"]) == pytest.approx(want_low + want_high, abs=1e-7)
@@ -366,8 +393,9 @@ def test_cispo_keeps_gradient_above_eps_max_where_dapo_clips():
     adv = np.array([2.0, -1.0], np.float32)
 
     def grad(objective):
-        fn = lambda lp: rl.policy_loss(lp, blogp, adv, mask, group_ids, objective=objective,
-                                       aggregation="token", eps_max=4.0)[0]
+        fn = lambda lp: rl.policy_loss(
+            lp, blogp, adv, mask, group_ids, objective=objective, aggregation="token", eps_max=4.0
+        )[0]
         return np.asarray(jax.grad(fn)(logp))
 
     cispo, dapo = grad("cispo"), grad("dapo")
@@ -387,8 +415,9 @@ def test_grpo_clip_is_symmetric_by_default():
     args = (np.ones((1, 1), np.float32), np.zeros(1, np.int32))
 
     def grad(objective):
-        fn = lambda lp: rl.policy_loss(lp, blogp, np.ones(1, np.float32), *args,
-                                       objective=objective, aggregation="token", eps_low=0.1)[0]
+        fn = lambda lp: rl.policy_loss(
+            lp, blogp, np.ones(1, np.float32), *args, objective=objective, aggregation="token", eps_low=0.1
+        )[0]
         return float(jax.grad(fn)(logp)[0, 0])
 
     assert grad("grpo") == 0.0
@@ -412,8 +441,7 @@ def test_prompt_aggregation_gives_each_prompt_equal_weight():
     adv = np.ones(6, np.float32)
 
     def per_prompt_weight(aggregation):
-        fn = lambda lp: rl.policy_loss(lp, logp, adv, mask, group_ids, objective="cispo",
-                                       aggregation=aggregation)[0]
+        fn = lambda lp: rl.policy_loss(lp, logp, adv, mask, group_ids, objective="cispo", aggregation=aggregation)[0]
         row_total = -np.asarray(jax.grad(fn)(logp)).sum(axis=1)
         return [row_total[group_ids == g].sum() for g in (0, 2, 4)]
 
@@ -455,17 +483,23 @@ def test_zero_variance_prompts_contribute_nothing(aggregation):
     zv = np.asarray(rl.zero_variance_mask(batch["rewards"], batch["group_ids"], valid=keep))
     assert not zv[3] and not zv[4] and zv[0]  # prompt 0 (rows 3, 4) has equal rewards
     valid = keep & zv
-    adv = rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch",
-                                valid=valid)
+    adv = rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch", valid=valid)
     rows = np.flatnonzero(valid)
-    ref_adv = ref_advantages(batch["rewards"][rows], batch["group_ids"][rows],
-                             np.ones(len(rows), bool), "batch")
+    ref_adv = ref_advantages(batch["rewards"][rows], batch["group_ids"][rows], np.ones(len(rows), bool), "batch")
     np.testing.assert_allclose(np.asarray(adv)[rows], ref_adv, rtol=1e-5)
     ref_loss, ref_grad, _, _ = ref_loss_grad(
-        batch["logp"][rows], batch["blogp"][rows], np.asarray(adv)[rows], batch["mask"][rows],
-        batch["group_ids"][rows], "cispo", aggregation, **CLIP["cispo"])
+        batch["logp"][rows],
+        batch["blogp"][rows],
+        np.asarray(adv)[rows],
+        batch["mask"][rows],
+        batch["group_ids"][rows],
+        "cispo",
+        aggregation,
+        **CLIP["cispo"],
+    )
     (loss, metrics), grad = jax_loss_and_grad("cispo", aggregation, **CLIP["cispo"])(
-        batch["logp"], batch["blogp"], adv, batch["mask"], batch["group_ids"], valid)
+        batch["logp"], batch["blogp"], adv, batch["mask"], batch["group_ids"], valid
+    )
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad)[rows], ref_grad, rtol=1e-5, atol=1e-8)
     assert np.all(np.asarray(grad)[~valid] == 0)
@@ -499,14 +533,14 @@ def test_padding_invariance(objective):
     for aggregation in AGGREGATIONS:
         results = []
         for logp, blogp, mask, gids, rew, ok in (
-            (base["logp"], base["blogp"], base["mask"], base["group_ids"], base["rewards"],
-             base["row_valid"]),
+            (base["logp"], base["blogp"], base["mask"], base["group_ids"], base["rewards"], base["row_valid"]),
             (pad["logp"], pad["blogp"], pad["mask"], group_ids, rewards, row_valid),
         ):
             valid = ok & np.asarray(rl.zero_variance_mask(rew, gids, valid=ok))
             adv = rl.compute_advantages(rew, gids, normalization="batch", valid=valid)
             (loss, metrics), grad = jax_loss_and_grad(objective, aggregation, **clip)(
-                logp, blogp, adv, mask, gids, valid)
+                logp, blogp, adv, mask, gids, valid
+            )
             results.append((float(loss), np.asarray(grad), metrics))
         (loss0, grad0, m0), (loss1, grad1, m1) = results
         assert np.isfinite(loss1) and np.all(np.isfinite(grad1))
@@ -530,12 +564,12 @@ def test_all_zero_variance_batch_gives_zero_loss_and_gradient():
     assert not np.any(zv)
     for valid in (zv, np.ones(8, bool)):
         for normalization in NORMALIZATIONS:
-            adv = rl.compute_advantages(rewards, group_ids, normalization=normalization,
-                                        valid=valid)
+            adv = rl.compute_advantages(rewards, group_ids, normalization=normalization, valid=valid)
             assert np.all(np.asarray(adv) == 0), normalization
         for objective, aggregation in itertools.product(OBJECTIVES, AGGREGATIONS):
             (loss, metrics), grad = jax_loss_and_grad(objective, aggregation, **CLIP[objective])(
-                logp, blogp, adv, mask, group_ids, valid)
+                logp, blogp, adv, mask, group_ids, valid
+            )
             assert float(loss) == 0.0
             assert np.all(np.asarray(grad) == 0)
             assert all(np.isfinite(float(v)) for v in metrics.values())
@@ -549,24 +583,31 @@ def test_microbatches_along_batch_sum_to_full_batch_loss():
         clip = CLIP[objective]
         batch = matrix_batch(objective, seed=4)
         valid = batch["row_valid"]
-        adv = np.asarray(rl.compute_advantages(batch["rewards"], batch["group_ids"],
-                                               normalization="batch", valid=valid))
-        weights = rl.aggregation_weights(batch["mask"], batch["group_ids"],
-                                         aggregation=aggregation, valid=valid)
+        adv = np.asarray(
+            rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch", valid=valid)
+        )
+        weights = rl.aggregation_weights(batch["mask"], batch["group_ids"], aggregation=aggregation, valid=valid)
 
         def microbatched_loss(logp):
             total = 0.0
             for rows in (slice(0, 3), slice(3, 8)):
                 terms, _ = rl.per_token_policy_terms(
-                    logp[rows], batch["blogp"][rows], adv[rows], batch["mask"][rows],
-                    objective=objective, **clip)
+                    logp[rows], batch["blogp"][rows], adv[rows], batch["mask"][rows], objective=objective, **clip
+                )
                 total = total + jnp.sum(weights[rows] * terms)
             return total
 
         loss, grad = jax.jit(jax.value_and_grad(microbatched_loss))(batch["logp"])
         ref_loss, ref_grad, _, _ = ref_loss_grad(
-            batch["logp"], batch["blogp"], adv, batch["mask"] * valid[:, None],
-            batch["group_ids"], objective, aggregation, **clip)
+            batch["logp"],
+            batch["blogp"],
+            adv,
+            batch["mask"] * valid[:, None],
+            batch["group_ids"],
+            objective,
+            aggregation,
+            **clip,
+        )
         np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-8)
 
@@ -581,20 +622,29 @@ def test_bfloat16_inputs_are_computed_in_float32(objective):
         # bf16 log-probs cannot resolve 1e-3 log-ratios; use a sequence-level clip range that
         # the bf16-rounded inputs exercise.
         clip = dict(eps_low=0.05, eps_high=0.08)
-        batch["blogp"] = np.where(batch["mask"] > 0, batch["logp"]
-                                  - np.linspace(-0.3, 0.3, batch["logp"].size).reshape(
-                                      batch["logp"].shape), 0.0).astype(np.float32)
+        batch["blogp"] = np.where(
+            batch["mask"] > 0,
+            batch["logp"] - np.linspace(-0.3, 0.3, batch["logp"].size).reshape(batch["logp"].shape),
+            0.0,
+        ).astype(np.float32)
     valid = batch["row_valid"]
-    adv = rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch",
-                                valid=valid)
+    adv = rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch", valid=valid)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
     logp, blogp, adv_bf = bf(batch["logp"]), bf(batch["blogp"]), bf(adv)
     to64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
     (loss, _), grad = jax_loss_and_grad(objective, "prompt", **clip)(
-        logp, blogp, adv_bf, batch["mask"], batch["group_ids"], valid)
+        logp, blogp, adv_bf, batch["mask"], batch["group_ids"], valid
+    )
     ref_loss, ref_grad, _, _ = ref_loss_grad(
-        to64(logp), to64(blogp), to64(adv_bf), batch["mask"] * valid[:, None],
-        batch["group_ids"], objective, "prompt", **clip)
+        to64(logp),
+        to64(blogp),
+        to64(adv_bf),
+        batch["mask"] * valid[:, None],
+        batch["group_ids"],
+        objective,
+        "prompt",
+        **clip,
+    )
     assert loss.dtype == jnp.float32 and grad.dtype == jnp.bfloat16
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(to64(grad), ref_grad, rtol=1e-2, atol=1e-4)
@@ -611,23 +661,30 @@ def test_batch_sharded_over_devices_matches_reference():
     reps = len(devices)  # B = 8 * #devices; the copies keep their own prompts (ids offset by 8)
     tile = lambda x: np.concatenate([x] * reps)
     group_ids = np.concatenate([batch["group_ids"] + 8 * k for k in range(reps)]).astype(np.int32)
-    host = dict(logp=tile(batch["logp"]), blogp=tile(batch["blogp"]), mask=tile(batch["mask"]),
-                rewards=tile(batch["rewards"]), valid=tile(batch["row_valid"]))
+    host = dict(
+        logp=tile(batch["logp"]),
+        blogp=tile(batch["blogp"]),
+        mask=tile(batch["mask"]),
+        rewards=tile(batch["rewards"]),
+        valid=tile(batch["row_valid"]),
+    )
     valid = host["valid"] & ref_zero_variance(host["rewards"], group_ids, host["valid"])
 
     def loss_and_grad(logp, blogp, mask, rewards, gids, valid):
         adv = rl.compute_advantages(rewards, gids, normalization="batch", valid=valid)
-        fn = lambda lp: rl.policy_loss(lp, blogp, adv, mask, gids, objective="dapo",
-                                       aggregation="prompt", valid=valid)[0]
+        fn = lambda lp: rl.policy_loss(lp, blogp, adv, mask, gids, objective="dapo", aggregation="prompt", valid=valid)[
+            0
+        ]
         return jax.value_and_grad(fn)(logp)
 
-    args = [jax.device_put(x, rows) for x in (host["logp"], host["blogp"], host["mask"],
-                                               host["rewards"], group_ids, valid)]
+    args = [
+        jax.device_put(x, rows) for x in (host["logp"], host["blogp"], host["mask"], host["rewards"], group_ids, valid)
+    ]
     loss, grad = jax.jit(loss_and_grad)(*args)
     adv = ref_advantages(host["rewards"], group_ids, valid, "batch")
-    ref_loss, ref_grad, _, _ = ref_loss_grad(host["logp"], host["blogp"], adv,
-                                             host["mask"] * valid[:, None], group_ids, "dapo",
-                                             "prompt")
+    ref_loss, ref_grad, _, _ = ref_loss_grad(
+        host["logp"], host["blogp"], adv, host["mask"] * valid[:, None], group_ids, "dapo", "prompt"
+    )
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-8)
 
@@ -653,13 +710,12 @@ def test_advantages_match_numpy_reference(normalization):
     rewards = rng.normal(size=12).astype(np.float32)
     group_ids = rng.integers(0, 4, size=12).astype(np.int32)
     valid = rng.random(12) > 0.25
-    adv = rl.compute_advantages(jnp.asarray(rewards, jnp.bfloat16), group_ids,
-                                normalization=normalization, valid=valid)
+    adv = rl.compute_advantages(jnp.asarray(rewards, jnp.bfloat16), group_ids, normalization=normalization, valid=valid)
     rounded = np.asarray(jnp.asarray(rewards, jnp.bfloat16).astype(jnp.float32), np.float64)
     assert adv.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(adv),
-                               ref_advantages(rounded, group_ids, valid, normalization),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(adv), ref_advantages(rounded, group_ids, valid, normalization), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_length_penalty():
@@ -667,15 +723,12 @@ def test_length_penalty():
     -1 beyond; e.g. 13000 -> (14000 - 13000)/2000 - 1 = -0.5, 13500 -> -0.75."""
     lengths = np.array([0, 10000, 12000, 13000, 13500, 14000, 20000])
     expected = [0, 0, 0, -0.5, -0.75, -1, -1]
-    out = jax.jit(rl.length_penalty, static_argnames=("l_max", "l_cache"))(
-        lengths, l_max=14000, l_cache=2000)
+    out = jax.jit(rl.length_penalty, static_argnames=("l_max", "l_cache"))(lengths, l_max=14000, l_cache=2000)
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-7)
     # DAPO's piecewise definition, checked on every integer length around the window.
     lengths = np.arange(11000, 15001)
-    piecewise = np.where(lengths <= 12000, 0.0,
-                         np.where(lengths <= 14000, (12000 - lengths) / 2000, -1.0))
-    np.testing.assert_allclose(np.asarray(rl.length_penalty(lengths, l_max=14000, l_cache=2000)),
-                               piecewise, atol=1e-6)
+    piecewise = np.where(lengths <= 12000, 0.0, np.where(lengths <= 14000, (12000 - lengths) / 2000, -1.0))
+    np.testing.assert_allclose(np.asarray(rl.length_penalty(lengths, l_max=14000, l_cache=2000)), piecewise, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -687,8 +740,13 @@ def test_bad_input_raises_naming_the_culprit():
     adv = np.zeros(2, np.float32)
     gids = np.zeros(2, np.int32)
     call = lambda **kw: rl.policy_loss(
-        kw.pop("logp", logp), kw.pop("blogp", logp), kw.pop("adv", adv), kw.pop("mask", mask),
-        kw.pop("gids", gids), **{"objective": "cispo", "aggregation": "token", **kw})
+        kw.pop("logp", logp),
+        kw.pop("blogp", logp),
+        kw.pop("adv", adv),
+        kw.pop("mask", mask),
+        kw.pop("gids", gids),
+        **{"objective": "cispo", "aggregation": "token", **kw},
+    )
     with pytest.raises(ValueError, match="objective"):
         call(objective="ppo")
     with pytest.raises(ValueError, match="aggregation"):

@@ -1,4 +1,5 @@
 """Metrics JSONL with resume truncation, and orbax checkpoints that round-trip exactly (faults: test_faults)."""
+
 import json
 import math
 import os

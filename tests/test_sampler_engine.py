@@ -12,8 +12,7 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache
-from scalerl_jax.sampler import (ContinuousBatcher, Engine, EngineConfig, InterruptionConfig, Request,
-                                 generate)
+from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, InterruptionConfig, Request, generate
 from scalerl_jax.sampler.engine import host_settings, interruption_from_tokenizer
 
 # Larger-than-default init so next-token logits are well separated and greedy argmax is robust
@@ -49,17 +48,29 @@ def engine(model, end_think):
     configured (requests opt out with interrupt=False)."""
     graphdef, _ = nnx.split(model)
     interruption = InterruptionConfig(PHRASE, end_think, THINK_LO, THINK_HI, ANSWER)
-    return Engine(graphdef, CONFIG, EngineConfig(
-        num_slots=3, max_len=64, chunk_size=4, top_k=TOP_K, top_p=TOP_P, min_prefill_bucket=8,
-        max_prefill_rows=2, interruption=interruption))
+    return Engine(
+        graphdef,
+        CONFIG,
+        EngineConfig(
+            num_slots=3,
+            max_len=64,
+            chunk_size=4,
+            top_k=TOP_K,
+            top_p=TOP_P,
+            min_prefill_bucket=8,
+            max_prefill_rows=2,
+            interruption=interruption,
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
 def plain_engine(model):
     """3 slots, 5 steps a chunk, pure temperature sampling, no interruption."""
     graphdef, _ = nnx.split(model)
-    return Engine(graphdef, CONFIG, EngineConfig(num_slots=3, max_len=64, chunk_size=5,
-                                                 min_prefill_bucket=8, max_prefill_rows=2))
+    return Engine(
+        graphdef, CONFIG, EngineConfig(num_slots=3, max_len=64, chunk_size=5, min_prefill_bucket=8, max_prefill_rows=2)
+    )
 
 
 def prompts_of(lengths, seed=0):
@@ -78,10 +89,10 @@ def _jitted_forward(graphdef, params, tokens):
 def full_logits(model, sequence):
     """Logits [len, V] of a full, uncached forward pass over one sequence (right padded)."""
     padded = np.zeros((1, REFERENCE_LENGTH), np.int32)
-    padded[0, :len(sequence)] = sequence
+    padded[0, : len(sequence)] = sequence
     graphdef, params = nnx.split(model)
     logits = _jitted_forward(graphdef, params, jnp.asarray(padded))
-    return np.asarray(logits[0, :len(sequence)], np.float64)
+    return np.asarray(logits[0, : len(sequence)], np.float64)
 
 
 def naive_greedy(model, prompt, steps, stop=()):
@@ -91,7 +102,7 @@ def naive_greedy(model, prompt, steps, stop=()):
         sequence.append(token)
         if token in stop:
             break
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 def run(engine, params, requests, *, seed=0):
@@ -108,8 +119,7 @@ def test_greedy_continuous_batching_equals_full_recompute(model, engine):
     budgets = [12, 5, 9, 12, 3, 7, 12, 10]
     prompts = prompts_of(lengths)
     _, params = nnx.split(model)
-    requests = [Request(i, p, budget, interrupt=False) for i, (p, budget) in
-                enumerate(zip(prompts, budgets))]
+    requests = [Request(i, p, budget, interrupt=False) for i, (p, budget) in enumerate(zip(prompts, budgets))]
     got = run(engine, params, requests)
     assert sorted(got) == list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
@@ -134,17 +144,21 @@ def test_engine_protocol_prefill_insert_generate(model, engine):
     _, params = nnx.split(model)
     tokens = np.zeros((2, 8), np.int32)
     for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = prompt
+        tokens[row, : len(prompt)] = prompt
     prefix = engine.prefill(params, tokens, np.array([5, 3]))
-    settings = host_settings(seeds=np.zeros(2), streams=np.arange(2), max_new_tokens=np.full(2, 9),
-                             temperature=np.zeros(2), stop_tokens=np.full((2, 4), -1),
-                             interrupt=np.zeros(2, bool))
+    settings = host_settings(
+        seeds=np.zeros(2),
+        streams=np.arange(2),
+        max_new_tokens=np.full(2, 9),
+        temperature=np.zeros(2),
+        stop_tokens=np.full((2, 4), -1),
+        interrupt=np.zeros(2, bool),
+    )
     state = engine.insert(prefix, engine.init_decode_state(), np.array([2, 0]), settings)
     state, result = engine.generate(params, state)
     chunk = engine.config.chunk_size
     assert int(result.steps) == chunk
-    np.testing.assert_array_equal(np.asarray(result.emitted), [[True] * chunk, [False] * chunk,
-                                                               [True] * chunk])
+    np.testing.assert_array_equal(np.asarray(result.emitted), [[True] * chunk, [False] * chunk, [True] * chunk])
     assert np.asarray(result.tokens)[2].tolist() == naive_greedy(model, prompts[0], chunk)
     assert np.asarray(result.tokens)[0].tolist() == naive_greedy(model, prompts[1], chunk)
     np.testing.assert_array_equal(np.asarray(result.active), [True, False, True])
@@ -157,7 +171,7 @@ def test_stop_token_ends_sequence_and_is_kept(model, engine):
     first = free_run.index(stop)
     _, params = nnx.split(model)
     got = run(engine, params, [Request("s", prompt, 10, stop_tokens=(stop,), interrupt=False)])["s"]
-    assert got.tokens == free_run[:first + 1]
+    assert got.tokens == free_run[: first + 1]
     assert got.finish_reason == "stop" and not got.truncated
 
 
@@ -179,14 +193,17 @@ def np_masked_log_probs(logits, temperature, top_k, top_p):
 
 
 @pytest.mark.parametrize("which,top_k,top_p", [("plain", 0, 1.0), ("masked", TOP_K, TOP_P)])
-def test_sampled_behaviour_logprobs_equal_full_forward(model, plain_engine, engine, which,
-                                                       top_k, top_p):
+def test_sampled_behaviour_logprobs_equal_full_forward(model, plain_engine, engine, which, top_k, top_p):
     engine = plain_engine if which == "plain" else engine
     temperature = 0.7
     prompts = prompts_of([4, 8, 2, 7, 5], seed=5)
     _, params = nnx.split(model)
-    got = run(engine, params, [Request(i, p, 10, seed=100 + i, temperature=temperature,
-                                       interrupt=False) for i, p in enumerate(prompts)], seed=7)
+    got = run(
+        engine,
+        params,
+        [Request(i, p, 10, seed=100 + i, temperature=temperature, interrupt=False) for i, p in enumerate(prompts)],
+        seed=7,
+    )
     for i, prompt in enumerate(prompts):
         tokens = got[i].tokens
         logits = full_logits(model, prompt + tokens)
@@ -195,8 +212,11 @@ def test_sampled_behaviour_logprobs_equal_full_forward(model, plain_engine, engi
             assert np.isfinite(ref[token]), (i, t, "sampled a masked token")
             assert abs(got[i].logprobs[t] - ref[token]) < 1e-5, (i, t)
     # Not greedy: some sampled token differs from the argmax.
-    assert any(tok != int(full_logits(model, prompts[i] + got[i].tokens[:t])[-1].argmax())
-               for i in range(len(prompts)) for t, tok in enumerate(got[i].tokens))
+    assert any(
+        tok != int(full_logits(model, prompts[i] + got[i].tokens[:t])[-1].argmax())
+        for i in range(len(prompts))
+        for t, tok in enumerate(got[i].tokens)
+    )
 
 
 def test_samples_do_not_depend_on_slot_or_arrival_order(model, plain_engine):
@@ -235,8 +255,7 @@ def cached_greedy_with_swap(old_model, new_model, prompt, steps, swap_after):
     while len(out) < steps:
         current = old_model if len(out) < swap_after else new_model
         position = len(prompt) + len(out) - 1
-        token, cache = _cached_argmax(*nnx.split(current), jnp.int32(sequence[-1]),
-                                      jnp.int32(position), cache)
+        token, cache = _cached_argmax(*nnx.split(current), jnp.int32(sequence[-1]), jnp.int32(position), cache)
         out.append(int(token))
         sequence.append(int(token))
     return out
@@ -281,7 +300,7 @@ def naive_interrupted_greedy(model, prompt, *, think_budget, end_think, max_new,
     thinking, interrupted, num_think, num_answer = True, False, 0, 0
     while len(tokens) < max_new:
         if thinking and num_think == think_budget:
-            for token in PHRASE[:max_new - len(tokens)]:
+            for token in PHRASE[: max_new - len(tokens)]:
                 tokens.append(token)
                 sampled.append(False)
             sequence += PHRASE
@@ -293,7 +312,7 @@ def naive_interrupted_greedy(model, prompt, *, think_budget, end_think, max_new,
         sampled.append(True)
         if thinking:
             num_think += 1
-            if tokens[-len(end_think):] == list(end_think):
+            if tokens[-len(end_think) :] == list(end_think):
                 thinking = False
         else:
             num_answer += 1
@@ -312,11 +331,11 @@ def test_interruption_forces_phrase_once_at_drawn_budget(model, engine, end_thin
     assert len(set(budgets)) > 1, budgets  # drawn per request, not one constant
     for i, prompt in enumerate(prompts):
         want, want_sampled, interrupted, num_think, num_answer = naive_interrupted_greedy(
-            model, prompt, think_budget=budgets[i], end_think=end_think, max_new=max_new)
+            model, prompt, think_budget=budgets[i], end_think=end_think, max_new=max_new
+        )
         c = got[i]
         assert c.tokens == want and c.sampled == want_sampled, i
-        assert (c.interrupted, c.num_think_tokens, c.num_answer_tokens) == (interrupted, num_think,
-                                                                          num_answer), i
+        assert (c.interrupted, c.num_think_tokens, c.num_answer_tokens) == (interrupted, num_think, num_answer), i
         forced = [t for t, s in enumerate(c.sampled) if not s]
         if interrupted:
             # Exactly one phrase, right after the drawn budget of thinking tokens, logprob 0.
@@ -341,7 +360,8 @@ def test_stop_before_think_budget_means_no_phrase(model, engine, end_think):
     stop = free_run[2]  # greedy reaches this token by index 2 < THINK_LO
     got = run(engine, params, [Request("eos", prompt, 20, stop_tokens=(stop,))])["eos"]
     want, _, interrupted, num_think, _ = naive_interrupted_greedy(
-        model, prompt, think_budget=got.think_budget, end_think=end_think, max_new=20, stop=(stop,))
+        model, prompt, think_budget=got.think_budget, end_think=end_think, max_new=20, stop=(stop,)
+    )
     assert not interrupted and got.tokens == want and len(want) <= 3
     assert not got.interrupted and all(got.sampled) and got.finish_reason == "stop"
     assert got.num_think_tokens == num_think and got.num_answer_tokens == 0
@@ -353,13 +373,16 @@ def test_stop_on_the_last_thinking_token_means_no_phrase(model, engine):
     _, params = nnx.split(model)
     probes = run(engine, params, [Request(i, p, 30, seed=i) for i, p in enumerate(prompts)])
     # A prompt that got interrupted and whose last thinking token does not occur earlier.
-    index = next(i for i, c in probes.items()
-                 if c.interrupted and c.tokens[c.think_budget - 1] not in c.tokens[:c.think_budget - 1])
+    index = next(
+        i
+        for i, c in probes.items()
+        if c.interrupted and c.tokens[c.think_budget - 1] not in c.tokens[: c.think_budget - 1]
+    )
     probe = probes[index]
     stop = probe.tokens[probe.think_budget - 1]
     got = run(engine, params, [Request("x", prompts[index], 30, seed=index, stop_tokens=(stop,))])["x"]
     assert got.think_budget == probe.think_budget  # same request stream, same draw
-    assert got.tokens == probe.tokens[:probe.think_budget]
+    assert got.tokens == probe.tokens[: probe.think_budget]
     assert not got.interrupted and got.finish_reason == "stop" and all(got.sampled)
 
 
@@ -370,8 +393,9 @@ def test_truncation_inside_phrase_and_interruption_off_per_request(model, engine
     probe = run(engine, params, [Request("probe", prompt, 30, seed=1)])["probe"]
     assert probe.interrupted
     cut = probe.think_budget + 1  # room for one phrase token only
-    got = run(engine, params, [Request("cut", prompt, cut, seed=1),
-                               Request("off", prompt, 10, seed=1, interrupt=False)])
+    got = run(
+        engine, params, [Request("cut", prompt, cut, seed=1), Request("off", prompt, 10, seed=1, interrupt=False)]
+    )
     assert got["cut"].tokens == probe.tokens[:cut] and got["cut"].truncated
     assert got["cut"].finish_reason == "length" and got["cut"].sampled[-1] is False
     assert got["off"].think_budget == -1 and all(got["off"].sampled)
@@ -395,9 +419,14 @@ def test_interruption_from_tokenizer_encodes_phrase_and_end_think():
     vocab = {"[UNK]": 0, "Okay,": 1, "time": 2, "is": 3, "up.": 4, "</think>": 5}
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    config = interruption_from_tokenizer(tokenizer, phrase="Okay, time is up. </think>",
-                                         end_think="</think>", think_budget_min=10,
-                                         think_budget_max=12, answer_budget=4)
+    config = interruption_from_tokenizer(
+        tokenizer,
+        phrase="Okay, time is up. </think>",
+        end_think="</think>",
+        think_budget_min=10,
+        think_budget_max=12,
+        answer_budget=4,
+    )
     assert config.phrase_ids == (1, 2, 3, 4, 5) and config.end_think_ids == (5,)
     with pytest.raises(ValueError, match="think budget range"):
         InterruptionConfig((1,), (5,), 0, 3, 4)

@@ -30,28 +30,36 @@ def naive_greedy(graphdef, params, prompt, steps):
     sequence = list(prompt)
     for _ in range(steps):
         padded = np.zeros((1, REFERENCE_LENGTH), np.int32)
-        padded[0, :len(sequence)] = sequence
+        padded[0, : len(sequence)] = sequence
         token = int(jnp.argmax(_forward(graphdef, params, jnp.asarray(padded))[0, len(sequence) - 1]))
         sequence.append(token)
         if token in STOP_TOKENS:
             break
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]
 
 
 def test_ten_thousand_requests_through_sixteen_slots():
     model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    engine = Engine(graphdef, CONFIG, EngineConfig(num_slots=NUM_SLOTS, max_len=REFERENCE_LENGTH,
-                                                   chunk_size=4, min_prefill_bucket=8,
-                                                   max_prefill_rows=4))
+    engine = Engine(
+        graphdef,
+        CONFIG,
+        EngineConfig(
+            num_slots=NUM_SLOTS, max_len=REFERENCE_LENGTH, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4
+        ),
+    )
     batcher = ContinuousBatcher(engine, params, seed=3)
     rng = np.random.default_rng(0)
     requests = {}
     for i in range(NUM_REQUESTS):
         requests[i] = Request(
-            request_id=i, prompt_tokens=rng.integers(0, CONFIG.vocab_size, rng.integers(1, 7)).tolist(),
-            max_new_tokens=int(rng.integers(1, 5)), seed=i,
-            temperature=0.0 if i % GREEDY_EVERY == 0 else 1.0, stop_tokens=STOP_TOKENS)
+            request_id=i,
+            prompt_tokens=rng.integers(0, CONFIG.vocab_size, rng.integers(1, 7)).tolist(),
+            max_new_tokens=int(rng.integers(1, 5)),
+            seed=i,
+            temperature=0.0 if i % GREEDY_EVERY == 0 else 1.0,
+            stop_tokens=STOP_TOKENS,
+        )
     pending = collections.deque(requests.values())
     returned = collections.Counter()
     completions = {}

@@ -56,7 +56,9 @@ def reference_paged(q, k_pages, v_pages, layer, table, lengths):
     out = np.zeros_like(q)
     for b in range(slots):
         keys = np.stack([k[table[b, s // page_size], s % page_size] for s in range(lengths[b])]) if lengths[b] else None
-        values = np.stack([v[table[b, s // page_size], s % page_size] for s in range(lengths[b])]) if lengths[b] else None
+        values = (
+            np.stack([v[table[b, s // page_size], s % page_size] for s in range(lengths[b])]) if lengths[b] else None
+        )
         for h in range(heads):
             if keys is None:
                 continue
@@ -76,12 +78,19 @@ def test_paged_attention_matches_float64_reference(window, pages_per_block):
     v_pages = rng.normal(size=(layers, pages, page_size, kv_heads, dim)).astype(np.float32)
     q = rng.normal(size=(slots, heads, dim)).astype(np.float32)
     lengths = np.array([0, 1, 8, window, 13], np.int32)
-    table = rng.permutation(pages)[:slots * 10].reshape(slots, 10).astype(np.int32)
+    table = rng.permutation(pages)[: slots * 10].reshape(slots, 10).astype(np.int32)
     for b, length in enumerate(lengths):
-        table[b, pages_for(length, page_size):] = rng.choice([pages, 0, 3], size=10 - pages_for(length, page_size))
-    got = paged_decode_attention_xla(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), 1,
-                                     jnp.asarray(table), jnp.asarray(lengths), window=window,
-                                     pages_per_block=pages_per_block)
+        table[b, pages_for(length, page_size) :] = rng.choice([pages, 0, 3], size=10 - pages_for(length, page_size))
+    got = paged_decode_attention_xla(
+        jnp.asarray(q),
+        jnp.asarray(k_pages),
+        jnp.asarray(v_pages),
+        1,
+        jnp.asarray(table),
+        jnp.asarray(lengths),
+        window=window,
+        pages_per_block=pages_per_block,
+    )
     want = reference_paged(q, k_pages, v_pages, 1, table, lengths)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
@@ -94,18 +103,28 @@ def test_grouped_attention_reads_each_slot_from_its_own_group():
     q = rng.normal(size=(4, 2, 8)).astype(np.float32)
     table = np.array([[0, 1], [2, 3], [0, 1], [5, 4]], np.int32)
     lengths = np.array([7, 5, 7, 8], np.int32)
-    got = grouped_paged_attention(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), 0, jnp.asarray(table),
-                                  jnp.asarray(lengths), window=8, pages_per_block=1, kernel="xla")
+    got = grouped_paged_attention(
+        jnp.asarray(q),
+        jnp.asarray(k_pool),
+        jnp.asarray(v_pool),
+        0,
+        jnp.asarray(table),
+        jnp.asarray(lengths),
+        window=8,
+        pages_per_block=1,
+        kernel="xla",
+    )
     for b in range(4):
         group = b // 2
-        want = reference_paged(q[b:b + 1], k_pool[:, group], v_pool[:, group], 0, table[b:b + 1], lengths[b:b + 1])
-        np.testing.assert_allclose(np.asarray(got[b:b + 1]), want, atol=1e-5, rtol=0)
+        want = reference_paged(
+            q[b : b + 1], k_pool[:, group], v_pool[:, group], 0, table[b : b + 1], lengths[b : b + 1]
+        )
+        np.testing.assert_allclose(np.asarray(got[b : b + 1]), want, atol=1e-5, rtol=0)
 
 
 def requests(count, *, max_new):
     rng = np.random.default_rng(3)
-    return [Request(i, rng.integers(0, CONFIG.vocab_size, 5 + 3 * i).tolist(), max_new, seed=i)
-            for i in range(count)]
+    return [Request(i, rng.integers(0, CONFIG.vocab_size, 5 + 3 * i).tolist(), max_new, seed=i) for i in range(count)]
 
 
 def drain(engine, params, reqs):
@@ -120,8 +139,15 @@ def test_a_short_pool_preempts_and_gives_the_tokens_of_a_full_pool(params):
     youngest sequence is preempted when its group runs short and starts over, and every request
     ends with the greedy tokens of the fully provisioned pool."""
     graphdef, state = params
-    common = dict(num_slots=4, max_len=64, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4,
-                  min_decode_window=16, page_size=8)
+    common = dict(
+        num_slots=4,
+        max_len=64,
+        chunk_size=4,
+        min_prefill_bucket=8,
+        max_prefill_rows=4,
+        min_decode_window=16,
+        page_size=8,
+    )
     reqs = requests(6, max_new=40)
     full, _ = drain(Engine(graphdef, CONFIG, EngineConfig(**common)), state, reqs)
     short_engine = Engine(graphdef, CONFIG, EngineConfig(num_pages=10, **common))
@@ -140,22 +166,38 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
     zero XLA compiles (counted by JAX's own compile events), and a chunk runs with device-to-host
     transfers disallowed (no host sync inside a chunk)."""
     graphdef, state = params
-    engine = Engine(graphdef, CONFIG, EngineConfig(num_slots=4, max_len=96, chunk_size=4, min_prefill_bucket=8,
-                                                   max_prefill_rows=4, min_decode_window=16, page_size=8))
+    engine = Engine(
+        graphdef,
+        CONFIG,
+        EngineConfig(
+            num_slots=4,
+            max_len=96,
+            chunk_size=4,
+            min_prefill_bucket=8,
+            max_prefill_rows=4,
+            min_decode_window=16,
+            page_size=8,
+        ),
+    )
     batcher = ContinuousBatcher(engine, state, seed=3)
     batcher.warm_up(max_prompt_length=40)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _seconds, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+        lambda event, _seconds, **_: (
+            compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
     rng = np.random.default_rng(4)
     for i, length in enumerate([1, 7, 8, 9, 17, 33, 40, 3, 25, 12]):
-        batcher.add_request(Request(i, rng.integers(0, CONFIG.vocab_size, length).tolist(), 20 + 5 * (i % 4),
-                                    seed=i, temperature=1.0))
+        batcher.add_request(
+            Request(i, rng.integers(0, CONFIG.vocab_size, length).tolist(), 20 + 5 * (i % 4), seed=i, temperature=1.0)
+        )
     done = batcher.drain()
     assert len(done) == 10 and compiles == []
     decode_state = engine.init_decode_state()
-    decode_state = engine.prefill_insert(state, decode_state, np.zeros((1, 8), np.int32), [5], [0],
-                                         _settings(engine, 1))
+    decode_state = engine.prefill_insert(
+        state, decode_state, np.zeros((1, 8), np.int32), [5], [0], _settings(engine, 1)
+    )
     with jax.transfer_guard_device_to_host("disallow"):
         decode_state, result = engine.generate(state, decode_state)
     assert int(result.steps) == 4
@@ -163,9 +205,15 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
 
 def _settings(engine, rows):
     from scalerl_jax.sampler.engine import host_settings
-    return host_settings(seeds=np.zeros(rows), streams=np.arange(rows), max_new_tokens=np.full(rows, 50),
-                         temperature=np.ones(rows), stop_tokens=np.full((rows, engine.config.max_stop_tokens), -1),
-                         interrupt=np.zeros(rows, bool))
+
+    return host_settings(
+        seeds=np.zeros(rows),
+        streams=np.arange(rows),
+        max_new_tokens=np.full(rows, 50),
+        temperature=np.ones(rows),
+        stop_tokens=np.full((rows, engine.config.max_stop_tokens), -1),
+        interrupt=np.zeros(rows, bool),
+    )
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
@@ -180,15 +228,19 @@ def test_sharded_decode_moves_no_page_between_devices(params):
     decode_state = engine.init_decode_state()
     assert engine.page_groups == 4 and decode_state.cache["k"].shape[1] == 4
     with use_mesh_rules(mesh, engine.rules):
-        hlo = engine._generate_jit.lower(sharded, decode_state, 256, engine.pages.table,
-                                         np.zeros(8, np.int32)).compile().as_text()
+        hlo = (
+            engine._generate_jit.lower(sharded, decode_state, 256, engine.pages.table, np.zeros(8, np.int32))
+            .compile()
+            .as_text()
+        )
     shard_bytes = decode_state.cache["k"].addressable_shards[0].data.nbytes
     sizes = []
     for line in hlo.splitlines():
         match = re.search(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-to-all|all-reduce|collective-permute)", line)
         if match:
-            itemsize = np.dtype({"f32": np.float32, "s32": np.int32, "pred": bool, "u32": np.uint32}.get(
-                match.group(1), np.float32)).itemsize
+            itemsize = np.dtype(
+                {"f32": np.float32, "s32": np.int32, "pred": bool, "u32": np.uint32}.get(match.group(1), np.float32)
+            ).itemsize
             sizes.append(itemsize * int(np.prod([int(d) for d in match.group(2).split(",") if d] or [1])))
     assert sizes and max(sizes) < shard_bytes / 8, (max(sizes), shard_bytes)
 
@@ -198,8 +250,16 @@ def test_pallas_kernel_in_the_engine_gives_the_tokens_of_the_xla_path(params):
     """(slow: ~1 min of interpret mode) decode_kernel='pallas' (interpret mode on CPU) decodes the same greedy tokens and log-probs as
     the portable blockwise attention, with slots refilled mid-run on a short pool."""
     graphdef, state = params
-    common = dict(num_slots=2, max_len=48, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2,
-                  min_decode_window=16, page_size=8, num_pages=8)
+    common = dict(
+        num_slots=2,
+        max_len=48,
+        chunk_size=4,
+        min_prefill_bucket=8,
+        max_prefill_rows=2,
+        min_decode_window=16,
+        page_size=8,
+        num_pages=8,
+    )
     reqs = requests(3, max_new=12)
     want, _ = drain(Engine(graphdef, CONFIG, EngineConfig(decode_kernel="xla", **common)), state, reqs)
     got, _ = drain(Engine(graphdef, CONFIG, EngineConfig(decode_kernel="pallas", **common)), state, reqs)

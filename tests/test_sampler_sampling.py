@@ -36,8 +36,7 @@ def test_masked_log_probs_match_numpy(top_k, top_p):
     rng = np.random.default_rng(top_k * 100 + int(top_p * 10))
     logits = rng.normal(scale=3.0, size=(4, 32)).astype(np.float32)
     temperature = np.array([0.5, 1.0, 1.3, 2.0], np.float32)
-    got = np.asarray(masked_log_probs(jnp.asarray(logits), jnp.asarray(temperature),
-                                      top_k=top_k, top_p=top_p))
+    got = np.asarray(masked_log_probs(jnp.asarray(logits), jnp.asarray(temperature), top_k=top_k, top_p=top_p))
     for row in range(4):
         want = np_masked_log_probs(logits[row], float(temperature[row]), top_k, top_p)
         np.testing.assert_array_equal(np.isfinite(got[row]), np.isfinite(want))
@@ -76,8 +75,13 @@ def test_sampled_frequencies_match_masked_distribution():
     temperature, top_k, top_p, draws = 0.8, 4, 0.85, 20_000
     q = np.exp(np_masked_log_probs(logits, temperature, top_k, top_p))
     keys = jax.random.split(jax.random.key(42), draws)
-    tokens, logprobs = sample_tokens(jnp.broadcast_to(jnp.asarray(logits), (draws, 6)), keys,
-                                     jnp.full((draws,), temperature), top_k=top_k, top_p=top_p)
+    tokens, logprobs = sample_tokens(
+        jnp.broadcast_to(jnp.asarray(logits), (draws, 6)),
+        keys,
+        jnp.full((draws,), temperature),
+        top_k=top_k,
+        top_p=top_p,
+    )
     tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
     counts = np.bincount(tokens, minlength=6) / draws
     sigma = np.sqrt(q * (1 - q) / draws)

@@ -23,8 +23,7 @@ def run(engine, params, prompts):
 def test_sharded_generator_mesh_matches_single_device():
     model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, min_prefill_bucket=8,
-                                 max_prefill_rows=4)
+    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4)
     prompts = [np.random.default_rng(i).integers(0, CONFIG.vocab_size, 3 + i).tolist() for i in range(6)]
     single = run(Engine(graphdef, CONFIG, engine_config), params, prompts)
 
@@ -62,7 +61,8 @@ def test_params_push_to_the_generator_never_touches_the_host():
         leaf.delete()  # the next train step donates them: the generator must hold its own copy
     adopted = batcher.params
     assert batcher.version == 1
-    for got, want, target in zip(jax.tree.leaves(adopted), jax.tree.leaves(expected),
-                                 jax.tree.leaves(param_shardings(params, generator_mesh))):
+    for got, want, target in zip(
+        jax.tree.leaves(adopted), jax.tree.leaves(expected), jax.tree.leaves(param_shardings(params, generator_mesh))
+    ):
         assert got.sharding == target
         np.testing.assert_array_equal(np.asarray(got), want)

@@ -14,9 +14,7 @@ from scalerl_jax import fit as fit_cli
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(
-    directory, *, a, c_mid, seed, r0=0.30, b=2.0, hours_per_step=10.0, num_steps=4_000, eval_every=100
-):
+def write_run(directory, *, a, c_mid, seed, r0=0.30, b=2.0, hours_per_step=10.0, num_steps=4_000, eval_every=100):
     """A metrics.jsonl whose eval pass rates follow the explainer's sigmoid plus 0.002 noise."""
     rng = np.random.default_rng(seed)
     directory.mkdir(parents=True)
@@ -74,9 +72,7 @@ def test_two_runs_table_crossing_and_png(tmp_path, capsys):
 
 def test_unfittable_run_gets_a_row_and_exit_status_1(tmp_path, capsys):
     good = write_run(tmp_path / "good", a=0.60, c_mid=5_000.0, seed=0)
-    short = write_run(
-        tmp_path / "short", a=0.60, c_mid=5_000.0, seed=0, num_steps=200
-    )  # evals at 0, 1,000, 2,000
+    short = write_run(tmp_path / "short", a=0.60, c_mid=5_000.0, seed=0, num_steps=200)  # evals at 0, 1,000, 2,000
     png = tmp_path / "p.png"
     status = fit_cli.main([str(good), str(short), "--bootstrap", "0", "--plot", str(png)])
     out = capsys.readouterr().out

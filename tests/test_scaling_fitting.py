@@ -183,9 +183,7 @@ def test_extrapolation_error_hand_values():
     )
     error = extrapolation_error(fit, [5_000.0, 10_000.0, 20_000.0, 40_000.0], [0.45, 0.54, 0.60, 0.59])
     assert error.num_points == 2
-    assert error.mae == pytest.approx(
-        (0.6 - (0.3 + 0.3 / 1.0625) + (0.3 + 0.3 / (1 + 1 / 64)) - 0.59) / 2, abs=1e-12
-    )
+    assert error.mae == pytest.approx((0.6 - (0.3 + 0.3 / 1.0625) + (0.3 + 0.3 / (1 + 1 / 64)) - 0.59) / 2, abs=1e-12)
     assert error.max_abs == pytest.approx(0.6 - (0.3 + 0.3 / 1.0625), abs=1e-12)
 
 
@@ -241,6 +239,4 @@ def test_bad_input_names_the_point(compute, pass_rate, kwargs, message):
         fit_sigmoid(compute, pass_rate, name="run7", **kwargs)
     if "method" not in kwargs:
         with pytest.raises(ValueError, match=message):
-            fit_power_law(
-                compute, pass_rate, name="run7", **{k: v for k, v in kwargs.items() if k != "method"}
-            )
+            fit_power_law(compute, pass_rate, name="run7", **{k: v for k, v in kwargs.items() if k != "method"})

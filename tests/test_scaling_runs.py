@@ -53,9 +53,7 @@ def test_unit_logged_or_overridden(tmp_path):
 
 
 def test_partial_last_line_only_when_allowed(tmp_path):
-    path = write_lines(
-        tmp_path / "live" / "metrics.jsonl", GOOD + ['{"step": 6, "compute/dev'], trailing_newline=False
-    )
+    path = write_lines(tmp_path / "live" / "metrics.jsonl", GOOD + ['{"step": 6, "compute/dev'], trailing_newline=False)
     with pytest.raises(ValueError, match=r"metrics.jsonl line 7: malformed JSON"):
         read_run(path)
     run = read_run(path, allow_partial_last_line=True)

@@ -1,5 +1,6 @@
 """The study: analysis of synthetic runs with known sigmoids, the driver's plan/skip/resume logic
 on a stand-in main, and (slow) a real 2-variant x 2-seed micro study killed and resumed."""
+
 import dataclasses
 import json
 import os
@@ -65,7 +66,9 @@ def write_synthetic_run(run_dir: Path, name: str, seed: int, noise: float = 0.00
             record["compute/unit"] = "device_hours"
         lines.append(json.dumps(record))
     (run_dir / driver.METRICS_FILE).write_text("\n".join(lines) + "\n")
-    (run_dir / driver.RUN_CONFIG_FILE).write_text(json.dumps({"num_steps": 150, "eval": {"fit_a_range": list(A_RANGE)}}))
+    (run_dir / driver.RUN_CONFIG_FILE).write_text(
+        json.dumps({"num_steps": 150, "eval": {"fit_a_range": list(A_RANGE)}})
+    )
 
 
 @pytest.fixture
@@ -79,8 +82,10 @@ def synthetic_study(tmp_path):
 
 def analyzed(study_dir):
     runs = report.read_study(study_dir)
-    return [analyze_variant(name, curves, a_range=report.study_a_range(study_dir, runs), bootstrap=100)
-            for name, curves in runs.items()]
+    return [
+        analyze_variant(name, curves, a_range=report.study_a_range(study_dir, runs), bootstrap=100)
+        for name, curves in runs.items()
+    ]
 
 
 def test_early_half_fits_recover_the_true_sigmoids(synthetic_study):
@@ -147,22 +152,29 @@ def test_analyze_reports_a_curve_it_cannot_fit(tmp_path, capsys):
 
 
 def test_timing_line_sums_ended_launches_and_counts_killed_ones(tmp_path):
-    records = [{"event": "start", "run": "baseline/seed0"}, {"event": "end", "run": "baseline/seed0", "minutes": 1.5},
-               {"event": "start", "run": "dapo/seed0"},  # killed: no end
-               {"event": "start", "run": "dapo/seed0"}, {"event": "end", "run": "dapo/seed0", "minutes": 2.25}]
+    records = [
+        {"event": "start", "run": "baseline/seed0"},
+        {"event": "end", "run": "baseline/seed0", "minutes": 1.5},
+        {"event": "start", "run": "dapo/seed0"},  # killed: no end
+        {"event": "start", "run": "dapo/seed0"},
+        {"event": "end", "run": "dapo/seed0", "minutes": 2.25},
+    ]
     (tmp_path / driver.STUDY_LOG).write_text("".join(json.dumps(r) + "\n" for r in records))
     line = report.timing_line(tmp_path)
     assert "3.8 min over 2 ended launches of 2 runs" in line  # 1.5 + 2.25 = 3.75
     assert "1 launch(es) killed before they ended" in line
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--config=configs/tiny.py", "--workdir=W", "--variants=dpo"], "unknown study variant 'dpo'"),
-    (["--config=configs/tiny.py", "--workdir=W", "--config.num_steps", "3"], "--config.key=value"),
-    (["--config=configs/tiny.py"], "needs --config and --workdir"),
-    (["--analyze=/nowhere/study"], "no such study directory"),
-    (["--analyze=/nowhere/study", "--cut=1.5"], "--cut must be in (0, 1)"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config=configs/tiny.py", "--workdir=W", "--variants=dpo"], "unknown study variant 'dpo'"),
+        (["--config=configs/tiny.py", "--workdir=W", "--config.num_steps", "3"], "--config.key=value"),
+        (["--config=configs/tiny.py"], "needs --config and --workdir"),
+        (["--analyze=/nowhere/study"], "no such study directory"),
+        (["--analyze=/nowhere/study", "--cut=1.5"], "--cut must be in (0, 1)"),
+    ],
+)
 def test_cli_bad_input_exits_2_naming_it(argv, message, capsys):
     assert study_main(argv) == 2
     assert message in capsys.readouterr().err
@@ -208,8 +220,13 @@ def fake_python(tmp_path):
 
 
 def make_study(tmp_path, overrides=("--config.num_steps=3",)):
-    return driver.StudySpec(study_dir=tmp_path / "study", base=driver.absolute_base("configs/tiny.py"),
-                            variants=("baseline", "dapo"), num_seeds=2, overrides=tuple(overrides))
+    return driver.StudySpec(
+        study_dir=tmp_path / "study",
+        base=driver.absolute_base("configs/tiny.py"),
+        variants=("baseline", "dapo"),
+        num_seeds=2,
+        overrides=tuple(overrides),
+    )
 
 
 def test_plan_and_command(tmp_path, monkeypatch):
@@ -218,8 +235,15 @@ def test_plan_and_command(tmp_path, monkeypatch):
     assert [r.name for r in runs] == ["baseline/seed0", "dapo/seed0", "baseline/seed1", "dapo/seed1"]
     assert runs[3].workdir == tmp_path / "study" / "dapo" / "seed1"
     command = driver.main_command(study, runs[3], python="py")
-    assert command == ["py", "-m", "scalerl_jax.main", f"--config={REPO / 'configs' / 'study.py'}:{REPO / 'configs/tiny.py'},dapo",
-                       "--config.seed=1", "--config.num_steps=3", f"--workdir={runs[3].workdir}"]
+    assert command == [
+        "py",
+        "-m",
+        "scalerl_jax.main",
+        f"--config={REPO / 'configs' / 'study.py'}:{REPO / 'configs/tiny.py'},dapo",
+        "--config.seed=1",
+        "--config.num_steps=3",
+        f"--workdir={runs[3].workdir}",
+    ]
     # main's own flag parser (ml_collections, which reads overrides from sys.argv) resolves that
     # command line to tiny + dapo, seed 1, 3 steps.
     flag_values = flags.FlagValues()
@@ -244,8 +268,18 @@ def test_overrides_main_would_refuse_are_refused_before_the_study_starts(tmp_pat
         driver.check_overrides(["--config.nonexistent=3"], base=base)
     with pytest.raises(ValueError, match="--config.num_steps=many"):
         driver.check_overrides(["--config.num_steps=many"], base=base)
-    assert study_main([f"--config={base}", "--variants=baseline", "--seeds=1",
-                       f"--workdir={tmp_path / 'study'}", "--config.nonexistent=3"]) == 2
+    assert (
+        study_main(
+            [
+                f"--config={base}",
+                "--variants=baseline",
+                "--seeds=1",
+                f"--workdir={tmp_path / 'study'}",
+                "--config.nonexistent=3",
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "study").exists()
 
 
@@ -286,7 +320,10 @@ def test_driver_skips_finished_resumes_started_and_links_the_warm_start(tmp_path
     assert (runs[0].workdir / "metrics.jsonl").stat().st_mtime_ns == finished_mtime
     log = driver.read_log(study.study_dir)
     assert [(r["run"], r["action"]) for r in log if r["event"] == "start"] == [
-        ("dapo/seed0", "resume"), ("baseline/seed1", "run"), ("dapo/seed1", "run")]
+        ("dapo/seed0", "resume"),
+        ("baseline/seed1", "run"),
+        ("dapo/seed1", "run"),
+    ]
     for run in runs[1:]:
         link = run.workdir / "warm_start"
         assert link.is_symlink() and link.resolve() == (study.study_dir / "warm_start").resolve()
@@ -302,8 +339,13 @@ def test_driver_skips_finished_resumes_started_and_links_the_warm_start(tmp_path
         driver.run_study(other, python=fake_python)
 
 
-@pytest.mark.parametrize("env, message", [({"FAKE_STATUS": "1"}, "failed with exit status 1"),
-                                           ({"FAKE_STOP_EARLY": "1"}, "ended without an evaluation at its num_steps")])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"FAKE_STATUS": "1"}, "failed with exit status 1"),
+        ({"FAKE_STOP_EARLY": "1"}, "ended without an evaluation at its num_steps"),
+    ],
+)
 def test_driver_stops_at_a_failed_run(tmp_path, fake_python, monkeypatch, capsys, env, message):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -322,21 +364,41 @@ def test_driver_refuses_a_bad_variant_or_base_before_any_run(tmp_path, fake_pyth
 
 
 # ------------------------------------------------------------------------------ the real micro study
-MICRO = ["--config.warm_start.steps=8", "--config.warm_start.batch_size=16", "--config.synthetic.sft_size=64",
-         "--config.synthetic.train_size=64", "--config.synthetic.heldout_size=8", "--config.num_steps=3",
-         "--config.batch.prompts_per_step=4", "--config.batch.generations_per_prompt=2", "--config.sampler.num_slots=8",
-         "--config.eval.every=1", "--config.eval.num_prompts=4", "--config.eval.samples_per_prompt=2",
-         "--config.checkpoint.every=2"]
+MICRO = [
+    "--config.warm_start.steps=8",
+    "--config.warm_start.batch_size=16",
+    "--config.synthetic.sft_size=64",
+    "--config.synthetic.train_size=64",
+    "--config.synthetic.heldout_size=8",
+    "--config.num_steps=3",
+    "--config.batch.prompts_per_step=4",
+    "--config.batch.generations_per_prompt=2",
+    "--config.sampler.num_slots=8",
+    "--config.eval.every=1",
+    "--config.eval.num_prompts=4",
+    "--config.eval.samples_per_prompt=2",
+    "--config.checkpoint.every=2",
+]
 
 
 def study_command(workdir):
-    return [sys.executable, "-m", "scalerl_jax.study", "--config=configs/tiny.py", "--variants=baseline,dapo",
-            "--seeds=2", f"--workdir={workdir}", "--bootstrap=10", *MICRO]
+    return [
+        sys.executable,
+        "-m",
+        "scalerl_jax.study",
+        "--config=configs/tiny.py",
+        "--variants=baseline,dapo",
+        "--seeds=2",
+        f"--workdir={workdir}",
+        "--bootstrap=10",
+        *MICRO,
+    ]
 
 
 def study_env():
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-                PYTHONPATH=str(REPO))
+    return dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO)
+    )
 
 
 def has_eval_line(run_dir: Path) -> bool:
@@ -348,8 +410,14 @@ def has_eval_line(run_dir: Path) -> bool:
 def test_micro_study_killed_and_resumed(tmp_path):
     workdir = tmp_path / "study"
     first, second = workdir / "baseline" / "seed0", workdir / "dapo" / "seed0"
-    process = subprocess.Popen(study_command(workdir), cwd=REPO, env=study_env(), start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        study_command(workdir),
+        cwd=REPO,
+        env=study_env(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     try:
         while not has_eval_line(second):  # the second run is under way (its step-0 evaluation is written)
@@ -366,13 +434,19 @@ def test_micro_study_killed_and_resumed(tmp_path):
     marker = workdir / "warm_start" / digests[0] / "warm_start_complete.json"
     marker_mtime = marker.stat().st_mtime_ns
 
-    result = subprocess.run(study_command(workdir), cwd=REPO, env=study_env(), capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(
+        study_command(workdir), cwd=REPO, env=study_env(), capture_output=True, text=True, timeout=900
+    )
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: a 3-step curve may not be fittable
     assert "study: 4/4 runs finished" in result.stdout, result.stdout[-3000:]
     starts = [(r["run"], r["action"]) for r in driver.read_log(workdir) if r["event"] == "start"]
-    assert starts == [("baseline/seed0", "run"), ("dapo/seed0", "run"), ("dapo/seed0", "resume"),
-                      ("baseline/seed1", "run"), ("dapo/seed1", "run")]
+    assert starts == [
+        ("baseline/seed0", "run"),
+        ("dapo/seed0", "run"),
+        ("dapo/seed0", "resume"),
+        ("baseline/seed1", "run"),
+        ("dapo/seed1", "run"),
+    ]
     assert (first / "metrics.jsonl").stat().st_mtime_ns == first_mtime  # not rerun
     for variant in ("baseline", "dapo"):
         for seed in (0, 1):
@@ -384,4 +458,6 @@ def test_micro_study_killed_and_resumed(tmp_path):
             if (variant, seed) != ("baseline", 0):
                 assert "warm start: reusing" in (run / "main.log").read_text()
     assert os.listdir(workdir / "warm_start") == digests and marker.stat().st_mtime_ns == marker_mtime  # built once
-    assert (workdir / "study.md").is_file() and (workdir / "curves.png").is_file() and (workdir / "params.png").is_file()
+    assert (
+        (workdir / "study.md").is_file() and (workdir / "curves.png").is_file() and (workdir / "params.png").is_file()
+    )

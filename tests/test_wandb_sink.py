@@ -1,4 +1,5 @@
 """The optional Weights & Biases sink in offline mode: no network, a local run file with the metrics."""
+
 import glob
 
 import pytest
@@ -9,8 +10,9 @@ from scalerl_jax.wandb_sink import WandbSink  # noqa: E402
 
 
 def test_offline_run_records_the_numeric_metrics(tmp_path):
-    sink = WandbSink(project="scalerl-test", mode="offline", workdir=str(tmp_path),
-                     config={"rl": {"objective": "cispo"}})
+    sink = WandbSink(
+        project="scalerl-test", mode="offline", workdir=str(tmp_path), config={"rl": {"objective": "cispo"}}
+    )
     sink.write(0, {"eval/pass_rate": 0.25, "compute/unit": "device_hours"})
     sink.write(1, {"train/loss": -0.5})
     sink.close()

@@ -1,12 +1,15 @@
 """The warm start's demonstration mix: worked traces and answer-only replies."""
+
 import numpy as np
 import pytest
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.warm_start import with_direct_answers
 
-ROWS = [{"problem": f"{i}+1", "answer": str(i + 1), "solution": f"<think>{i}+1={i + 1}</think>\\boxed{{{i + 1}}}"}
-        for i in range(1000)]
+ROWS = [
+    {"problem": f"{i}+1", "answer": str(i + 1), "solution": f"<think>{i}+1={i + 1}</think>\\boxed{{{i + 1}}}"}
+    for i in range(1000)
+]
 
 
 def test_answer_only_reply_is_an_empty_think_block_and_scores_as_correct():
@@ -23,7 +26,9 @@ def test_fraction_of_answer_only_demonstrations():
     kept = [m for m, d in zip(mixed, direct) if not d]
     assert all(m == ROWS[int(m["answer"]) - 1] for m in kept)  # the other rows are untouched
     assert with_direct_answers(ROWS, 0.0, np.random.default_rng(0)) == ROWS
-    assert all(r["solution"].startswith("<think></think>") for r in with_direct_answers(ROWS, 1.0, np.random.default_rng(0)))
+    assert all(
+        r["solution"].startswith("<think></think>") for r in with_direct_answers(ROWS, 1.0, np.random.default_rng(0))
+    )
 
 
 def test_fraction_outside_unit_interval_is_refused():
@@ -35,6 +40,7 @@ def test_warm_start_tokenizer_is_read_like_a_checkpoint(tmp_path):
     """train_tokenizer writes a Llama-3-style directory; transformers reads the same tokens and ids."""
     transformers = pytest.importorskip("transformers")
     from scalerl_jax.models import load_checkpoint_tokenizer
+
     corpus = [row["problem"] + " " + row["solution"] for row in ROWS[:200]]
     data_lib.train_tokenizer(corpus, 280, str(tmp_path))
     loaded = load_checkpoint_tokenizer(str(tmp_path))
@@ -45,5 +51,8 @@ def test_warm_start_tokenizer_is_read_like_a_checkpoint(tmp_path):
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     encoder = data_lib.PromptEncoder(loaded.tokenizer, data_lib.PromptFormat(template="{problem}="))
     # The SFT prompt is bos + text, exactly as the RL run (and transformers) encodes it.
-    assert encoder.encode_unchecked("12+7") == reference("12+7=")["input_ids"] == (
-        [loaded.bos_id] + loaded.tokenizer.encode("12+7=", add_special_tokens=False).ids)
+    assert (
+        encoder.encode_unchecked("12+7")
+        == reference("12+7=")["input_ids"]
+        == ([loaded.bos_id] + loaded.tokenizer.encode("12+7=", add_special_tokens=False).ids)
+    )

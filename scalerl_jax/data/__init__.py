@@ -3,20 +3,42 @@
 Works on strings and token ids only; imports nothing from models, sampler or pipeline.
 """
 
-from scalerl_jax.data.batching import (FILTER_MODES, AssembledBatch, BatchAssembler, Group,
-                                       zero_variance_filter)
-from scalerl_jax.data.builders import (POLARIS_FILENAME, build_local_file, build_polaris,
-                                       build_synthetic, read_split)
+from scalerl_jax.data.batching import FILTER_MODES, AssembledBatch, BatchAssembler, Group, zero_variance_filter
+from scalerl_jax.data.builders import POLARIS_FILENAME, build_local_file, build_polaris, build_synthetic, read_split
 from scalerl_jax.data.evaluation import EvalResult, evaluate, pass_at_k
 from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
-from scalerl_jax.data.prompts import (DEFAULT_TEMPLATE, EncodedPrompts, PromptEncoder,
-                                      PromptFormat, PromptSet, build_prompt_set, format_problem,
-                                      sft_arrays, sft_example)
-from scalerl_jax.data.rewards import (RewardConfig, ScoredBatch, check_reward_fn, default_pool, extract_answer,
-                                      last_boxed, math_reward, score_completions)
-from scalerl_jax.data.synthetic import (SYNTHETIC_TEMPLATE, THINK_END, THINK_START,
-                                        ArithmeticProblem, Level, SyntheticTaskConfig,
-                                        direct_answer, generate_splits, tokenizer_corpus)
+from scalerl_jax.data.prompts import (
+    DEFAULT_TEMPLATE,
+    EncodedPrompts,
+    PromptEncoder,
+    PromptFormat,
+    PromptSet,
+    build_prompt_set,
+    format_problem,
+    sft_arrays,
+    sft_example,
+)
+from scalerl_jax.data.rewards import (
+    RewardConfig,
+    ScoredBatch,
+    check_reward_fn,
+    default_pool,
+    extract_answer,
+    last_boxed,
+    math_reward,
+    score_completions,
+)
+from scalerl_jax.data.synthetic import (
+    SYNTHETIC_TEMPLATE,
+    THINK_END,
+    THINK_START,
+    ArithmeticProblem,
+    Level,
+    SyntheticTaskConfig,
+    direct_answer,
+    generate_splits,
+    tokenizer_corpus,
+)
 from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, train_tokenizer
 from scalerl_jax.data.verify_pool import ItemResult, VerifyPool
 

@@ -44,8 +44,19 @@ TIMEOUT = "timeout"
 ERROR = "error"
 CRASH = "crash"
 CUSTOM = "custom"
-OUTCOMES = (NO_THINK_END, NO_BOX, FAST_EQUAL, FAST_NOT_EQUAL, EQUAL, NOT_EQUAL, UNPARSABLE,
-            TIMEOUT, ERROR, CRASH, CUSTOM)
+OUTCOMES = (
+    NO_THINK_END,
+    NO_BOX,
+    FAST_EQUAL,
+    FAST_NOT_EQUAL,
+    EQUAL,
+    NOT_EQUAL,
+    UNPARSABLE,
+    TIMEOUT,
+    ERROR,
+    CRASH,
+    CUSTOM,
+)
 CORRECT_OUTCOMES = frozenset({FAST_EQUAL, EQUAL})  # CUSTOM is correct when its reward is > 0
 
 _BOX_OPEN = "\\boxed{"
@@ -82,15 +93,14 @@ def last_boxed(text: str) -> str | None:
             if open_braces:
                 content_start = open_braces.pop()
                 if content_start >= 0:
-                    last = text[content_start:token.start()]
+                    last = text[content_start : token.start()]
         elif brace == _BOX_OPEN:
             open_braces.append(token.end())
         # else an escaped brace: a literal
     return last
 
 
-def extract_answer(completion: str, *, answer_format: str,
-                   think_end: str) -> tuple[str | None, str | None]:
+def extract_answer(completion: str, *, answer_format: str, think_end: str) -> tuple[str | None, str | None]:
     """``(prediction, failure)``: the boxed answer of the answer part, or why there is none.
 
     The answer part is the text after the first ``think_end`` for ``answer_format='think'`` and
@@ -101,7 +111,7 @@ def extract_answer(completion: str, *, answer_format: str,
         cut = completion.find(think_end)
         if cut == -1:
             return None, NO_THINK_END
-        completion = completion[cut + len(think_end):]
+        completion = completion[cut + len(think_end) :]
     elif answer_format != PLAIN:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
     prediction = last_boxed(completion)
@@ -130,20 +140,18 @@ def load_reward_fn(spec: str) -> RewardFn:
     except ModuleNotFoundError as e:
         raise ValueError(f"reward_fn {spec!r}: module not found ({e})") from e
     except Exception as e:  # the user's module failed while being imported
-        raise ValueError(f"reward_fn {spec!r}: importing {module_name!r} raised "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(f"reward_fn {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     function = getattr(module, function_name, None)
     if function is None:
-        raise ValueError(f"reward_fn {spec!r}: module {module_name!r} ({module.__file__}) has no "
-                         f"attribute {function_name!r}")
+        raise ValueError(
+            f"reward_fn {spec!r}: module {module_name!r} ({module.__file__}) has no attribute {function_name!r}"
+        )
     if not callable(function):
-        raise ValueError(f"reward_fn {spec!r}: {function_name!r} is a "
-                         f"{type(function).__name__}, not callable")
+        raise ValueError(f"reward_fn {spec!r}: {function_name!r} is a {type(function).__name__}, not callable")
     return function
 
 
-def _custom_reward(reward_fn: RewardFn, completion: str, gold: str,
-                   problem: str) -> tuple[str, float | None, str]:
+def _custom_reward(reward_fn: RewardFn, completion: str, gold: str, problem: str) -> tuple[str, float | None, str]:
     """``(outcome, reward, detail)`` of calling ``reward_fn``; a number that is not a finite real
     (a string, None, a bool, NaN, inf) or an exception is an ``ERROR``."""
     try:
@@ -155,17 +163,24 @@ def _custom_reward(reward_fn: RewardFn, completion: str, gold: str,
     return CUSTOM, float(value), ""
 
 
-def score_item(completion: str, gold: str, problem: str, *, kind: str, answer_format: str,
-               think_end: str, verify_math: VerifyMath,
-               reward_fn: RewardFn | None = None) -> dict:
+def score_item(
+    completion: str,
+    gold: str,
+    problem: str,
+    *,
+    kind: str,
+    answer_format: str,
+    think_end: str,
+    verify_math: VerifyMath,
+    reward_fn: RewardFn | None = None,
+) -> dict:
     """Scores one completion (see the module docstring).
 
     Returns ``{"status": outcome, "reward": float or None, "prediction": str or None,
     "detail": str}``; ``reward`` is set only for ``CUSTOM`` (the caller maps the other outcomes
     to its correct / incorrect rewards). ``verify_math(gold, pred)`` is math-verify's verdict.
     """
-    prediction, failure = extract_answer(completion, answer_format=answer_format,
-                                         think_end=think_end)
+    prediction, failure = extract_answer(completion, answer_format=answer_format, think_end=think_end)
     reward, detail = None, ""
     if reward_fn is not None:
         status, reward, detail = _custom_reward(reward_fn, completion, gold, problem)

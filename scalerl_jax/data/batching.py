@@ -26,8 +26,9 @@ from scalerl_jax.rl import zero_variance_mask
 FILTER_MODES = ("drop", "refill", "none")
 
 
-def zero_variance_filter(rewards: np.ndarray, group_ids: np.ndarray,
-                         valid: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+def zero_variance_filter(
+    rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """``(keep, num_dropped_prompts)`` from ``scalerl_jax.rl.zero_variance_mask``.
 
     ``keep[b]`` is True where ``b``'s prompt has unequal rewards among its valid completions;
@@ -35,8 +36,7 @@ def zero_variance_filter(rewards: np.ndarray, group_ids: np.ndarray,
     """
     rewards = np.asarray(rewards, np.float32)
     group_ids = np.asarray(group_ids, np.int32)
-    valid_rows = (np.ones(rewards.shape, bool) if valid is None
-                  else np.asarray(valid, bool))
+    valid_rows = np.ones(rewards.shape, bool) if valid is None else np.asarray(valid, bool)
     keep = np.asarray(zero_variance_mask(rewards, group_ids, valid=valid_rows))
     present = set(group_ids[valid_rows].tolist())
     kept = set(group_ids[keep].tolist())
@@ -68,8 +68,10 @@ class AssembledBatch:
 
     def metrics(self) -> dict[str, float]:
         """``data/zero_variance_dropped`` and ``data/groups_consumed``."""
-        return {"data/zero_variance_dropped": float(self.num_zero_variance_dropped),
-                "data/groups_consumed": float(self.num_groups_consumed)}
+        return {
+            "data/zero_variance_dropped": float(self.num_zero_variance_dropped),
+            "data/groups_consumed": float(self.num_groups_consumed),
+        }
 
 
 def _flatten(groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
@@ -115,7 +117,7 @@ class BatchAssembler:
         """The next batch (the first ``prompts_per_batch`` groups held); ValueError if not full."""
         if not self.is_full():
             raise ValueError(f"pop_batch: {len(self._groups)} of {self._size} groups collected")
-        groups, self._groups = self._groups[:self._size], self._groups[self._size:]
+        groups, self._groups = self._groups[: self._size], self._groups[self._size :]
         rewards, group_ids = _flatten(groups)
         if self._mode == "drop":
             sample_valid, dropped = zero_variance_filter(rewards, group_ids)
@@ -123,5 +125,10 @@ class BatchAssembler:
             sample_valid, dropped = np.ones(len(rewards), bool), self._discarded
         consumed = len(groups) + (self._discarded if self._mode == "refill" else 0)
         self._discarded = 0
-        return AssembledBatch(groups=groups, sample_valid=sample_valid, group_ids=group_ids,
-                              num_zero_variance_dropped=dropped, num_groups_consumed=consumed)
+        return AssembledBatch(
+            groups=groups,
+            sample_valid=sample_valid,
+            group_ids=group_ids,
+            num_zero_variance_dropped=dropped,
+            num_groups_consumed=consumed,
+        )

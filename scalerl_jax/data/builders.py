@@ -61,12 +61,14 @@ class SyntheticArithmetic(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(
             builder=self,
             description="Chains of integer + and - with worked <think> traces and boxed answers.",
-            features=tfds.features.FeaturesDict({
-                "problem": tfds.features.Text(),
-                "answer": tfds.features.Text(),
-                "solution": tfds.features.Text(),
-                "level": tfds.features.Scalar(dtype=np.int32),
-            }),
+            features=tfds.features.FeaturesDict(
+                {
+                    "problem": tfds.features.Text(),
+                    "answer": tfds.features.Text(),
+                    "solution": tfds.features.Text(),
+                    "level": tfds.features.Scalar(dtype=np.int32),
+                }
+            ),
         )
 
     def _split_generators(self, dl_manager):
@@ -75,8 +77,15 @@ class SyntheticArithmetic(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, problems):
         for index, problem in enumerate(problems):
-            yield index, {"problem": problem.text, "answer": str(problem.answer),
-                          "solution": problem.solution, "level": problem.level}
+            yield (
+                index,
+                {
+                    "problem": problem.text,
+                    "answer": str(problem.answer),
+                    "solution": problem.solution,
+                    "level": problem.level,
+                },
+            )
 
 
 def build_synthetic(data_dir: str, task: synthetic.SyntheticTaskConfig) -> SyntheticArithmetic:
@@ -125,19 +134,23 @@ def _local_splits(builder, path: str):
         field_map["difficulty"] = config.difficulty_field
     rows, duplicates = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
     if duplicates:
-        logging.warning("%s: dropped %d rows whose problem repeats an earlier row", path,
-                        duplicates)
+        logging.warning("%s: dropped %d rows whose problem repeats an earlier row", path, duplicates)
     builder.info.metadata["duplicates_dropped"] = duplicates
     train, heldout = rows_lib.heldout_split(rows, config.heldout_size, config.seed)
-    return {"train": builder._generate_examples(train),
-            "heldout": builder._generate_examples(heldout)}
+    return {"train": builder._generate_examples(train), "heldout": builder._generate_examples(heldout)}
 
 
 def _local_examples(rows: list[rows_lib.Row]):
     for row in rows:
-        yield row.source_index, {"problem": row.fields["problem"], "answer": row.fields["answer"],
-                                 "difficulty": row.fields.get("difficulty", ""),
-                                 "source_index": row.source_index}
+        yield (
+            row.source_index,
+            {
+                "problem": row.fields["problem"],
+                "answer": row.fields["answer"],
+                "difficulty": row.fields.get("difficulty", ""),
+                "source_index": row.source_index,
+            },
+        )
 
 
 class LocalMathFile(tfds.core.GeneratorBasedBuilder):
@@ -147,9 +160,12 @@ class LocalMathFile(tfds.core.GeneratorBasedBuilder):
     VERSION = _VERSION
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(builder=self, description="Local problem/answer file.",
-                                     features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
-                                     metadata=tfds.core.MetadataDict())
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Local problem/answer file.",
+            features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
+            metadata=tfds.core.MetadataDict(),
+        )
 
     def _split_generators(self, dl_manager):
         return _local_splits(self, self.builder_config.path)
@@ -165,12 +181,16 @@ class Polaris53k(tfds.core.GeneratorBasedBuilder):
     VERSION = _VERSION
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
         f"Place {POLARIS_FILENAME} (jsonl with fields problem, answer, difficulty) in the manual "
-        "dir; nothing is downloaded.")
+        "dir; nothing is downloaded."
+    )
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(builder=self, description="Polaris-53K math problems.",
-                                     features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
-                                     metadata=tfds.core.MetadataDict())
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Polaris-53K math problems.",
+            features=tfds.features.FeaturesDict(dict(_LOCAL_FEATURES)),
+            metadata=tfds.core.MetadataDict(),
+        )
 
     def _split_generators(self, dl_manager):
         return _local_splits(self, os.fspath(dl_manager.manual_dir / self.builder_config.path))
@@ -179,25 +199,38 @@ class Polaris53k(tfds.core.GeneratorBasedBuilder):
         yield from _local_examples(rows)
 
 
-def build_local_file(data_dir: str, path: str, *, problem_field: str = "problem",
-                     answer_field: str = "answer", difficulty_field: str | None = None,
-                     heldout_size: int = 1000, seed: int = 0) -> LocalMathFile:
+def build_local_file(
+    data_dir: str,
+    path: str,
+    *,
+    problem_field: str = "problem",
+    answer_field: str = "answer",
+    difficulty_field: str | None = None,
+    heldout_size: int = 1000,
+    seed: int = 0,
+) -> LocalMathFile:
     """Builds a local jsonl/parquet file into ``data_dir`` (ValueError naming a bad row)."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"build_local_file: no such file {path}")
     fields = (problem_field, answer_field, difficulty_field, heldout_size, seed)
     name = f"file_{_short_digest(_sha256_of_file(path), *fields)}"
-    config = LocalFileConfig(name=name, version=_VERSION, path=path, problem_field=problem_field,
-                             answer_field=answer_field, difficulty_field=difficulty_field,
-                             heldout_size=heldout_size, seed=seed)
+    config = LocalFileConfig(
+        name=name,
+        version=_VERSION,
+        path=path,
+        problem_field=problem_field,
+        answer_field=answer_field,
+        difficulty_field=difficulty_field,
+        heldout_size=heldout_size,
+        seed=seed,
+    )
     builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     _prepare(builder)
     return builder
 
 
-def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000,
-                  seed: int = 0) -> Polaris53k:
+def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000, seed: int = 0) -> Polaris53k:
     """Builds Polaris-53K from ``manual_dir/polaris-data-53K.jsonl`` into ``data_dir``.
 
     The held-out split is ``heldout_size`` (paper: 1,000) problems drawn with ``seed``.
@@ -206,8 +239,14 @@ def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000,
     if not os.path.isfile(path):
         raise ValueError(f"build_polaris: {POLARIS_FILENAME} not found in manual dir {manual_dir}")
     name = f"heldout{heldout_size}_seed{seed}_{_short_digest(_sha256_of_file(path))}"
-    config = LocalFileConfig(name=name, version=_VERSION, path=POLARIS_FILENAME,
-                             difficulty_field="difficulty", heldout_size=heldout_size, seed=seed)
+    config = LocalFileConfig(
+        name=name,
+        version=_VERSION,
+        path=POLARIS_FILENAME,
+        difficulty_field="difficulty",
+        heldout_size=heldout_size,
+        seed=seed,
+    )
     builder = Polaris53k(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     _prepare(builder, manual_dir=manual_dir)
     return builder
@@ -227,8 +266,11 @@ def _prepare(builder: tfds.core.DatasetBuilder, manual_dir: str | None = None) -
     logging.info("data: building %s into %s", builder.name, builder.data_dir)
     tfds.disable_progress_bar()
     with contextlib.redirect_stdout(io.StringIO()):
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-            manual_dir=manual_dir, compute_stats=tfds.download.ComputeStatsMode.SKIP))
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(
+                manual_dir=manual_dir, compute_stats=tfds.download.ComputeStatsMode.SKIP
+            )
+        )
 
 
 def _to_python(value):
@@ -243,5 +285,4 @@ def _to_python(value):
 def read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
     """Every example of ``split`` as a dict of Python values, in the data source's index order."""
     source = builder.as_data_source(split=split)
-    return [{key: _to_python(value) for key, value in source[i].items()}
-            for i in range(len(source))]
+    return [{key: _to_python(value) for key, value in source[i].items()} for i in range(len(source))]

@@ -65,10 +65,18 @@ class EvalResult:
     correct: np.ndarray
 
 
-def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Sequence[str], *,
-             num_samples: int, decode: Callable[[list[int]], str], reward_fn: RewardFn,
-             pass_at: Sequence[int] = (1,), difficulties: Sequence[str | int] | None = None,
-             prefix: str = "eval") -> EvalResult:
+def evaluate(
+    sample_fn: SampleFn,
+    prompts: Sequence[Sequence[int]],
+    golds: Sequence[str],
+    *,
+    num_samples: int,
+    decode: Callable[[list[int]], str],
+    reward_fn: RewardFn,
+    pass_at: Sequence[int] = (1,),
+    difficulties: Sequence[str | int] | None = None,
+    prefix: str = "eval",
+) -> EvalResult:
     """Samples ``num_samples`` completions per prompt, scores them and aggregates the metrics.
 
     Args:
@@ -84,8 +92,7 @@ def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Seque
       prefix: metric key prefix.
     """
     if len(prompts) != len(golds) or not prompts:
-        raise ValueError(f"evaluate: need as many golds ({len(golds)}) as prompts "
-                         f"({len(prompts)}), and at least one")
+        raise ValueError(f"evaluate: need as many golds ({len(golds)}) as prompts ({len(prompts)}), and at least one")
     if difficulties is not None and len(difficulties) != len(prompts):
         raise ValueError(f"evaluate: {len(difficulties)} difficulties for {len(prompts)} prompts")
     if num_samples < 1:
@@ -93,8 +100,7 @@ def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Seque
     requests = [list(p) for p in prompts for _ in range(num_samples)]
     completions = list(sample_fn(requests))
     if len(completions) != len(requests):
-        raise ValueError(f"evaluate: sample_fn returned {len(completions)} completions for "
-                         f"{len(requests)} requests")
+        raise ValueError(f"evaluate: sample_fn returned {len(completions)} completions for {len(requests)} requests")
     texts = [decode(list(c.tokens)) for c in completions]
     scored = reward_fn(texts, [g for g in golds for _ in range(num_samples)])
     correct = np.asarray(scored.correct, bool).reshape(len(prompts), num_samples)
@@ -104,8 +110,8 @@ def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Seque
         "pass_rate": float(per_prompt.mean()),
         "interrupted_frac": float(np.mean([bool(c.interrupted) for c in completions])),
         "truncated_frac": float(np.mean([bool(c.truncated) for c in completions])),
-        "format_failure_frac": (scored.counts[rewards_lib.NO_THINK_END]
-                                + scored.counts[rewards_lib.NO_BOX]) / len(completions),
+        "format_failure_frac": (scored.counts[rewards_lib.NO_THINK_END] + scored.counts[rewards_lib.NO_BOX])
+        / len(completions),
         "timeouts": float(scored.counts[verify_pool.TIMEOUT]),
         "mean_completion_tokens": float(np.mean([len(c.tokens) for c in completions])),
         "max_completion_tokens": float(max(len(c.tokens) for c in completions)),
@@ -118,5 +124,8 @@ def evaluate(sample_fn: SampleFn, prompts: Sequence[Sequence[int]], golds: Seque
         labels = np.asarray([str(d) for d in difficulties])
         for label in sorted(set(labels.tolist())):
             metrics[f"pass_rate/difficulty_{label}"] = float(per_prompt[labels == label].mean())
-    return EvalResult(metrics={f"{prefix}/{key}": value for key, value in metrics.items()},
-                      per_prompt_pass_rate=per_prompt, correct=correct)
+    return EvalResult(
+        metrics={f"{prefix}/{key}": value for key, value in metrics.items()},
+        per_prompt_pass_rate=per_prompt,
+        correct=correct,
+    )

@@ -38,8 +38,7 @@ class PromptPool:
         if num_prompts < 1:
             raise ValueError(f"PromptPool.num_prompts must be >= 1, got {num_prompts}")
         if npr_threshold is not None and not 0.0 < npr_threshold <= 1.0:
-            raise ValueError(f"PromptPool.npr_threshold must be in (0, 1] or None, "
-                             f"got {npr_threshold}")
+            raise ValueError(f"PromptPool.npr_threshold must be in (0, 1] or None, got {npr_threshold}")
         self._num_prompts = num_prompts
         self._seed = seed
         self._threshold = npr_threshold
@@ -97,7 +96,8 @@ class PromptPool:
             raise PoolExhaustedError(
                 f"prompt pool ran dry: all {self._num_prompts} prompts reached a pass rate >= "
                 f"{self._threshold} (No-Positive-Resampling) after epoch {self._epoch}; add "
-                "prompts, raise npr_threshold or disable it")
+                "prompts, raise npr_threshold or disable it"
+            )
         self._epoch += 1
         rng = np.random.default_rng([self._seed, self._epoch])
         self._order = active[rng.permutation(active.size)].tolist()
@@ -127,8 +127,10 @@ class PromptPool:
         with self._lock:
             self._check_prompt(prompt)
             if num_samples < 1 or not 0 <= num_correct <= num_samples:
-                raise ValueError(f"record(prompt {prompt}): need 0 <= num_correct ({num_correct})"
-                                 f" <= num_samples ({num_samples}) and num_samples >= 1")
+                raise ValueError(
+                    f"record(prompt {prompt}): need 0 <= num_correct ({num_correct})"
+                    f" <= num_samples ({num_samples}) and num_samples >= 1"
+                )
             self._log_prompt.append(int(prompt))
             self._log_correct.append(int(num_correct))
             self._log_samples.append(int(num_samples))
@@ -144,9 +146,11 @@ class PromptPool:
     def metrics(self) -> dict[str, float]:
         """``data/pool_remaining``, ``data/pool_retired``, ``data/pool_epoch``."""
         with self._lock:
-            return {"data/pool_remaining": float(self.num_remaining),
-                    "data/pool_retired": float(self.num_retired),
-                    "data/pool_epoch": float(self._epoch)}
+            return {
+                "data/pool_remaining": float(self.num_remaining),
+                "data/pool_retired": float(self.num_retired),
+                "data/pool_epoch": float(self._epoch),
+            }
 
     def state_dict(self) -> dict:
         """The whole pool as a plain dict of ints and lists of ints (copies, JSON-able)."""
@@ -174,12 +178,12 @@ class PromptPool:
                 raise ValueError(f"PromptPool state version {state['version']} != {STATE_VERSION}")
             for key in ("num_prompts", "seed"):
                 if int(state[key]) != getattr(self, f"_{key}"):
-                    raise ValueError(f"PromptPool state {key}={state[key]} does not match this "
-                                     f"pool's {getattr(self, f'_{key}')}")
+                    raise ValueError(
+                        f"PromptPool state {key}={state[key]} does not match this pool's {getattr(self, f'_{key}')}"
+                    )
             lengths = {len(state[k]) for k in ("log_prompt", "log_correct", "log_samples")}
             if len(lengths) != 1:
-                raise ValueError(
-                    "PromptPool state log_prompt/log_correct/log_samples differ in length")
+                raise ValueError("PromptPool state log_prompt/log_correct/log_samples differ in length")
             for prompt in set(state["log_prompt"]) | set(state["order"]):
                 self._check_prompt(int(prompt))
             self._epoch = int(state["epoch"])

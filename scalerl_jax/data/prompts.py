@@ -32,9 +32,7 @@ from absl import logging
 from tokenizers import Tokenizer
 
 PROBLEM_PLACEHOLDER = "{problem}"
-DEFAULT_TEMPLATE = (
-    "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
-)
+DEFAULT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def format_problem(problem: str, template: str) -> str:
@@ -49,11 +47,15 @@ def _raise_template_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """``json.dumps`` as a filter (jinja's ``tojson`` HTML-escapes; chat templates expect not)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(format_string: str) -> str:
@@ -88,16 +90,21 @@ def compile_chat_template(chat_template: str) -> jinja2.Template:
     ``{% generation %}`` block tag.
     """
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_template_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(chat_template)
 
 
-def render_chat(chat_template: jinja2.Template, user_message: str, *,
-                special_tokens: Mapping[str, str], system_message: str | None = None) -> str:
+def render_chat(
+    chat_template: jinja2.Template,
+    user_message: str,
+    *,
+    special_tokens: Mapping[str, str],
+    system_message: str | None = None,
+) -> str:
     """The chat template rendered for ``[system?, user]`` with ``add_generation_prompt=True``.
 
     The variables are those of transformers' ``apply_chat_template``: ``messages``, ``tools`` and
@@ -108,8 +115,9 @@ def render_chat(chat_template: jinja2.Template, user_message: str, *,
     if system_message is not None:
         messages.append({"role": "system", "content": system_message})
     messages.append({"role": "user", "content": user_message})
-    return chat_template.render(**special_tokens, messages=messages, tools=None, documents=None,
-                                add_generation_prompt=True)
+    return chat_template.render(
+        **special_tokens, messages=messages, tools=None, documents=None, add_generation_prompt=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,33 +158,34 @@ class PromptEncoder:
         (``CheckpointTokenizer.special_tokens``); unused without a chat template.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_format: PromptFormat, *,
-                 special_tokens: Mapping[str, str] | None = None):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_format: PromptFormat, *, special_tokens: Mapping[str, str] | None = None
+    ):
         format_problem("", prompt_format.template)  # validates the placeholder early
         if prompt_format.max_prompt_tokens < 1:
-            raise ValueError(
-                f"max_prompt_tokens must be >= 1, got {prompt_format.max_prompt_tokens}")
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {prompt_format.max_prompt_tokens}")
         if prompt_format.system_message is not None and prompt_format.chat_template is None:
             raise ValueError("PromptFormat.system_message needs a chat_template")
         self._tokenizer = tokenizer
         self._format = prompt_format
         self._special_tokens = dict(special_tokens or {})
-        self._chat = (compile_chat_template(prompt_format.chat_template)
-                      if prompt_format.chat_template is not None else None)
+        self._chat = (
+            compile_chat_template(prompt_format.chat_template) if prompt_format.chat_template is not None else None
+        )
 
     def text(self, problem: str) -> str:
         """The prompt text of ``problem`` (before the tokenizer's post-processor)."""
         user_message = format_problem(problem, self._format.template)
         if self._chat is None:
             return user_message
-        return render_chat(self._chat, user_message, special_tokens=self._special_tokens,
-                           system_message=self._format.system_message)
+        return render_chat(
+            self._chat, user_message, special_tokens=self._special_tokens, system_message=self._format.system_message
+        )
 
     def encode_unchecked(self, problem: str) -> list[int]:
         """Prompt token ids of ``problem`` whatever their length."""
         add_special_tokens = self._chat is None
-        return list(self._tokenizer.encode(self.text(problem),
-                                           add_special_tokens=add_special_tokens).ids)
+        return list(self._tokenizer.encode(self.text(problem), add_special_tokens=add_special_tokens).ids)
 
     def encode(self, problems: Sequence[str]) -> EncodedPrompts:
         """Encodes ``problems``, skipping (and counting, with a warning) those over the budget."""
@@ -191,15 +200,19 @@ class PromptEncoder:
         if too_long:
             index, length = too_long[0]
             logging.warning(
-                "skipped %d of %d prompts longer than max_prompt_tokens=%d (first: problem %d "
-                "with %d tokens)", len(too_long), len(problems), self._format.max_prompt_tokens,
-                index, length)
-        return EncodedPrompts(tokens=tokens, source_indices=source_indices,
-                              num_too_long=len(too_long))
+                "skipped %d of %d prompts longer than max_prompt_tokens=%d (first: problem %d with %d tokens)",
+                len(too_long),
+                len(problems),
+                self._format.max_prompt_tokens,
+                index,
+                length,
+            )
+        return EncodedPrompts(tokens=tokens, source_indices=source_indices, num_too_long=len(too_long))
 
 
-def sft_example(prompt_tokens: Sequence[int], completion_tokens: Sequence[int], eos_id: int,
-                max_len: int, pad_id: int) -> tuple[list[int], list[float]]:
+def sft_example(
+    prompt_tokens: Sequence[int], completion_tokens: Sequence[int], eos_id: int, max_len: int, pad_id: int
+) -> tuple[list[int], list[float]]:
     """A supervised warm-start row: ``prompt + completion + eos`` right-padded to ``max_len``.
 
     Returns ``(tokens[max_len], loss_mask[max_len])`` with ``loss_mask[t] = 1`` where
@@ -208,8 +221,10 @@ def sft_example(prompt_tokens: Sequence[int], completion_tokens: Sequence[int], 
     """
     tokens = list(prompt_tokens) + list(completion_tokens) + [eos_id]
     if len(tokens) > max_len:
-        raise ValueError(f"sft_example: {len(tokens)} tokens (prompt {len(prompt_tokens)}, "
-                         f"completion {len(completion_tokens)} + eos) exceed max_len={max_len}")
+        raise ValueError(
+            f"sft_example: {len(tokens)} tokens (prompt {len(prompt_tokens)}, "
+            f"completion {len(completion_tokens)} + eos) exceed max_len={max_len}"
+        )
     mask = [0.0] * len(prompt_tokens) + [1.0] * (len(completion_tokens) + 1)
     padding = max_len - len(tokens)
     return tokens + [pad_id] * padding, mask + [0.0] * padding
@@ -230,8 +245,7 @@ class PromptSet:
     num_too_long: int
 
 
-def build_prompt_set(rows: Sequence[dict], encoder: PromptEncoder, *,
-                     label_field: str | None = None) -> PromptSet:
+def build_prompt_set(rows: Sequence[dict], encoder: PromptEncoder, *, label_field: str | None = None) -> PromptSet:
     """Encodes ``rows`` (dicts with ``problem`` and ``answer``, e.g. ``builders.read_split``).
 
     ``label_field`` names a row field copied (as a string) into ``labels``; '' when None.
@@ -251,9 +265,16 @@ def build_prompt_set(rows: Sequence[dict], encoder: PromptEncoder, *,
     )
 
 
-def sft_arrays(rows: Sequence[dict], encoder: PromptEncoder, tokenizer: Tokenizer, *,
-               max_len: int, eos_id: int, pad_id: int,
-               solution_field: str = "solution") -> tuple[np.ndarray, np.ndarray]:
+def sft_arrays(
+    rows: Sequence[dict],
+    encoder: PromptEncoder,
+    tokenizer: Tokenizer,
+    *,
+    max_len: int,
+    eos_id: int,
+    pad_id: int,
+    solution_field: str = "solution",
+) -> tuple[np.ndarray, np.ndarray]:
     """Warm-start arrays ``(tokens int32[N, max_len], loss_mask float32[N, max_len])``.
 
     Row ``i`` is ``sft_example(prompt, encode(rows[i][solution_field]), ...)``; a row that does

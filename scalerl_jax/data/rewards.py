@@ -29,18 +29,42 @@ from collections.abc import Sequence
 import numpy as np
 
 from scalerl_jax.data import answers, verify_pool
-from scalerl_jax.data.answers import (CORRECT_OUTCOMES, CUSTOM, FAST_EQUAL, FAST_NOT_EQUAL,
-                                      NO_BOX, NO_THINK_END, OUTCOMES, as_integer, last_boxed)
+from scalerl_jax.data.answers import (
+    CORRECT_OUTCOMES,
+    CUSTOM,
+    FAST_EQUAL,
+    FAST_NOT_EQUAL,
+    NO_BOX,
+    NO_THINK_END,
+    OUTCOMES,
+    as_integer,
+    last_boxed,
+)
 from scalerl_jax.data.synthetic import THINK_END
 
-__all__ = ["CORRECT_OUTCOMES", "CUSTOM", "FAST_EQUAL", "FAST_NOT_EQUAL", "NO_BOX",
-           "NO_THINK_END", "OUTCOMES", "RewardConfig", "ScoredBatch", "as_integer",
-           "check_reward_fn", "default_pool", "extract_answer", "last_boxed", "math_reward",
-           "score_completions"]
+__all__ = [
+    "CORRECT_OUTCOMES",
+    "CUSTOM",
+    "FAST_EQUAL",
+    "FAST_NOT_EQUAL",
+    "NO_BOX",
+    "NO_THINK_END",
+    "OUTCOMES",
+    "RewardConfig",
+    "ScoredBatch",
+    "as_integer",
+    "check_reward_fn",
+    "default_pool",
+    "extract_answer",
+    "last_boxed",
+    "math_reward",
+    "score_completions",
+]
 
 
-def extract_answer(completion: str, *, answer_format: str = answers.THINK,
-                   think_end: str = THINK_END) -> tuple[str | None, str | None]:
+def extract_answer(
+    completion: str, *, answer_format: str = answers.THINK, think_end: str = THINK_END
+) -> tuple[str | None, str | None]:
     """``(prediction, failure)``: see ``answers.extract_answer`` (here ``think_end`` defaults to
     the tokenizer's ``THINK_END``)."""
     return answers.extract_answer(completion, answer_format=answer_format, think_end=think_end)
@@ -73,11 +97,11 @@ class RewardConfig:
         if self.kind not in answers.KINDS:
             raise ValueError(f"RewardConfig.kind must be one of {answers.KINDS}, got {self.kind!r}")
         if self.answer_format not in answers.ANSWER_FORMATS:
-            raise ValueError(f"RewardConfig.answer_format must be one of "
-                             f"{answers.ANSWER_FORMATS}, got {self.answer_format!r}")
+            raise ValueError(
+                f"RewardConfig.answer_format must be one of {answers.ANSWER_FORMATS}, got {self.answer_format!r}"
+            )
         if not isinstance(self.think_end, str) or not self.think_end:
-            raise ValueError(f"RewardConfig.think_end must be a non-empty string, "
-                             f"got {self.think_end!r}")
+            raise ValueError(f"RewardConfig.think_end must be a non-empty string, got {self.think_end!r}")
         if self.reward_fn is not None:
             try:
                 answers.check_reward_fn_spec(self.reward_fn)
@@ -100,44 +124,60 @@ class ScoredBatch:
     predictions: list[str | None]
 
 
-def score_completions(completions: Sequence[str], golds: Sequence[str], config: RewardConfig, *,
-                      pool: verify_pool.VerifyPool | None = None,
-                      problems: Sequence[str] | None = None) -> ScoredBatch:
+def score_completions(
+    completions: Sequence[str],
+    golds: Sequence[str],
+    config: RewardConfig,
+    *,
+    pool: verify_pool.VerifyPool | None = None,
+    problems: Sequence[str] | None = None,
+) -> ScoredBatch:
     """Scores ``completions[i]`` against ``golds[i]`` (see the module docstring) in ``pool``.
 
     ``pool`` defaults to the shared ``default_pool()`` (no custom reward function). ``problems``
     (the problem text of each item) is passed to a custom reward function and required with one.
     """
     if len(completions) != len(golds):
-        raise ValueError(f"score_completions: {len(completions)} completions but "
-                         f"{len(golds)} golds")
+        raise ValueError(f"score_completions: {len(completions)} completions but {len(golds)} golds")
     if config.reward_fn is not None and problems is None:
-        raise ValueError(f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} needs "
-                         "the problems")
+        raise ValueError(f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} needs the problems")
     if problems is not None and len(problems) != len(completions):
-        raise ValueError(f"score_completions: {len(problems)} problems for {len(completions)} "
-                         "completions")
+        raise ValueError(f"score_completions: {len(problems)} problems for {len(completions)} completions")
     problems = problems if problems is not None else [""] * len(completions)
     for index, item in enumerate(zip(completions, golds, problems)):
         if not all(isinstance(field, str) for field in item):
-            raise ValueError(f"score_completions: item {index} is not a (completion, gold, "
-                             f"problem) of strings ({', '.join(type(f).__name__ for f in item)})")
+            raise ValueError(
+                f"score_completions: item {index} is not a (completion, gold, "
+                f"problem) of strings ({', '.join(type(f).__name__ for f in item)})"
+            )
     if pool is None and config.reward_fn is None:
         pool = default_pool()
     if pool is None or pool.reward_fn != config.reward_fn:
-        raise ValueError(f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} but the "
-                         f"VerifyPool has reward_fn={getattr(pool, 'reward_fn', None)!r}")
-    results = pool.score(list(zip(completions, golds, problems)), kind=config.kind,
-                         answer_format=config.answer_format, think_end=config.think_end)
+        raise ValueError(
+            f"score_completions: RewardConfig.reward_fn={config.reward_fn!r} but the "
+            f"VerifyPool has reward_fn={getattr(pool, 'reward_fn', None)!r}"
+        )
+    results = pool.score(
+        list(zip(completions, golds, problems)),
+        kind=config.kind,
+        answer_format=config.answer_format,
+        think_end=config.think_end,
+    )
     outcomes = [r.status for r in results]
-    correct = np.array([r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward > 0)
-                        for r in results], dtype=bool)
-    rewards = np.array([r.reward if r.status == CUSTOM
-                        else config.correct_reward if ok else config.incorrect_reward
-                        for r, ok in zip(results, correct)], dtype=np.float32)
+    correct = np.array(
+        [r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward > 0) for r in results], dtype=bool
+    )
+    rewards = np.array(
+        [
+            r.reward if r.status == CUSTOM else config.correct_reward if ok else config.incorrect_reward
+            for r, ok in zip(results, correct)
+        ],
+        dtype=np.float32,
+    )
     counts = {name: outcomes.count(name) for name in OUTCOMES}
-    return ScoredBatch(rewards=rewards, correct=correct, outcomes=outcomes, counts=counts,
-                       predictions=[r.prediction for r in results])
+    return ScoredBatch(
+        rewards=rewards, correct=correct, outcomes=outcomes, counts=counts, predictions=[r.prediction for r in results]
+    )
 
 
 def check_reward_fn(spec: str, *, time_limit_s: float = 5.0) -> None:
@@ -162,21 +202,31 @@ def default_pool() -> verify_pool.VerifyPool:
     global _default_pool
     with _default_pool_lock:
         if _default_pool is None:
-            _default_pool = verify_pool.VerifyPool(DEFAULT_POOL_WORKERS,
-                                                   time_limit_s=DEFAULT_TIME_LIMIT_S)
+            _default_pool = verify_pool.VerifyPool(DEFAULT_POOL_WORKERS, time_limit_s=DEFAULT_TIME_LIMIT_S)
             atexit.register(_default_pool.close)
         return _default_pool
 
 
-def math_reward(completion: str, gold: str, *, pool: verify_pool.VerifyPool | None = None,
-                correct_reward: float = 1.0, incorrect_reward: float = -1.0,
-                answer_format: str = answers.THINK, think_end: str = THINK_END) -> float:
+def math_reward(
+    completion: str,
+    gold: str,
+    *,
+    pool: verify_pool.VerifyPool | None = None,
+    correct_reward: float = 1.0,
+    incorrect_reward: float = -1.0,
+    answer_format: str = answers.THINK,
+    think_end: str = THINK_END,
+) -> float:
     """+1 if the last ``\\boxed{}`` after ``</think>`` is equivalent to ``gold``, else -1.
 
     ``answer_format='plain'`` takes the last ``\\boxed{}`` anywhere instead. No ``</think>``,
     no box, unparsable, verifier error or timeout all give ``incorrect_reward``.
     """
-    config = RewardConfig(kind="math", correct_reward=correct_reward,
-                          incorrect_reward=incorrect_reward, answer_format=answer_format,
-                          think_end=think_end)
+    config = RewardConfig(
+        kind="math",
+        correct_reward=correct_reward,
+        incorrect_reward=incorrect_reward,
+        answer_format=answer_format,
+        think_end=think_end,
+    )
     return float(score_completions([completion], [gold], config, pool=pool).rewards[0])

@@ -36,8 +36,7 @@ def _checked_field(record: Mapping, field: str, index: int, where: str) -> str:
         except UnicodeDecodeError as e:
             raise ValueError(f"{where}: row {index} field {field!r} is not valid UTF-8: {e}") from e
     if not isinstance(value, str):
-        raise ValueError(f"{where}: row {index} field {field!r} is {type(value).__name__}, "
-                         "expected a string")
+        raise ValueError(f"{where}: row {index} field {field!r} is {type(value).__name__}, expected a string")
     if not value.strip():
         raise ValueError(f"{where}: row {index} field {field!r} is empty")
     return value
@@ -54,16 +53,15 @@ def _jsonl_records(path: str):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(
-                f"{path}: row {index} (line {index + 1}) is not valid UTF-8: {e}") from e
+            raise ValueError(f"{path}: row {index} (line {index + 1}) is not valid UTF-8: {e}") from e
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(
-                f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
+            raise ValueError(f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
         if not isinstance(record, dict):
-            raise ValueError(f"{path}: row {index} (line {index + 1}) is "
-                             f"{type(record).__name__}, expected a JSON object")
+            raise ValueError(
+                f"{path}: row {index} (line {index + 1}) is {type(record).__name__}, expected a JSON object"
+            )
         yield index, record
 
 
@@ -86,8 +84,7 @@ def file_format_of(path: str) -> str:
     raise ValueError(f"{path}: unknown data file suffix {suffix!r} (expected .jsonl or .parquet)")
 
 
-def read_rows(path: str, field_map: Mapping[str, str], *,
-              file_format: str | None = None) -> list[Row]:
+def read_rows(path: str, field_map: Mapping[str, str], *, file_format: str | None = None) -> list[Row]:
     """All rows of ``path`` with ``field_map`` (output name -> source field) applied and checked."""
     file_format = file_format or file_format_of(path)
     records = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(file_format)
@@ -95,16 +92,14 @@ def read_rows(path: str, field_map: Mapping[str, str], *,
         raise ValueError(f"{path}: unknown file_format {file_format!r} (jsonl or parquet)")
     rows = []
     for index, record in records(path):
-        fields = {name: _checked_field(record, source, index, path)
-                  for name, source in field_map.items()}
+        fields = {name: _checked_field(record, source, index, path) for name, source in field_map.items()}
         rows.append(Row(fields=fields, source_index=index))
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
 
 
-def drop_duplicate_problems(rows: list[Row],
-                            problem_field: str = "problem") -> tuple[list[Row], int]:
+def drop_duplicate_problems(rows: list[Row], problem_field: str = "problem") -> tuple[list[Row], int]:
     """Rows with the first occurrence of each exact problem text, and how many were dropped."""
     seen: set[str] = set()
     unique = []
@@ -122,8 +117,7 @@ def heldout_split(rows: list[Row], heldout_size: int, seed: int) -> tuple[list[R
     Both keep file order. ``rows`` should be duplicate-free so the splits share no problem.
     """
     if not 0 <= heldout_size < len(rows):
-        raise ValueError(f"heldout_size={heldout_size} must be in [0, {len(rows)}) for "
-                         f"{len(rows)} rows")
+        raise ValueError(f"heldout_size={heldout_size} must be in [0, {len(rows)}) for {len(rows)} rows")
     order = np.random.default_rng(seed).permutation(len(rows))
     heldout_positions = set(order[:heldout_size].tolist())
     train = [row for i, row in enumerate(rows) if i not in heldout_positions]

@@ -81,8 +81,7 @@ class SyntheticTaskConfig:
             raise ValueError("SyntheticTaskConfig.levels must not be empty")
         if not self.operators or any(op not in _OPERATORS for op in self.operators):
             raise ValueError(
-                f"SyntheticTaskConfig.operators must be a non-empty subset of {tuple(_OPERATORS)},"
-                f" got {self.operators}"
+                f"SyntheticTaskConfig.operators must be a non-empty subset of {tuple(_OPERATORS)}, got {self.operators}"
             )
         names = [name for name, _ in self.split_sizes]
         if len(set(names)) != len(names):
@@ -143,17 +142,25 @@ def direct_answer(answer: int | str) -> str:
     return f"{THINK_START}{THINK_END}\\boxed{{{answer}}}"
 
 
-def _draw_problem(rng: np.random.Generator, level: Level, level_index: int,
-                  operators: Sequence[str]) -> ArithmeticProblem:
+def _draw_problem(
+    rng: np.random.Generator, level: Level, level_index: int, operators: Sequence[str]
+) -> ArithmeticProblem:
     """Operands uniform in ``[0, max_operand]``, operators uniform over ``operators``."""
     operands = tuple(int(x) for x in rng.integers(0, level.max_operand + 1, size=level.num_ops + 1))
     ops = tuple(operators[int(i)] for i in rng.integers(0, len(operators), size=level.num_ops))
     return ArithmeticProblem(operands=operands, operators=ops, level=level_index)
 
 
-def generate_problems(rng: np.random.Generator, count: int, levels: Sequence[Level],
-                      operators: Sequence[str], *, nonnegative: bool,
-                      exclude: set[str], max_draws: int = 10_000) -> list[ArithmeticProblem]:
+def generate_problems(
+    rng: np.random.Generator,
+    count: int,
+    levels: Sequence[Level],
+    operators: Sequence[str],
+    *,
+    nonnegative: bool,
+    exclude: set[str],
+    max_draws: int = 10_000,
+) -> list[ArithmeticProblem]:
     """Draws ``count`` distinct problems, problem ``i`` at level ``i % len(levels)``.
 
     Problems whose text is in ``exclude`` (or already drawn) are redrawn; ``exclude`` is updated
@@ -191,13 +198,15 @@ def generate_splits(config: SyntheticTaskConfig) -> dict[str, list[ArithmeticPro
     splits = {}
     for split_index, (name, count) in enumerate(config.split_sizes):
         rng = np.random.default_rng([config.seed, split_index])
-        splits[name] = generate_problems(rng, count, config.levels, config.operators,
-                                         nonnegative=config.nonnegative, exclude=taken)
+        splits[name] = generate_problems(
+            rng, count, config.levels, config.operators, nonnegative=config.nonnegative, exclude=taken
+        )
     return splits
 
 
-def tokenizer_corpus(problems: Iterable[ArithmeticProblem], prompt_template: str,
-                     extra_texts: Sequence[str] = ()) -> list[str]:
+def tokenizer_corpus(
+    problems: Iterable[ArithmeticProblem], prompt_template: str, extra_texts: Sequence[str] = ()
+) -> list[str]:
     """Texts to train the tiny tokenizer on: each formatted prompt and worked solution, plus extras.
 
     ``prompt_template`` contains ``{problem}`` (see ``prompts.format_problem``); ``extra_texts``

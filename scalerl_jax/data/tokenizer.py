@@ -63,13 +63,14 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokeniz
     """
     minimum = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < minimum:
-        raise ValueError(
-            f"vocab_size must be >= {minimum} (specials + 256 bytes), got {vocab_size}")
+        raise ValueError(f"vocab_size must be >= {minimum} (specials + 256 bytes), got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -81,14 +82,23 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokeniz
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
-        special_tokens=[(BOS_TOKEN, ids[BOS_TOKEN])])
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, ids[BOS_TOKEN])],
+    )
     os.makedirs(path, exist_ok=True)
     tokenizer.save(os.path.join(path, TOKENIZER_FILE))
     added_tokens_decoder = {
-        str(token_id): {"content": token.content, "lstrip": token.lstrip, "normalized": token.normalized,
-                        "rstrip": token.rstrip, "single_word": token.single_word, "special": token.special}
-        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())}
+        str(token_id): {
+            "content": token.content,
+            "lstrip": token.lstrip,
+            "normalized": token.normalized,
+            "rstrip": token.rstrip,
+            "single_word": token.single_word,
+            "special": token.special,
+        }
+        for token_id, token in sorted(tokenizer.get_added_tokens_decoder().items())
+    }
     tokenizer_config = {
         "added_tokens_decoder": added_tokens_decoder,
         "bos_token": BOS_TOKEN,
@@ -97,10 +107,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> Tokeniz
         "clean_up_tokenization_spaces": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
-    generation_config = {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN],
-                         "pad_token_id": ids[PAD_TOKEN]}
-    for name, content in ((TOKENIZER_CONFIG_FILE, tokenizer_config),
-                          (GENERATION_CONFIG_FILE, generation_config)):
+    generation_config = {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN]}
+    for name, content in ((TOKENIZER_CONFIG_FILE, tokenizer_config), (GENERATION_CONFIG_FILE, generation_config)):
         with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             json.dump(content, f, indent=2)
     return tokenizer

@@ -72,9 +72,11 @@ class _Worker:
 
     def __init__(self, soft_timeout_s: int, reward_fn: str | None, env: dict[str, str]):
         self.process = subprocess.Popen(
-            [sys.executable, "-P", "-u", _WORKER_SCRIPT, str(soft_timeout_s)]
-            + ([reward_fn] if reward_fn else []),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env,
+            [sys.executable, "-P", "-u", _WORKER_SCRIPT, str(soft_timeout_s)] + ([reward_fn] if reward_fn else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            env=env,
         )
         self.started_at = time.monotonic()
         self.ready = False
@@ -142,9 +144,16 @@ class PoolStats:
 class VerifyPool:
     """``score(items, ...) -> [ItemResult]``: scores (completion, gold, problem) in workers."""
 
-    def __init__(self, num_workers: int = 2, *, time_limit_s: float = 5.0,
-                 soft_timeout_s: int | None = None, startup_timeout_s: float = 120.0,
-                 reward_fn: str | None = None, chunk_items: int = 16):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        *,
+        time_limit_s: float = 5.0,
+        soft_timeout_s: int | None = None,
+        startup_timeout_s: float = 120.0,
+        reward_fn: str | None = None,
+        chunk_items: int = 16,
+    ):
         """Starts ``num_workers`` processes (they import math-verify in the background).
 
         Args:
@@ -172,8 +181,7 @@ class VerifyPool:
         self.reward_fn = reward_fn
         self._time_limit_s = time_limit_s
         self._startup_timeout_s = startup_timeout_s
-        self._soft_timeout_s = (max(1, math.ceil(time_limit_s)) if soft_timeout_s is None
-                                else soft_timeout_s)
+        self._soft_timeout_s = max(1, math.ceil(time_limit_s)) if soft_timeout_s is None else soft_timeout_s
         self._chunk_items = chunk_items
         self._env = _worker_env()
         self._condition = threading.Condition()
@@ -194,14 +202,14 @@ class VerifyPool:
     def _check_reward_fn(self) -> None:
         """Scores ``answers.CHECK_ITEM`` with the custom function; ValueError unless it returns a
         finite number."""
-        [result] = self.score([answers.CHECK_ITEM], kind="exact", answer_format=answers.THINK,
-                              think_end="</think>")
+        [result] = self.score([answers.CHECK_ITEM], kind="exact", answer_format=answers.THINK, think_end="</think>")
         if result.status == CUSTOM:
             return
-        what = {TIMEOUT: f"did not return within time_limit_s={self._time_limit_s}",
-                CRASH: "killed its worker process"}.get(result.status, result.detail)
-        raise ValueError(f"reward_fn {self.reward_fn!r}: called on a test item "
-                         f"{answers.CHECK_ITEM[:2]}, it {what}")
+        what = {
+            TIMEOUT: f"did not return within time_limit_s={self._time_limit_s}",
+            CRASH: "killed its worker process",
+        }.get(result.status, result.detail)
+        raise ValueError(f"reward_fn {self.reward_fn!r}: called on a test item {answers.CHECK_ITEM[:2]}, it {what}")
 
     def _spawn(self) -> _Worker:
         worker = _Worker(self._soft_timeout_s, self.reward_fn, self._env)
@@ -238,8 +246,9 @@ class VerifyPool:
             for worker in workers:
                 worker.stop(grace_s=1.0)
 
-    def score(self, items: Sequence[tuple[str, str, str]], *, kind: str, answer_format: str,
-              think_end: str) -> list[ItemResult]:
+    def score(
+        self, items: Sequence[tuple[str, str, str]], *, kind: str, answer_format: str, think_end: str
+    ) -> list[ItemResult]:
         """Scores ``items[i] = (completion, gold, problem)`` (see ``answers.score_item``).
 
         ``kind``, ``answer_format`` and ``think_end`` are those of ``answers.score_item``; the
@@ -249,8 +258,9 @@ class VerifyPool:
         if kind not in answers.KINDS:
             raise ValueError(f"VerifyPool.score: kind must be one of {answers.KINDS}, got {kind!r}")
         if answer_format not in answers.ANSWER_FORMATS:
-            raise ValueError(f"VerifyPool.score: answer_format must be one of "
-                             f"{answers.ANSWER_FORMATS}, got {answer_format!r}")
+            raise ValueError(
+                f"VerifyPool.score: answer_format must be one of {answers.ANSWER_FORMATS}, got {answer_format!r}"
+            )
         if not items:
             return []
         header = {"kind": kind, "answer_format": answer_format, "think_end": think_end}
@@ -267,8 +277,7 @@ class VerifyPool:
             self._stats.crashes += statuses.count(CRASH)
         return results
 
-    def _run(self, workers: list[_Worker], header: dict,
-             items: Sequence[tuple[str, str, str]]) -> list[ItemResult]:
+    def _run(self, workers: list[_Worker], header: dict, items: Sequence[tuple[str, str, str]]) -> list[ItemResult]:
         """Feeds ``items`` to ``workers`` in chunks (replacing any that time out or die)."""
         results: list[ItemResult | None] = [None] * len(items)
         pending = collections.deque(range(len(items)))
@@ -315,14 +324,18 @@ class VerifyPool:
                         if worker in in_flight:
                             index = take_back(worker)
                             results[index] = ItemResult(CRASH, detail="worker died")
-                            logging.warning("scoring worker died on item %d (gold %r, completion "
-                                            "%r...)", index, items[index][1][:80],
-                                            items[index][0][:80])
+                            logging.warning(
+                                "scoring worker died on item %d (gold %r, completion %r...)",
+                                index,
+                                items[index][1][:80],
+                                items[index][0][:80],
+                            )
                         elif not worker.ready:
                             raise RuntimeError(
                                 f"verify worker exited during start-up with code "
                                 f"{worker.process.wait()} (see its stderr); is math-verify "
-                                "installed?")
+                                "installed?"
+                            )
                         replace(worker)
                         continue
                     for message in messages:
@@ -334,8 +347,8 @@ class VerifyPool:
                         else:
                             chunk = in_flight[worker]
                             results[chunk.popleft()] = ItemResult(
-                                status, message["reward"], message["prediction"],
-                                message["detail"])
+                                status, message["reward"], message["prediction"], message["detail"]
+                            )
                             if chunk:
                                 deadlines[worker] = time.monotonic() + self._time_limit_s
                             else:
@@ -343,16 +356,15 @@ class VerifyPool:
                 now = time.monotonic()
                 for worker in [w for w, deadline in deadlines.items() if now >= deadline]:
                     index = take_back(worker)
-                    results[index] = ItemResult(
-                        TIMEOUT, detail=f"no answer within time_limit_s={self._time_limit_s}")
+                    results[index] = ItemResult(TIMEOUT, detail=f"no answer within time_limit_s={self._time_limit_s}")
                     with self._condition:
                         self._stats.kills += 1
                     replace(worker)
                 for worker in workers:
                     if not worker.ready and now >= worker.started_at + self._startup_timeout_s:
                         raise RuntimeError(
-                            f"verify worker did not start within startup_timeout_s="
-                            f"{self._startup_timeout_s}")
+                            f"verify worker did not start within startup_timeout_s={self._startup_timeout_s}"
+                        )
         except BaseException:
             for worker in list(in_flight):  # their late answers must not reach a later call
                 in_flight.pop(worker)

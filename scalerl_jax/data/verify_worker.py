@@ -43,6 +43,7 @@ def main() -> None:
 
     answers = _load_answers()
     import logging
+
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
@@ -75,10 +76,18 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         for completion, gold, problem in request["items"]:
-            respond(answers.score_item(
-                completion, gold, problem, kind=request["kind"],
-                answer_format=request["answer_format"], think_end=request["think_end"],
-                verify_math=verify_math, reward_fn=reward_fn))
+            respond(
+                answers.score_item(
+                    completion,
+                    gold,
+                    problem,
+                    kind=request["kind"],
+                    answer_format=request["answer_format"],
+                    think_end=request["think_end"],
+                    verify_math=verify_math,
+                    reward_fn=reward_fn,
+                )
+            )
 
 
 if __name__ == "__main__":

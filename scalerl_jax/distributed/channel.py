@@ -126,8 +126,7 @@ def encode(message: dict, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> byte
     limit = min(max_bytes, _MAX_FRAME_BYTES)
     if len(payload) > limit:
         raise MessageTooLarge(
-            f"message with keys {sorted(message)} encodes to {len(payload)} bytes, over the "
-            f"limit of {limit} bytes"
+            f"message with keys {sorted(message)} encodes to {len(payload)} bytes, over the limit of {limit} bytes"
         )
     return payload
 
@@ -137,15 +136,11 @@ def decode(payload: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_
     if len(payload) > max_bytes:
         raise MessageTooLarge(f"payload of {len(payload)} bytes is over the limit of {max_bytes} bytes")
     try:
-        message = msgpack.unpackb(
-            payload, raw=False, ext_hook=_decode_ext, strict_map_key=False, use_list=True
-        )
+        message = msgpack.unpackb(payload, raw=False, ext_hook=_decode_ext, strict_map_key=False, use_list=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as err:
         raise ValueError(f"malformed channel message: {err}") from err
     if not isinstance(message, dict) or not all(isinstance(key, str) for key in message):
-        raise ValueError(
-            f"malformed channel message: expected a map with str keys, got {type(message).__name__}"
-        )
+        raise ValueError(f"malformed channel message: expected a map with str keys, got {type(message).__name__}")
     return message
 
 
@@ -194,8 +189,9 @@ class Connection:
         self._closed = False
         _configure(sock, send_timeout)
 
-    def _authenticated(self, *, peer: str, peer_process: int, role: str, max_message_bytes: int,
-                       send_timeout: float) -> None:
+    def _authenticated(
+        self, *, peer: str, peer_process: int, role: str, max_message_bytes: int, send_timeout: float
+    ) -> None:
         """After the handshake: the peer's real name, the connection's role and the limits for normal traffic."""
         self.peer = peer
         self.peer_process = peer_process
@@ -211,8 +207,7 @@ class Connection:
 
     def _closed_here(self, waiting_for: str) -> PeerLost:
         return PeerLost(
-            f"the connection to {self.peer} was closed by this process while waiting for "
-            f"{waiting_for!r}",
+            f"the connection to {self.peer} was closed by this process while waiting for {waiting_for!r}",
             peer=self.peer,
             waiting_for=waiting_for,
         )
@@ -238,8 +233,7 @@ class Connection:
                 if self._closed:
                     raise self._closed_here(what) from err
                 raise self._lost(
-                    f"{self.peer} closed the connection while this process was {what} "
-                    f"({type(err).__name__}: {err})",
+                    f"{self.peer} closed the connection while this process was {what} ({type(err).__name__}: {err})",
                     what,
                 ) from err
 
@@ -259,8 +253,7 @@ class Connection:
                         waiting_for,
                     )
                 raise PeerLost(
-                    f"no message from {self.peer} in {float(timeout)} s while waiting for "
-                    f"{waiting_for!r}",
+                    f"no message from {self.peer} in {float(timeout)} s while waiting for {waiting_for!r}",
                     peer=self.peer,
                     waiting_for=waiting_for,
                 )
@@ -342,8 +335,7 @@ def _mac(secret: bytes, nonce: bytes) -> bytes:
 def _check_secret(secret: bytes) -> bytes:
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < _MIN_SECRET_BYTES:
         raise ValueError(
-            f"the channel secret must be at least {_MIN_SECRET_BYTES} bytes "
-            "(use coordination.shared_secret())"
+            f"the channel secret must be at least {_MIN_SECRET_BYTES} bytes (use coordination.shared_secret())"
         )
     return bytes(secret)
 
@@ -519,7 +511,9 @@ class Server:
         if expected is not None:
             message += f"; missing: {_describe(list(expected - {p for p, _ in connections}))}"
         if dropped:
-            message += f"; dropped {len(dropped)} connection(s) that did not complete the handshake: " + "; ".join(dropped)
+            message += f"; dropped {len(dropped)} connection(s) that did not complete the handshake: " + "; ".join(
+                dropped
+            )
         return message
 
     def close(self) -> None:
@@ -588,7 +582,10 @@ def connect(
             f"{peer_name} at {address} refused process {process} ({role}): {verdict.get('error', verdict)}"
         )
     connection._authenticated(
-        peer=peer_name, peer_process=server_process, role=role, max_message_bytes=max_message_bytes,
-        send_timeout=send_timeout
+        peer=peer_name,
+        peer_process=server_process,
+        role=role,
+        max_message_bytes=max_message_bytes,
+        send_timeout=send_timeout,
     )
     return connection

@@ -192,8 +192,7 @@ def run_once(name: str, fn: Callable[[], T], *, timeout_s: float) -> None:
         if not _is_deadline(err):
             raise RuntimeError(f"{name}: process {_process_index()} could not read its status: {err}") from err
         raise CoordinationTimeout(
-            f"{name} did not finish on process 0 within {float(timeout_s)} s "
-            f"(process {_process_index()} waited for it)"
+            f"{name} did not finish on process 0 within {float(timeout_s)} s (process {_process_index()} waited for it)"
         ) from err
     if status != "ok":
         raise RuntimeError(f"{name} failed on process 0: {status.removeprefix('error: ')}")

@@ -40,6 +40,7 @@ Timeouts (measured on CPU with jax 0.10.2, 2 processes):
   gone after 18 s). 60 s leaves process 0 time for end-of-run side effects the others do not wait
   for at a barrier of their own.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -85,7 +86,8 @@ def distributed_init_kwargs(environ: Mapping[str, str]) -> dict | None:
         raise LaunchEnvError(
             "SCALERL_DISTRIBUTED=1 but no peers are described: set SCALERL_COORDINATOR (host:port), "
             "SCALERL_NUM_PROCESSES and SCALERL_PROCESS_ID, or run under SLURM (srun sets SLURM_JOB_ID, "
-            "SLURM_NTASKS, SLURM_PROCID, SLURM_STEP_NODELIST)")
+            "SLURM_NTASKS, SLURM_PROCID, SLURM_STEP_NODELIST)"
+        )
     return {
         "coordinator_address": coordinator,
         "num_processes": num_processes,
@@ -93,18 +95,17 @@ def distributed_init_kwargs(environ: Mapping[str, str]) -> dict | None:
         "local_device_ids": None,
         "cluster_detection_method": "deactivate",
         "initialization_timeout": _positive_int(environ, "SCALERL_INIT_TIMEOUT_S", DEFAULT_INIT_TIMEOUT_S),
-        "heartbeat_timeout_seconds": _positive_int(environ, "SCALERL_HEARTBEAT_TIMEOUT_S",
-                                                   DEFAULT_HEARTBEAT_TIMEOUT_S),
-        "shutdown_timeout_seconds": _positive_int(environ, "SCALERL_SHUTDOWN_TIMEOUT_S",
-                                                  DEFAULT_SHUTDOWN_TIMEOUT_S),
+        "heartbeat_timeout_seconds": _positive_int(environ, "SCALERL_HEARTBEAT_TIMEOUT_S", DEFAULT_HEARTBEAT_TIMEOUT_S),
+        "shutdown_timeout_seconds": _positive_int(environ, "SCALERL_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
     }
 
 
 def _explicit_peers(environ: Mapping[str, str], present: list[str]) -> tuple[str, int, int]:
     missing = [name for name in EXPLICIT_VARS if name not in environ]
     if missing:
-        raise LaunchEnvError(f"{', '.join(present)} set but {', '.join(missing)} missing: "
-                             f"set all of {', '.join(EXPLICIT_VARS)} or none")
+        raise LaunchEnvError(
+            f"{', '.join(present)} set but {', '.join(missing)} missing: set all of {', '.join(EXPLICIT_VARS)} or none"
+        )
     coordinator = _host_port(environ["SCALERL_COORDINATOR"], "SCALERL_COORDINATOR")
     num_processes = _int_var(environ, "SCALERL_NUM_PROCESSES", minimum=1)
     process_id = _process_id(environ, "SCALERL_PROCESS_ID", num_processes, "SCALERL_NUM_PROCESSES")
@@ -117,11 +118,16 @@ def _slurm_peers(environ: Mapping[str, str]) -> tuple[str, int, int]:
     if nodelist_var is None:
         missing.append(" or ".join(SLURM_NODELIST_VARS))
     if missing:
-        raise LaunchEnvError(f"SCALERL_DISTRIBUTED=1 under SLURM (SLURM_JOB_ID set) but {', '.join(missing)} "
-                             f"missing: start the processes with srun")
+        raise LaunchEnvError(
+            f"SCALERL_DISTRIBUTED=1 under SLURM (SLURM_JOB_ID set) but {', '.join(missing)} "
+            f"missing: start the processes with srun"
+        )
     job_id = _int_var(environ, "SLURM_JOB_ID", minimum=0)
-    port = (_int_var(environ, "SCALERL_COORDINATOR_PORT", minimum=1, maximum=65535)
-            if "SCALERL_COORDINATOR_PORT" in environ else slurm_default_port(job_id))
+    port = (
+        _int_var(environ, "SCALERL_COORDINATOR_PORT", minimum=1, maximum=65535)
+        if "SCALERL_COORDINATOR_PORT" in environ
+        else slurm_default_port(job_id)
+    )
     first_host = expand_hostlist(environ[nodelist_var], nodelist_var)[0]
     num_processes = _int_var(environ, "SLURM_NTASKS", minimum=1)
     process_id = _process_id(environ, "SLURM_PROCID", num_processes, "SLURM_NTASKS")
@@ -219,8 +225,9 @@ def _int_var(environ: Mapping[str, str], variable: str, *, minimum: int, maximum
 def _process_id(environ: Mapping[str, str], variable: str, num_processes: int, count_variable: str) -> int:
     process_id = _int_var(environ, variable, minimum=0)
     if process_id >= num_processes:
-        raise LaunchEnvError(f"{variable}={process_id} but {count_variable}={num_processes}: "
-                             f"ids run from 0 to {num_processes - 1}")
+        raise LaunchEnvError(
+            f"{variable}={process_id} but {count_variable}={num_processes}: ids run from 0 to {num_processes - 1}"
+        )
     return process_id
 
 
@@ -262,8 +269,7 @@ def configure_cpu_collectives(num_processes: int) -> bool:
     """
     import jax
 
-    if num_processes <= 1 or not platform_will_be_cpu(jax.config.jax_platforms or "",
-                                                      installed_accelerator_plugins()):
+    if num_processes <= 1 or not platform_will_be_cpu(jax.config.jax_platforms or "", installed_accelerator_plugins()):
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     return True

@@ -23,9 +23,14 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from absl import logging
 
-from scalerl_jax.distributed.messages import (admission_from_message, admission_to_message,
-                                              completion_from_message, completion_to_message,
-                                              eval_item_from_message, eval_item_to_message)
+from scalerl_jax.distributed.messages import (
+    admission_from_message,
+    admission_to_message,
+    completion_from_message,
+    completion_to_message,
+    eval_item_from_message,
+    eval_item_to_message,
+)
 from scalerl_jax.pipeline.generator import Admission, EvalItem, GeneratorCounters, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.queue import PipelineStopped
 from scalerl_jax.sampler.batcher import Completion
@@ -56,9 +61,15 @@ class RemoteLink:
 
     def finish(self, admission: Admission, completions: Sequence[Completion]) -> None:
         now = self._counters.snapshot()
-        self._call({"op": "finish", "admission": admission_to_message(admission),
-                    "completions": [completion_to_message(c) for c in completions],
-                    "chunks": now.chunks - self._reported.chunks, "busy_s": now.busy_s - self._reported.busy_s})
+        self._call(
+            {
+                "op": "finish",
+                "admission": admission_to_message(admission),
+                "completions": [completion_to_message(c) for c in completions],
+                "chunks": now.chunks - self._reported.chunks,
+                "busy_s": now.busy_s - self._reported.busy_s,
+            }
+        )
         self._reported = now
 
     def take_evaluations(self, version: int, limit: int) -> list[EvalItem]:
@@ -104,15 +115,21 @@ class LinkService:
             items = link.take_evaluations(int(message["version"]), int(message["limit"]))
             return {"items": [eval_item_to_message(item) for item in items]}
         if op == "finish_evaluations":
-            link.finish_evaluations([
-                completion_from_message(c, link.evaluation_prompt(tuple(c["request_id"])))
-                for c in message["completions"]])
+            link.finish_evaluations(
+                [
+                    completion_from_message(c, link.evaluation_prompt(tuple(c["request_id"])))
+                    for c in message["completions"]
+                ]
+            )
             return {}
         if op == "epoch":
             return {"epoch": link.epoch()}
         if op == "wait_admissible":
-            return {"admissible": link.wait_admissible(
-                int(message["version"]), epoch=int(message["epoch"]), timeout=float(message["timeout"]))}
+            return {
+                "admissible": link.wait_admissible(
+                    int(message["version"]), epoch=int(message["epoch"]), timeout=float(message["timeout"])
+                )
+            }
         raise ValueError(f"{self._connection.peer} sent an unknown request {op!r}")
 
     def serve(self, link: LocalLink, stop: threading.Event) -> None:

@@ -80,15 +80,23 @@ class Roles:
         return all(d.process_index == self.process for d in self.trainer_devices)
 
     def describe(self) -> str:
-        kinds = [name for name, flag in (("leader", self.is_leader), ("follower trainer",
-                 self.is_trainer and not self.is_leader), ("generator", self.is_generator)) if flag]
-        return (f"process {self.process} of {self.num_processes}: {' + '.join(kinds) or 'idle'} "
-                f"({len(self.local_generator_devices())} generator, "
-                f"{sum(d.process_index == self.process for d in self.trainer_devices)} trainer devices here)")
+        kinds = [
+            name
+            for name, flag in (
+                ("leader", self.is_leader),
+                ("follower trainer", self.is_trainer and not self.is_leader),
+                ("generator", self.is_generator),
+            )
+            if flag
+        ]
+        return (
+            f"process {self.process} of {self.num_processes}: {' + '.join(kinds) or 'idle'} "
+            f"({len(self.local_generator_devices())} generator, "
+            f"{sum(d.process_index == self.process for d in self.trainer_devices)} trainer devices here)"
+        )
 
 
-def assign_roles(devices: Sequence[jax.Device], generator_fraction: float, process: int,
-                 num_processes: int) -> Roles:
+def assign_roles(devices: Sequence[jax.Device], generator_fraction: float, process: int, num_processes: int) -> Roles:
     """Roles of `process` when `devices` (all processes', in order) are split: trainer devices first,
     then round(n * `generator_fraction`) generator devices (`models.split_devices`' count).
 
@@ -103,7 +111,9 @@ def assign_roles(devices: Sequence[jax.Device], generator_fraction: float, proce
     roles = Roles(process, num_processes, tuple(generator_devices), tuple(trainer_devices))
     idle = sorted(set(range(num_processes)) - set(roles.generator_processes) - set(roles.trainer_processes))
     if idle:
-        raise ValueError(f"mesh.generator_fraction={generator_fraction} leaves processes {idle} without a "
-                         f"generator or trainer device ({len(generator_devices)} generator and "
-                         f"{len(trainer_devices)} trainer devices over {num_processes} processes)")
+        raise ValueError(
+            f"mesh.generator_fraction={generator_fraction} leaves processes {idle} without a "
+            f"generator or trainer device ({len(generator_devices)} generator and "
+            f"{len(trainer_devices)} trainer devices over {num_processes} processes)"
+        )
     return roles

@@ -43,11 +43,11 @@ def local_rows(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding,
     return out
 
 
-def global_batch(rows: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[int]],
-                 sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+def global_batch(
+    rows: Mapping[str, np.ndarray], shapes: Mapping[str, Sequence[int]], sharding: jax.sharding.Sharding
+) -> dict[str, jax.Array]:
     """The global batch arrays, from this process's rows (`local_rows`) and the global shapes."""
-    return {name: jax.make_array_from_process_local_data(sharding, rows[name], tuple(shapes[name]))
-            for name in rows}
+    return {name: jax.make_array_from_process_local_data(sharding, rows[name], tuple(shapes[name])) for name in rows}
 
 
 @dataclasses.dataclass
@@ -55,8 +55,8 @@ class TrainerOps:
     """What one trainer process does for each operation (the same functions on every process)."""
 
     train: Callable[[dict[str, jax.Array]], None]  # runs the step on the process's current state
-    offer: Callable[[int, str], None]              # (transfer id, purpose) -> offers the current params
-    checkpoint: Callable[[int], None]              # step -> saves the current state
+    offer: Callable[[int, str], None]  # (transfer id, purpose) -> offers the current params
+    checkpoint: Callable[[int], None]  # step -> saves the current state
 
 
 class TrainerGroup:
@@ -67,8 +67,9 @@ class TrainerGroup:
     tell the followers first.
     """
 
-    def __init__(self, followers: Sequence[Connection], *, process: int, step_fn: Callable,
-                 batch_sharding: jax.sharding.Sharding):
+    def __init__(
+        self, followers: Sequence[Connection], *, process: int, step_fn: Callable, batch_sharding: jax.sharding.Sharding
+    ):
         self._followers, self._process = list(followers), process
         self._step_fn, self._sharding = step_fn, batch_sharding
 
@@ -79,8 +80,9 @@ class TrainerGroup:
     def train_step(self, state: Any, batch: Mapping[str, np.ndarray]) -> tuple[Any, dict]:
         shapes = {name: list(array.shape) for name, array in batch.items()}
         for follower in self._followers:
-            follower.send({"op": "train", "shapes": shapes,
-                           "rows": local_rows(batch, self._sharding, follower.peer_process)})
+            follower.send(
+                {"op": "train", "shapes": shapes, "rows": local_rows(batch, self._sharding, follower.peer_process)}
+            )
         rows = local_rows(batch, self._sharding, self._process)
         return self._step_fn(state, global_batch(rows, shapes, self._sharding))
 
@@ -101,8 +103,10 @@ class TrainerGroup:
             reply = follower.recv(timeout_s, "the step it restored")
             theirs = None if reply["step"] < 0 else int(reply["step"])
             if theirs != step:
-                raise RuntimeError(f"{follower.peer} restored checkpoint step {theirs} but the leader restored "
-                                   f"{step}: the trainer processes see different checkpoints")
+                raise RuntimeError(
+                    f"{follower.peer} restored checkpoint step {theirs} but the leader restored "
+                    f"{step}: the trainer processes see different checkpoints"
+                )
 
 
 def report_restored(leader: Connection, step: int | None) -> None:
@@ -110,8 +114,7 @@ def report_restored(leader: Connection, step: int | None) -> None:
     leader.send({"op": "restored", "step": -1 if step is None else step})
 
 
-def follow(leader: Connection, *, batch_sharding: jax.sharding.Sharding, ops: TrainerOps,
-           timeout_s: float) -> int:
+def follow(leader: Connection, *, batch_sharding: jax.sharding.Sharding, ops: TrainerOps, timeout_s: float) -> int:
     """A follower's loop: repeat the leader's operations until "stop"; returns how many steps ran."""
     steps = 0
     while True:

@@ -45,8 +45,16 @@ class LeaderTransport:
     (`GeneratorPush`).
     """
 
-    def __init__(self, routes: Routes, *, group: TrainerGroup | None, offer: Callable[[str, int, Any], None] | None,
-                 local_batcher: Any, local_pull: Callable[[int], Any] | None, remote: GeneratorPush | None):
+    def __init__(
+        self,
+        routes: Routes,
+        *,
+        group: TrainerGroup | None,
+        offer: Callable[[str, int, Any], None] | None,
+        local_batcher: Any,
+        local_pull: Callable[[int], Any] | None,
+        remote: GeneratorPush | None,
+    ):
         self._routes, self._group, self._offer = routes, group, offer
         self._local_batcher, self._local_pull, self._remote = local_batcher, local_pull, remote
 

@@ -33,14 +33,22 @@ def exit_on_loss(message: str) -> None:
 class Heartbeat:
     """Beats and watches over `connections` (module docstring) until `close()`."""
 
-    def __init__(self, connections: Sequence[Connection], *, interval_s: float, timeout_s: float,
-                 on_loss: Callable[[str], None] = exit_on_loss):
+    def __init__(
+        self,
+        connections: Sequence[Connection],
+        *,
+        interval_s: float,
+        timeout_s: float,
+        on_loss: Callable[[str], None] = exit_on_loss,
+    ):
         self._connections, self._interval_s, self._timeout_s = list(connections), interval_s, timeout_s
         self._on_loss = on_loss
         self._closing = threading.Event()
-        self._threads = [threading.Thread(target=target, args=(conn,), daemon=True, name=f"heartbeat-{kind}")
-                         for conn in self._connections
-                         for kind, target in (("send", self._beat), ("watch", self._watch))]
+        self._threads = [
+            threading.Thread(target=target, args=(conn,), daemon=True, name=f"heartbeat-{kind}")
+            for conn in self._connections
+            for kind, target in (("send", self._beat), ("watch", self._watch))
+        ]
         for thread in self._threads:
             thread.start()
 

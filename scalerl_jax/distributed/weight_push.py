@@ -40,6 +40,7 @@ offer expired) blocks forever and ignores the transfer API's own timeout, so `pu
 bounds the wait from Python and raises naming the trainer process; every offer must be pulled by
 its generator (or offered with `expire_after_s`), otherwise the owner keeps its buffers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -89,6 +90,7 @@ def unique_slices(sharding: Sharding, shape: Sequence[int]) -> list[tuple[slice,
 @dataclasses.dataclass(frozen=True)
 class SliceTransfer:
     """One single-device array a generator pulls: `leaf[index]` of flattened leaf `leaf`, from `owner`."""
+
     leaf: int
     index: tuple[slice, ...]
     owner: int
@@ -102,8 +104,13 @@ def _slice_nbytes(bounds: Bounds, dtype: Any) -> int:
     return int(np.prod([stop - start for start, stop in bounds], dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
-def plan(shardings: Sequence[Sharding], shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
-         generator: int, trainer_processes: Sequence[int]) -> list[SliceTransfer]:
+def plan(
+    shardings: Sequence[Sharding],
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[Any],
+    generator: int,
+    trainer_processes: Sequence[int],
+) -> list[SliceTransfer]:
     """Who serves which slice to generator process `generator`, in leaf order then slice order.
 
     `shardings`, `shapes`, `dtypes`: the generator's target sharding and the param's shape and
@@ -134,10 +141,10 @@ def transfer_uuid(version: int, generator: int, owner: int) -> int:
     `version << 32 | generator << 16 | owner`: unique per triple, fits the transfer API's
     unsigned 64-bit id (version < 2**32, process ids < 2**16).
     """
-    if not 0 <= version < 2 ** _VERSION_BITS:
+    if not 0 <= version < 2**_VERSION_BITS:
         raise ValueError(f"transfer_uuid: version {version} outside [0, 2**{_VERSION_BITS})")
     for name, process in (("generator", generator), ("owner", owner)):
-        if not 0 <= process < 2 ** _PROCESS_BITS:
+        if not 0 <= process < 2**_PROCESS_BITS:
             raise ValueError(f"transfer_uuid: {name} process {process} outside [0, 2**{_PROCESS_BITS})")
     return (version << (2 * _PROCESS_BITS)) | (generator << _PROCESS_BITS) | owner
 
@@ -148,6 +155,7 @@ def start_transfer_server(host: str = "127.0.0.1"):
     Its `.address()` is what receivers connect to (publish it, e.g. through the KV store).
     """
     from jax.experimental import transfer
+
     backend = jax.local_devices()[0].client
     return transfer.start_transfer_server(backend, f"{host}:0", [f"{host}:0"])
 
@@ -179,8 +187,12 @@ def _devices_per_slice(sharding: Sharding, shape: tuple[int, ...]) -> dict[Bound
     return by_bounds
 
 
-def _assemble(shape: tuple[int, ...], sharding: Sharding, slice_devices: dict[Bounds, list[jax.Device]],
-              fresh_slices: Mapping[Bounds, jax.Array]) -> jax.Array:
+def _assemble(
+    shape: tuple[int, ...],
+    sharding: Sharding,
+    slice_devices: dict[Bounds, list[jax.Device]],
+    fresh_slices: Mapping[Bounds, jax.Array],
+) -> jax.Array:
     """A `sharding`-laid array from one fresh single-device array per distinct slice.
 
     Each fresh array is used as is on its own device (it is a new buffer nobody else holds) and
@@ -210,14 +222,18 @@ class ParamsSender:
         self._process = jax.process_index()
         self._trainer_processes = sorted({d.process_index for d in trainer_mesh.devices.flat})
         if self._process not in self._trainer_processes:
-            raise ValueError(f"ParamsSender on process {self._process}: it holds no device of the trainer mesh "
-                             f"(trainer processes {self._trainer_processes})")
+            raise ValueError(
+                f"ParamsSender on process {self._process}: it holds no device of the trainer mesh "
+                f"(trainer processes {self._trainer_processes})"
+            )
         self._targets = {g: _flatten_shardings(tree) for g, tree in sorted(generator_shardings.items())}
         first_g, (_, first_treedef) = next(iter(self._targets.items()))
         for g, (_, treedef) in self._targets.items():
             if treedef != first_treedef:
-                raise ValueError(f"ParamsSender on process {self._process}: target shardings of generator process "
-                                 f"{g} and {first_g} have different tree structures")
+                raise ValueError(
+                    f"ParamsSender on process {self._process}: target shardings of generator process "
+                    f"{g} and {first_g} have different tree structures"
+                )
         self._replicate = _replicated_slicer(trainer_mesh)
         self._plans: dict[int, list[SliceTransfer]] = {}
         self._layout: tuple | None = None
@@ -232,11 +248,14 @@ class ParamsSender:
         if self._layout is None:
             self._layout = layout
             for g, (shardings, _) in self._targets.items():
-                self._plans[g] = plan(shardings, [s for s, _ in layout], [d for _, d in layout],
-                                      g, self._trainer_processes)
+                self._plans[g] = plan(
+                    shardings, [s for s, _ in layout], [d for _, d in layout], g, self._trainer_processes
+                )
         elif layout != self._layout:
-            raise ValueError(f"ParamsSender on process {self._process}: params shapes/dtypes changed since the "
-                             f"first offer (the generators' plans assume the first layout)")
+            raise ValueError(
+                f"ParamsSender on process {self._process}: params shapes/dtypes changed since the "
+                f"first offer (the generators' plans assume the first layout)"
+            )
         return self._plans
 
     def _flat_params(self, params: Any) -> list[jax.Array]:
@@ -244,8 +263,10 @@ class ParamsSender:
         try:
             return treedef.flatten_up_to(params)
         except (ValueError, TypeError) as error:
-            raise ValueError(f"ParamsSender on process {self._process}: params do not have the tree structure "
-                             f"of generator process {first_g}'s target shardings: {error}") from error
+            raise ValueError(
+                f"ParamsSender on process {self._process}: params do not have the tree structure "
+                f"of generator process {first_g}'s target shardings: {error}"
+            ) from error
 
     def offer(self, params: Any, version: int, *, expire_after_s: float | None = None) -> int:
         """Offer `params` as `version` to every generator process; returns the bytes this process offered.
@@ -275,8 +296,9 @@ class ParamsSender:
                 if self._process in owners:
                     local_copies[key] = replicated.addressable_shards[0].data
                 del replicated  # the other replicas are freed now, not at the end of the offer
-        timeout = (None if expire_after_s is None
-                   else datetime.datetime.now() + datetime.timedelta(seconds=expire_after_s))
+        timeout = (
+            None if expire_after_s is None else datetime.datetime.now() + datetime.timedelta(seconds=expire_after_s)
+        )
         offered_bytes = 0
         for g, transfers in plans.items():
             mine = [local_copies[(t.leaf, t.bounds)] for t in transfers if t.owner == self._process]
@@ -312,28 +334,32 @@ class ParamsReceiver:
     from these keys; another set would disagree with the senders' plan and the pull would wait).
     """
 
-    def __init__(self, target_shardings: Any, abstract_params: Any, server: Any,
-                 trainer_addresses: Mapping[int, str]):
+    def __init__(self, target_shardings: Any, abstract_params: Any, server: Any, trainer_addresses: Mapping[int, str]):
         self._process = jax.process_index()
         self._shardings, self._treedef = _flatten_shardings(target_shardings)
         try:
             abstract = self._treedef.flatten_up_to(abstract_params)
         except (ValueError, TypeError) as error:
-            raise ValueError(f"ParamsReceiver on process {self._process}: abstract_params do not have the tree "
-                             f"structure of the target shardings: {error}") from error
+            raise ValueError(
+                f"ParamsReceiver on process {self._process}: abstract_params do not have the tree "
+                f"structure of the target shardings: {error}"
+            ) from error
         self._shapes = [tuple(a.shape) for a in abstract]
         self._dtypes = [np.dtype(a.dtype) for a in abstract]
         for position, sharding in enumerate(self._shardings):
             if not sharding.is_fully_addressable:
-                raise ValueError(f"ParamsReceiver on process {self._process}: target sharding of leaf {position} "
-                                 f"spans devices of other processes; a generator's mesh must be local")
+                raise ValueError(
+                    f"ParamsReceiver on process {self._process}: target sharding of leaf {position} "
+                    f"spans devices of other processes; a generator's mesh must be local"
+                )
         if not trainer_addresses:
             raise ValueError(f"ParamsReceiver on process {self._process}: no trainer addresses")
         self._server = server
         self._addresses = dict(trainer_addresses)
         self._plan = plan(self._shardings, self._shapes, self._dtypes, self._process, sorted(self._addresses))
-        self._slice_devices = [_devices_per_slice(sharding, shape)
-                               for sharding, shape in zip(self._shardings, self._shapes)]
+        self._slice_devices = [
+            _devices_per_slice(sharding, shape) for sharding, shape in zip(self._shardings, self._shapes)
+        ]
         self._connections: dict[int, Any] = {}
 
     @property
@@ -356,13 +382,21 @@ class ParamsReceiver:
             per_owner.setdefault(transfer.owner, []).append(transfer)
         jobs = []
         for owner, transfers in per_owner.items():
-            structs = [jax.ShapeDtypeStruct(tuple(stop - start for start, stop in t.bounds), self._dtypes[t.leaf],
-                                            sharding=SingleDeviceSharding(self._landing_device(t)))
-                       for t in transfers]
+            structs = [
+                jax.ShapeDtypeStruct(
+                    tuple(stop - start for start, stop in t.bounds),
+                    self._dtypes[t.leaf],
+                    sharding=SingleDeviceSharding(self._landing_device(t)),
+                )
+                for t in transfers
+            ]
             result: dict = {}
-            thread = threading.Thread(target=_pull_into, daemon=True, name=f"pull v{version} from p{owner}",
-                                      args=(self._connection(owner), transfer_uuid(version, self._process, owner),
-                                            structs, result))
+            thread = threading.Thread(
+                target=_pull_into,
+                daemon=True,
+                name=f"pull v{version} from p{owner}",
+                args=(self._connection(owner), transfer_uuid(version, self._process, owner), structs, result),
+            )
             thread.start()
             jobs.append((owner, transfers, thread, result))
         deadline = None if timeout_s is None else datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
@@ -370,8 +404,10 @@ class ParamsReceiver:
         for owner, transfers, thread, result in jobs:
             remaining = None if deadline is None else max(0.0, (deadline - datetime.datetime.now()).total_seconds())
             thread.join(remaining)
-            where = (f"process {self._process} (generator) pulling params version {version} from trainer "
-                     f"process {owner} at {self._addresses[owner]}")
+            where = (
+                f"process {self._process} (generator) pulling params version {version} from trainer "
+                f"process {owner} at {self._addresses[owner]}"
+            )
             if thread.is_alive():
                 raise TimeoutError(f"{where}: not complete after {timeout_s} s (was version {version} offered?)")
             if "error" in result:
@@ -389,9 +425,12 @@ class ParamsReceiver:
         by_leaf: dict[int, dict[Bounds, jax.Array]] = {}
         for transfer, array in pulled:
             by_leaf.setdefault(transfer.leaf, {})[transfer.bounds] = array
-        leaves = [_assemble(shape, sharding, slice_devices, by_leaf[leaf])
-                  for leaf, (shape, sharding, slice_devices)
-                  in enumerate(zip(self._shapes, self._shardings, self._slice_devices))]
+        leaves = [
+            _assemble(shape, sharding, slice_devices, by_leaf[leaf])
+            for leaf, (shape, sharding, slice_devices) in enumerate(
+                zip(self._shapes, self._shardings, self._slice_devices)
+            )
+        ]
         return self._treedef.unflatten(leaves)
 
 
@@ -413,9 +452,12 @@ def push_local(params: Any, target_shardings: Any) -> Any:
     try:
         shardings = treedef.flatten_up_to(target_shardings)
     except (ValueError, TypeError) as error:
-        raise ValueError(f"push_local: target shardings do not have the tree structure of the params: {error}") from error
-    return treedef.unflatten([_push_leaf_local(leaf, sharding, position)
-                              for position, (leaf, sharding) in enumerate(zip(leaves, shardings))])
+        raise ValueError(
+            f"push_local: target shardings do not have the tree structure of the params: {error}"
+        ) from error
+    return treedef.unflatten(
+        [_push_leaf_local(leaf, sharding, position) for position, (leaf, sharding) in enumerate(zip(leaves, shardings))]
+    )
 
 
 def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
@@ -431,8 +473,9 @@ def _relative(box: Bounds, origin: Bounds) -> Bounds:
 _cut = jax.jit(_take_slice, static_argnums=1)  # runs where its single-device input lives
 
 
-def _place_pieces_fn(shape: tuple[int, ...], dtype: Any, offsets: tuple[tuple[int, ...], ...],
-                     *pieces: jax.Array) -> jax.Array:
+def _place_pieces_fn(
+    shape: tuple[int, ...], dtype: Any, offsets: tuple[tuple[int, ...], ...], *pieces: jax.Array
+) -> jax.Array:
     out = jax.numpy.zeros(shape, dtype)
     for offset, piece in zip(offsets, pieces):
         out = jax.lax.dynamic_update_slice(out, piece, offset)
@@ -455,12 +498,16 @@ def _holds_every_overlap(array: jax.Array, bounds: Bounds, process: int) -> bool
     holders: dict[Bounds, set[int]] = {}
     for device, index in array.sharding.devices_indices_map(tuple(array.shape)).items():
         holders.setdefault(_bounds_of(index, array.shape), set()).add(device.process_index)
-    return all(process in processes for shard_bounds, processes in holders.items()
-               if _overlap(bounds, shard_bounds) is not None)
+    return all(
+        process in processes
+        for shard_bounds, processes in holders.items()
+        if _overlap(bounds, shard_bounds) is not None
+    )
 
 
-def _cut_locally(local_shards: Mapping[Bounds, list[jax.Array]], bounds: Bounds,
-                 landing: jax.Device | None) -> jax.Array:
+def _cut_locally(
+    local_shards: Mapping[Bounds, list[jax.Array]], bounds: Bounds, landing: jax.Device | None
+) -> jax.Array:
     """A new single-device array `leaf[bounds]` on `landing`, from local shards only (no collective).
 
     For each distinct shard S overlapping the slice T, the overlap is cut on S's device (S itself
@@ -491,11 +538,14 @@ def _cut_locally(local_shards: Mapping[Bounds, list[jax.Array]], bounds: Bounds,
 
 def _push_leaf_local(leaf: jax.Array, target: Sharding, position: int) -> jax.Array:
     if not (leaf.is_fully_addressable and target.is_fully_addressable):
-        raise ValueError(f"push_local on process {jax.process_index()}: params leaf {position} or its target spans "
-                         f"devices of other processes; use ParamsSender/ParamsReceiver")
+        raise ValueError(
+            f"push_local on process {jax.process_index()}: params leaf {position} or its target spans "
+            f"devices of other processes; use ParamsSender/ParamsReceiver"
+        )
     shape = tuple(leaf.shape)
     slice_devices = _devices_per_slice(target, shape)
     local_shards = _local_shards(leaf)
-    fresh_slices = {bounds: _cut_locally(local_shards, bounds, landing=devices[0])
-                    for bounds, devices in slice_devices.items()}
+    fresh_slices = {
+        bounds: _cut_locally(local_shards, bounds, landing=devices[0]) for bounds, devices in slice_devices.items()
+    }
     return _assemble(shape, target, slice_devices, fresh_slices)

@@ -77,11 +77,17 @@ def connect_processes(roles: Roles, *, timeout_s: float) -> ProcessLinks:
     secret = coordination.shared_secret(timeout_s)
     links = ProcessLinks()
     if roles.is_leader:
-        server = Server(secret, port=0, name=process_name(roles, roles.leader), process=roles.leader,
-                        advertise_host=advertised_host())
+        server = Server(
+            secret,
+            port=0,
+            name=process_name(roles, roles.leader),
+            process=roles.leader,
+            advertise_host=advertised_host(),
+        )
         coordination.publish(LEADER_ADDRESS_KEY, server.address)
-        expected = [(p, name) for p in range(roles.num_processes) if p != roles.leader
-                    for name in connection_roles(roles, p)]
+        expected = [
+            (p, name) for p in range(roles.num_processes) if p != roles.leader for name in connection_roles(roles, p)
+        ]
         try:
             for conn in server.accept(timeout_s, len(expected)):
                 links.peers[(conn.peer_process, conn.role)] = conn
@@ -93,14 +99,21 @@ def connect_processes(roles: Roles, *, timeout_s: float) -> ProcessLinks:
         return links
     address = coordination.lookup(LEADER_ADDRESS_KEY, timeout_s)
     for name in connection_roles(roles, roles.process):
-        links.leader[name] = connect(address, secret=secret, process=roles.process, role=name,
-                                     peer_name=process_name(roles, roles.leader), timeout=timeout_s)
+        links.leader[name] = connect(
+            address,
+            secret=secret,
+            process=roles.process,
+            role=name,
+            peer_name=process_name(roles, roles.leader),
+            timeout=timeout_s,
+        )
     return links
 
 
 def start_transfer_server(roles: Roles) -> Any:
     """A weight-transfer server on this process's devices; trainer processes publish its address."""
     from jax.experimental import transfer
+
     host = advertised_host()
     server = transfer.start_transfer_server(jax.local_devices()[0].client, f"{host}:0", [f"{host}:0"])
     if roles.is_trainer:
@@ -110,5 +123,4 @@ def start_transfer_server(roles: Roles) -> Any:
 
 def trainer_transfer_addresses(roles: Roles, *, timeout_s: float) -> dict[int, str]:
     """Every trainer process's transfer server address."""
-    return {p: coordination.lookup(TRANSFER_ADDRESS_KEY.format(process=p), timeout_s)
-            for p in roles.trainer_processes}
+    return {p: coordination.lookup(TRANSFER_ADDRESS_KEY.format(process=p), timeout_s) for p in roles.trainer_processes}

@@ -1,4 +1,5 @@
 """Decoder configuration (`ModelConfig`) and named presets for the Llama 3 / Qwen2.5 / Qwen3 families."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,22 +65,27 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"ModelConfig.dtype={self.dtype!r}; expected one of {DTYPES}")
         if self.remat_policy not in REMAT_POLICIES:
-            raise ValueError(
-                f"ModelConfig.remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
+            raise ValueError(f"ModelConfig.remat_policy={self.remat_policy!r}; expected one of {REMAT_POLICIES}")
         if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
+            raise ValueError(f"ModelConfig.attention_impl={self.attention_impl!r}; expected one of {ATTENTION_IMPLS}")
         if self.head_precision not in HEAD_PRECISIONS:
-            raise ValueError(
-                f"ModelConfig.head_precision={self.head_precision!r}; expected one of {HEAD_PRECISIONS}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            raise ValueError(f"ModelConfig.head_precision={self.head_precision!r}; expected one of {HEAD_PRECISIONS}")
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} is not a multiple of "
-                f"num_kv_heads={self.num_kv_heads}")
+                f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE")
         if self.rope_scaling is not None:
@@ -88,8 +94,7 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"ModelConfig.rope_scaling is missing keys {missing}")
             # Frozen dataclass: store an immutable, hashable copy so the config can be a jit static.
-            object.__setattr__(self, "rope_scaling",
-                               tuple(sorted((k, float(scaling[k])) for k in ROPE_SCALING_KEYS)))
+            object.__setattr__(self, "rope_scaling", tuple(sorted((k, float(scaling[k])) for k in ROPE_SCALING_KEYS)))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -109,8 +114,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count from the shapes (embedding counted once when tied)."""
-        d, f, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
-                          self.num_kv_heads, self.head_dim)
+        d, f, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim)
         attn = d * h * hd * 2 + d * k * hd * 2
         attn += (h * hd + 2 * k * hd) if self.qkv_bias else 0
         attn += d if self.o_bias else 0
@@ -120,49 +124,149 @@ class ModelConfig:
         return self.vocab_size * d + self.num_layers * layer + d + head
 
 
-_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
-_LLAMA32_SCALING = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192}
+_LLAMA31_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA32_SCALING = {
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 PRESETS: dict[str, dict[str, Any]] = {
     # meta-llama/Llama-3.1-8B: 8,030,261,248 parameters.
-    "llama3.1-8b": dict(family="llama", vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
-                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
-                        rope_scaling=_LLAMA31_SCALING, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                        max_position_embeddings=131_072, dtype="bfloat16", bos_token_id=128_000,
-                        eos_token_id=128_001),
+    "llama3.1-8b": dict(
+        family="llama",
+        vocab_size=128_256,
+        hidden_size=4096,
+        intermediate_size=14_336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500_000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=131_072,
+        dtype="bfloat16",
+        bos_token_id=128_000,
+        eos_token_id=128_001,
+    ),
     # meta-llama/Llama-3.2-1B (tied embeddings, rope factor 32).
-    "llama3.2-1b": dict(family="llama", vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
-                        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500_000.0,
-                        rope_scaling=_LLAMA32_SCALING, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                        max_position_embeddings=131_072, dtype="bfloat16", bos_token_id=128_000,
-                        eos_token_id=128_001),
+    "llama3.2-1b": dict(
+        family="llama",
+        vocab_size=128_256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rope_theta=500_000.0,
+        rope_scaling=_LLAMA32_SCALING,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=131_072,
+        dtype="bfloat16",
+        bos_token_id=128_000,
+        eos_token_id=128_001,
+    ),
     # Qwen/Qwen3-8B.
-    "qwen3-8b": dict(family="qwen3", vocab_size=151_936, hidden_size=4096, intermediate_size=12_288,
-                     num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                     rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
-                     max_position_embeddings=40_960, dtype="bfloat16", bos_token_id=151_643,
-                     eos_token_id=151_645),
+    "qwen3-8b": dict(
+        family="qwen3",
+        vocab_size=151_936,
+        hidden_size=4096,
+        intermediate_size=12_288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qk_norm=True,
+        max_position_embeddings=40_960,
+        dtype="bfloat16",
+        bos_token_id=151_643,
+        eos_token_id=151_645,
+    ),
     # Qwen/Qwen2.5-7B.
-    "qwen2.5-7b": dict(family="qwen2", vocab_size=152_064, hidden_size=3584, intermediate_size=18_944,
-                       num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0,
-                       rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True,
-                       max_position_embeddings=32_768, dtype="bfloat16", bos_token_id=151_643,
-                       eos_token_id=151_643),
+    "qwen2.5-7b": dict(
+        family="qwen2",
+        vocab_size=152_064,
+        hidden_size=3584,
+        intermediate_size=18_944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        max_position_embeddings=32_768,
+        dtype="bfloat16",
+        bos_token_id=151_643,
+        eos_token_id=151_643,
+    ),
     # Tiny test presets (float32, CPU). tiny-llama's rope scaling makes all three Llama 3.1 frequency
     # bands (kept, interpolated, divided by factor) appear with head_dim 16.
-    "tiny-llama": dict(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
-                       rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 64},
-                       rms_norm_eps=1e-5, max_position_embeddings=512, dtype="float32"),
-    "tiny-qwen2": dict(family="qwen2", vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6,
-                       qkv_bias=True, max_position_embeddings=512, dtype="float32"),
-    "tiny-qwen3": dict(family="qwen3", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0, rms_norm_eps=1e-6,
-                       qk_norm=True, tie_word_embeddings=True, max_position_embeddings=512, dtype="float32"),
+    "tiny-llama": dict(
+        family="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        dtype="float32",
+    ),
+    "tiny-qwen2": dict(
+        family="qwen2",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        max_position_embeddings=512,
+        dtype="float32",
+    ),
+    "tiny-qwen3": dict(
+        family="qwen3",
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        dtype="float32",
+    ),
 }
 
 

@@ -6,6 +6,7 @@ parameter onto its sharding as it is read (one parameter on the host at a time; 
 device receives only its shard via `jax.make_array_from_callback`). Pickled weights (`.bin`,
 `.pt`) are refused. Missing, extra and mis-shaped tensors are named in the error.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,6 +70,7 @@ _COMPILED = tuple((re.compile(pattern), path, transform) for pattern, path, tran
 # Layout transforms
 # ----------------------------------------------------------------------------------------------
 
+
 def hf_to_ours(tensor: np.ndarray, transform: str, our_shape: tuple[int, ...]) -> np.ndarray:
     """Convert one HF tensor to our layout (see `HF_TO_NNX`)."""
     if transform == "copy":
@@ -111,6 +113,7 @@ def _hf_name(pattern: re.Pattern, layer: int | None) -> str:
 # config.json
 # ----------------------------------------------------------------------------------------------
 
+
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     """(rope_theta, Llama 3.1 scaling or None) from `rope_parameters` (transformers >= 5) or
     `rope_theta` + `rope_scaling` (older files)."""
@@ -130,14 +133,17 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     return theta, {k: float(merged[k]) for k in keys}
 
 
-def config_from_hf(hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_head: bool = True,
-                   **overrides: Any) -> ModelConfig:
+def config_from_hf(
+    hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_head: bool = True, **overrides: Any
+) -> ModelConfig:
     """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3); `dtype` is any
     dtype-like (see `dtype_name`), default the checkpoint's."""
     dtype = dtype_name(dtype)
     family = hf.get("model_type")
     if family not in _ARCHITECTURES:
-        raise ValueError(f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}")
+        raise ValueError(
+            f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     if hf.get("mlp_bias", False):
@@ -152,10 +158,16 @@ def config_from_hf(hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_h
     theta, scaling = _rope_from_hf(hf)
     checkpoint_dtype = hf.get("dtype") or hf.get("torch_dtype")
     fields = dict(
-        family=family, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]), num_layers=int(hf["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads), rope_theta=theta, rope_scaling=scaling,
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else attention_bias,
@@ -163,8 +175,10 @@ def config_from_hf(hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_h
         qk_norm=family == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
         dtype=dtype or (checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else "float32"),
-        fp32_head=fp32_head, initializer_range=float(hf.get("initializer_range", 0.02)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        fp32_head=fp32_head,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
     )
     return ModelConfig(**{**fields, **overrides})
 
@@ -179,18 +193,29 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
     if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise ValueError("qwen2 checkpoints need qkv_bias=True and o_bias=False")
     if config.family in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
-        raise ValueError(f"{config.family} checkpoints have one attention_bias for q/k/v/o; "
-                         f"got qkv_bias={config.qkv_bias}, o_bias={config.o_bias}")
+        raise ValueError(
+            f"{config.family} checkpoints have one attention_bias for q/k/v/o; "
+            f"got qkv_bias={config.qkv_bias}, o_bias={config.o_bias}"
+        )
     hf: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[config.family]], "model_type": config.family,
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "hidden_act": "silu", "rms_norm_eps": config.rms_norm_eps,
-        "max_position_embeddings": config.max_position_embeddings, "rope_theta": config.rope_theta,
+        "architectures": [_ARCHITECTURES[config.family]],
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_scaling is None else _llama3_scaling_to_hf(config.rope_scaling_dict),
-        "tie_word_embeddings": config.tie_word_embeddings, "initializer_range": config.initializer_range,
-        "torch_dtype": dtype or config.dtype, "bos_token_id": config.bos_token_id,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "initializer_range": config.initializer_range,
+        "torch_dtype": dtype or config.dtype,
+        "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_id) if isinstance(config.eos_token_id, tuple) else config.eos_token_id,
         "use_cache": True,
     }
@@ -208,6 +233,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
 # ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
+
 
 def _weight_files(path: str) -> list[str]:
     """Safetensors files of a checkpoint directory (index file, single file, or all *.safetensors)."""
@@ -230,13 +256,15 @@ def _weight_files(path: str) -> list[str]:
     if pickled:
         raise ValueError(
             f"{path}: only pickled weights {pickled}; refusing to unpickle (arbitrary code execution). "
-            "Convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True)).")
+            "Convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True))."
+        )
     raise FileNotFoundError(f"{path}: no *.safetensors weights and no {SAFETENSORS_INDEX}")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
     """Where one HF tensor lives and what it becomes."""
+
     hf_name: str
     file: str
     nnx_path: str
@@ -289,8 +317,9 @@ def _named_variables(state: Any) -> dict[str, nnx.Variable]:
 @dataclasses.dataclass(frozen=True)
 class _Target:
     """One model parameter and the HF tensors (one per layer when stacked) that fill it."""
+
     path: str
-    layer_path: str          # path inside a layer ('attn.q_proj') or at the top ('embed_tokens')
+    layer_path: str  # path inside a layer ('attn.q_proj') or at the top ('embed_tokens')
     layers: tuple[int | None, ...]  # HF layer indices in order of the leading axis; (None,) if unstacked
     stacked: bool
 
@@ -322,8 +351,14 @@ def _expected_hf_names(targets: list[_Target]) -> dict[tuple[str, int | None], t
     return needed
 
 
-def _read_param(target: _Target, shape: tuple[int, ...], dtype: np.dtype, needed: dict, sources: dict[str, _Source],
-                open_file: Callable[[str], Any]) -> np.ndarray:
+def _read_param(
+    target: _Target,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    needed: dict,
+    sources: dict[str, _Source],
+    open_file: Callable[[str], Any],
+) -> np.ndarray:
     """Host array of one parameter in our layout and dtype (layers stacked on axis 0 when stacked)."""
     host = np.empty(shape, dtype)
     layer_shape = shape[1:] if target.stacked else shape
@@ -333,8 +368,10 @@ def _read_param(target: _Target, shape: tuple[int, ...], dtype: np.dtype, needed
         tensor = _get_tensor(open_file(file), file, hf_name)
         expected = hf_shape(layer_shape, transform)
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects {expected} "
-                             f"(for parameter {target.path})")
+            raise ValueError(
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects {expected} "
+                f"(for parameter {target.path})"
+            )
         value = hf_to_ours(tensor, transform, layer_shape).astype(dtype)
         if target.stacked:
             host[i] = value
@@ -392,8 +429,9 @@ def dtype_name(dtype: DTypeLike | None) -> str | None:
     return name
 
 
-def load_hf_config(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True,
-                   **overrides: Any) -> ModelConfig:
+def load_hf_config(
+    path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True, **overrides: Any
+) -> ModelConfig:
     """ModelConfig from `path/config.json` (`dtype`: any dtype-like, see `dtype_name`)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
@@ -404,8 +442,9 @@ def load_hf_config(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool
     return config_from_hf(hf, dtype=dtype, fp32_head=fp32_head, **overrides)
 
 
-def abstract_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True,
-                **config_overrides: Any) -> tuple[Any, Any, ModelConfig]:
+def abstract_hf(
+    path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True, **config_overrides: Any
+) -> tuple[Any, Any, ModelConfig]:
     """(graphdef, abstract params state, ModelConfig) of the checkpoint at `path`, reading only its
     config.json and allocating nothing: what a process that receives its params from elsewhere
     (a generator fed by weight transfer) needs to build its engine and target shardings."""
@@ -414,8 +453,15 @@ def abstract_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = 
     return graphdef, abstract_state, config
 
 
-def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True, mesh: Mesh | None = None,
-            rules: sharding.Rules = sharding.DEFAULT_RULES, **config_overrides: Any) -> Transformer:
+def load_hf(
+    path: str,
+    *,
+    dtype: DTypeLike | None = None,
+    fp32_head: bool = True,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+    **config_overrides: Any,
+) -> Transformer:
     """A `Transformer` with the weights of the local HF checkpoint directory `path`.
 
     dtype: body/param dtype, any dtype-like ("bfloat16", `jnp.bfloat16`, `np.float32`, an `np.dtype`;
@@ -434,8 +480,10 @@ def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True
     missing = sorted(needed_names - set(sources))
     extra += sorted(set(sources) - needed_names)
     if missing or extra:
-        raise ValueError(f"checkpoint {path} does not match the {config.family} config: "
-                         f"missing tensors {missing}; unexpected tensors {sorted(extra)}")
+        raise ValueError(
+            f"checkpoint {path} does not match the {config.family} config: "
+            f"missing tensors {missing}; unexpected tensors {sorted(extra)}"
+        )
     if ignored:
         logging.info("load_hf(%s): skipped %d rotary inv_freq buffers", path, ignored)
     shardings = _named_variables(sharding.param_shardings(abstract_state, mesh, rules)) if mesh is not None else {}
@@ -443,8 +491,9 @@ def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True
     with _open_files() as open_file:
         for target in targets:
             abstract_value = variables[target.path].get_value()
-            host = _read_param(target, tuple(abstract_value.shape), np.dtype(abstract_value.dtype), needed,
-                               sources, open_file)
+            host = _read_param(
+                target, tuple(abstract_value.shape), np.dtype(abstract_value.dtype), needed, sources, open_file
+            )
             if mesh is None:
                 values[target.path] = jax.device_put(host)
             else:
@@ -453,13 +502,16 @@ def load_hf(path: str, *, dtype: DTypeLike | None = None, fp32_head: bool = True
             del host
     state = jax.tree_util.tree_map_with_path(
         lambda p, v: v.replace(values[_path_str(p)]) if isinstance(v, nnx.Variable) else v,
-        abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        abstract_state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return nnx.merge(graphdef, state)
 
 
 # ----------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------
+
 
 def _hf_tensors_of(model: Transformer) -> Iterator[tuple[str, Callable[[], list[tuple[str, np.ndarray]]], int]]:
     """(parameter path, thunk giving its [(hf_name, array)], bytes per element) in model order."""
@@ -468,6 +520,7 @@ def _hf_tensors_of(model: Transformer) -> Iterator[tuple[str, Callable[[], list[
     targets = _targets(config, list(variables))
     needed = _expected_hf_names(targets)
     for target in targets:
+
         def tensors(target: _Target = target) -> list[tuple[str, np.ndarray]]:
             array = variables[target.path].get_value()
             if not array.is_fully_addressable:
@@ -478,11 +531,11 @@ def _hf_tensors_of(model: Transformer) -> Iterator[tuple[str, Callable[[], list[
                 hf_name, transform = needed[(target.layer_path, layer)]
                 out.append((hf_name, np.ascontiguousarray(ours_to_hf(host[i] if target.stacked else host, transform))))
             return out
+
         yield target.path, tensors, variables[target.path].get_value().size
 
 
-def save_hf(model: Transformer, path: str, *, dtype: str | None = None,
-            max_shard_bytes: int = 5 * 1024 ** 3) -> None:
+def save_hf(model: Transformer, path: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3) -> None:
     """Write `model` as a HF checkpoint: config.json + safetensors (sharded with an index file when
     larger than `max_shard_bytes`). All tensors are stored in `dtype` (default: the body dtype)."""
     config = model.config
@@ -508,8 +561,9 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None,
         total_bytes += sum(t.nbytes for t in tensors.values())
     if len(shards) > 1:
         with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
+            )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_hf(config, dtype=str(out_dtype)), f, indent=2)
 
@@ -517,6 +571,7 @@ def save_hf(model: Transformer, path: str, *, dtype: str | None = None,
 # ----------------------------------------------------------------------------------------------
 # Tokenizer (see `hf_tokenizer`)
 # ----------------------------------------------------------------------------------------------
+
 
 def load_tokenizer(path: str) -> tokenizers.Tokenizer:
     """`tokenizers.Tokenizer` from `path/tokenizer.json`; `load_checkpoint_tokenizer` also reads the

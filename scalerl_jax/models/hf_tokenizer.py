@@ -22,6 +22,7 @@ Tokenizer classes that rebuild their pipeline in `__init__` (e.g. `Qwen2Tokenize
 normalizer and pre-tokenizer from the class in transformers and from `tokenizer.json` here; the
 two agree for checkpoints as shipped. No token is looked up by an assumed name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 # The named special tokens transformers passes to chat templates (`special_tokens_map`), in order.
-SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                        "mask_token")
+SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +92,7 @@ def token_content(value: Any, file: str, field: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"{file}: {field} must be a string, an AddedToken object with 'content', or null; "
-                     f"got {value!r}")
+    raise ValueError(f"{file}: {field} must be a string, an AddedToken object with 'content', or null; got {value!r}")
 
 
 def _chat_template_of(config: dict[str, Any], config_file: str) -> str | None:
@@ -104,11 +103,13 @@ def _chat_template_of(config: dict[str, Any], config_file: str) -> str | None:
     if isinstance(template, list) and all(isinstance(t, dict) for t in template):
         named = {entry.get("name"): entry.get("template") for entry in template}
         if not isinstance(named.get("default"), str):
-            raise ValueError(f"{config_file}: chat_template list has no 'default' template "
-                             f"(names {sorted(map(str, named))})")
+            raise ValueError(
+                f"{config_file}: chat_template list has no 'default' template (names {sorted(map(str, named))})"
+            )
         return named["default"]
-    raise ValueError(f"{config_file}: chat_template must be a string or a list of {{name, template}}; "
-                     f"got {type(template).__name__}")
+    raise ValueError(
+        f"{config_file}: chat_template must be a string or a list of {{name, template}}; got {type(template).__name__}"
+    )
 
 
 def load_chat_template(path: str) -> str | None:
@@ -171,8 +172,9 @@ def _check_added_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any],
             raise ValueError(f"{config_file}: {field}: the key is not a token id") from None
         actual = tokenizer.token_to_id(content) if content is not None else None
         if actual != token_id:
-            raise ValueError(f"{config_file}: {field} is {content!r}, but {TOKENIZER_FILE} gives that token "
-                             f"id {actual}")
+            raise ValueError(
+                f"{config_file}: {field} is {content!r}, but {TOKENIZER_FILE} gives that token id {actual}"
+            )
 
 
 def _token_id(tokenizer: tokenizers.Tokenizer, token: str, file: str, field: str) -> int:
@@ -195,8 +197,10 @@ def _generation_eos_ids(path: str, tokenizer: tokenizers.Tokenizer) -> list[int]
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or tokenizer.id_to_token(token_id) is None:
-            raise ValueError(f"{file}: eos_token_id {value!r}: {token_id!r} is not a token id of {TOKENIZER_FILE} "
-                             f"(vocabulary size {vocab_size})")
+            raise ValueError(
+                f"{file}: eos_token_id {value!r}: {token_id!r} is not a token id of {TOKENIZER_FILE} "
+                f"(vocabulary size {vocab_size})"
+            )
     return ids
 
 
@@ -221,8 +225,9 @@ def load_checkpoint_tokenizer(path: str) -> CheckpointTokenizer:
     sources = _special_token_sources(path, config, config_file)
     ids = {field: _token_id(tokenizer, token, file, field) for field, (token, file) in sources.items()}
     if "eos_token" not in sources:
-        raise ValueError(f"{config_file}: no eos_token (nor in {SPECIAL_TOKENS_MAP_FILE}); cannot tell where "
-                         "generation ends")
+        raise ValueError(
+            f"{config_file}: no eos_token (nor in {SPECIAL_TOKENS_MAP_FILE}); cannot tell where generation ends"
+        )
     eos_token = sources["eos_token"][0]
     bos_token = sources["bos_token"][0] if "bos_token" in sources else None
     pad_token = sources["pad_token"][0] if "pad_token" in sources else eos_token

@@ -6,6 +6,7 @@ decoder); its forward must then be applied to one slice at a time (see transform
 Linear weights are stored input-major (`x @ W`), attention weights split per head:
 q `[embed, heads, head_dim]`, k/v `[embed, kv_heads, head_dim]`, o `[heads, head_dim, embed]`.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Sequence
@@ -27,9 +28,16 @@ def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def make_param(rngs: nnx.Rngs | None, shape: Sequence[int], logical_axes: Sequence[str | None], *,
-               dtype: jnp.dtype, init: str = "normal", stddev: float = 0.02,
-               stack: int | None = None) -> nnx.Param:
+def make_param(
+    rngs: nnx.Rngs | None,
+    shape: Sequence[int],
+    logical_axes: Sequence[str | None],
+    *,
+    dtype: jnp.dtype,
+    init: str = "normal",
+    stddev: float = 0.02,
+    stack: int | None = None,
+) -> nnx.Param:
     """An `nnx.Param` of `shape` (prefixed by `stack` layers) with logical axes as sharding metadata.
 
     init: 'normal' draws N(0, stddev^2) (the Hugging Face Llama/Qwen initializer), 'zeros', 'ones'.
@@ -63,8 +71,7 @@ class RMSNorm(nnx.Module):
         return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float,
-                             scaling: dict[str, float] | None = None) -> np.ndarray:
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> np.ndarray:
     """inv_freq[i] = theta^(-2i/head_dim), i < head_dim/2, with optional Llama 3.1 scaling.
 
     Llama 3.1 scaling (factor s, low/high frequency factors l/h, original context C): with
@@ -80,8 +87,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float,
     wavelength = 2.0 * np.pi / inv_freq
     smooth = (original / wavelength - low) / (high - low)
     interpolated = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = np.where(wavelength > original / low, inv_freq / factor,
-                      np.where(wavelength < original / high, inv_freq, interpolated))
+    scaled = np.where(
+        wavelength > original / low, inv_freq / factor, np.where(wavelength < original / high, inv_freq, interpolated)
+    )
     return scaled.astype(np.float32)
 
 
@@ -128,13 +136,20 @@ def resolve_attention_impl(config: ModelConfig, platform: str) -> str:
     """
     if config.attention_impl != "auto":
         return config.attention_impl
-    cudnn_fits = (config.dtype in CUDNN_DTYPES and config.head_dim % 8 == 0
-                  and config.head_dim <= CUDNN_MAX_HEAD_DIM)
+    cudnn_fits = config.dtype in CUDNN_DTYPES and config.head_dim % 8 == 0 and config.head_dim <= CUDNN_MAX_HEAD_DIM
     return "cudnn" if platform in ("gpu", "cuda") and cudnn_fits else "xla"
 
 
-def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, layer: jax.Array | int,
-                     positions: jax.Array, *, window: int, block: int) -> jax.Array:
+def decode_attention(
+    q: jax.Array,
+    stacked_k: jax.Array,
+    stacked_v: jax.Array,
+    layer: jax.Array | int,
+    positions: jax.Array,
+    *,
+    window: int,
+    block: int,
+) -> jax.Array:
     """`grouped_attention` of q [B, T, H, D] over keys s < `window` of cache layer `layer`, s <= positions[b, t].
 
     stacked_k/v [L, B, S, K, D] are read in place, `block` keys at a time (online softmax: with
@@ -153,8 +168,7 @@ def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, l
 
     def read(stacked: jax.Array, start: jax.Array) -> jax.Array:  # [B, 1, block, K, 1, D] float32
         zero = jnp.int32(0)
-        piece = jax.lax.dynamic_slice(stacked, (layer, zero, start, zero, zero),
-                                      (1, batch, block, kv_heads, dim))[0]
+        piece = jax.lax.dynamic_slice(stacked, (layer, zero, start, zero, zero), (1, batch, block, kv_heads, dim))[0]
         return piece[:, None, :, :, None, :].astype(jnp.float32)
 
     def step(carry: tuple[jax.Array, jax.Array, jax.Array], index: jax.Array):
@@ -162,8 +176,11 @@ def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, l
         first = index * block
         start = jnp.minimum(first, window - block)  # the last block may overlap the previous one
         key_index = start + jnp.arange(block)
-        valid = ((key_index >= first)[None, None, :] & (key_index < window)[None, None, :]
-                 & (key_index[None, None, :] <= positions[:, :, None]))[..., None, None]  # [B, T, block, 1, 1]
+        valid = (
+            (key_index >= first)[None, None, :]
+            & (key_index < window)[None, None, :]
+            & (key_index[None, None, :] <= positions[:, :, None])
+        )[..., None, None]  # [B, T, block, 1, 1]
         scores = jnp.where(valid, jnp.sum(qg * read(stacked_k, start), axis=-1), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=2))  # [B, T, K, G]
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -174,16 +191,27 @@ def decode_attention(q: jax.Array, stacked_k: jax.Array, stacked_v: jax.Array, l
         return (new_max, normalizer, acc), None
 
     stats = (batch, length, kv_heads, heads // kv_heads)
-    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros(stats + (dim,), jnp.float32))
+    init = (
+        jnp.full(stats, -jnp.inf, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros(stats + (dim,), jnp.float32),
+    )
     (_, normalizer, acc), _ = jax.lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
     out = acc / jnp.where(normalizer > 0, normalizer, 1.0)[..., None]
     return out.reshape(batch, length, heads, dim).astype(q.dtype)
 
 
-def paged_decode_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array | int,
-                               page_table: jax.Array, lengths: jax.Array, *, window: int,
-                               pages_per_block: int) -> jax.Array:
+def paged_decode_attention_xla(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: jax.Array | int,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int,
+    pages_per_block: int,
+) -> jax.Array:
     """Attention of one query per slot, q [S, H, D], over its keys s < lengths[slot] kept in pages.
 
     k/v_pages [L, N, P, K, D] is one pool of N pages of P tokens (read in place, layer `layer`);
@@ -212,8 +240,9 @@ def paged_decode_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         start_page = jnp.minimum(first_page, window_pages - block_pages)  # last block may overlap
         pages = jax.lax.dynamic_slice_in_dim(page_table, start_page, block_pages, axis=1)
         key_index = start_page * page_size + jnp.arange(block)
-        valid = ((key_index >= first_page * page_size)[None, :]
-                 & (key_index[None, :] < lengths[:, None]))[..., None, None]  # [S, block, 1, 1]
+        valid = ((key_index >= first_page * page_size)[None, :] & (key_index[None, :] < lengths[:, None]))[
+            ..., None, None
+        ]  # [S, block, 1, 1]
         scores = jnp.where(valid, jnp.sum(qg * read(k_pages, pages), axis=-1), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # [S, K, G]
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -224,8 +253,11 @@ def paged_decode_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
         return (new_max, normalizer, acc), None
 
     stats = (slots, kv_heads, heads // kv_heads)
-    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-            jnp.zeros(stats + (dim,), jnp.float32))
+    init = (
+        jnp.full(stats, -jnp.inf, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros(stats + (dim,), jnp.float32),
+    )
     (_, normalizer, acc), _ = jax.lax.scan(step, init, jnp.arange(num_blocks, dtype=jnp.int32))
     out = acc / jnp.where(normalizer > 0, normalizer, 1.0)[..., None]
     return out.reshape(slots, heads, dim).astype(q.dtype)
@@ -242,9 +274,18 @@ def resolve_decode_kernel(name: str, platform: str) -> str:
     return "xla" if name == "auto" else name
 
 
-def grouped_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, layer: jax.Array | int,
-                            page_table: jax.Array, lengths: jax.Array, *, window: int, pages_per_block: int,
-                            kernel: str) -> jax.Array:
+def grouped_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    window: int,
+    pages_per_block: int,
+    kernel: str,
+) -> jax.Array:
     """`paged_decode_attention_xla` (kernel 'xla') or the Pallas kernel ('pallas') per page group.
 
     k/v_pool [L, G, N, P, K, D]: G groups of N pages; slots are split into G equal consecutive
@@ -263,20 +304,25 @@ def grouped_paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, 
         interpret = jax.default_backend() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
 
         def attend(q_g, k_g, v_g, table_g, lengths_g):
-            return paged_attention.paged_decode_attention(q_g, k_g, v_g, layer, table_g, lengths_g,
-                                                          pages_per_block=pages_per_block, interpret=interpret)
+            return paged_attention.paged_decode_attention(
+                q_g, k_g, v_g, layer, table_g, lengths_g, pages_per_block=pages_per_block, interpret=interpret
+            )
     else:
-        def attend(q_g, k_g, v_g, table_g, lengths_g):
-            return paged_decode_attention_xla(q_g, k_g, v_g, layer, table_g, lengths_g, window=window,
-                                              pages_per_block=pages_per_block)
 
-    out = jax.vmap(attend, in_axes=(0, 1, 1, 0, 0))(per_group(q), k_pool, v_pool, per_group(page_table),
-                                                    per_group(lengths))
+        def attend(q_g, k_g, v_g, table_g, lengths_g):
+            return paged_decode_attention_xla(
+                q_g, k_g, v_g, layer, table_g, lengths_g, window=window, pages_per_block=pages_per_block
+            )
+
+    out = jax.vmap(attend, in_axes=(0, 1, 1, 0, 0))(
+        per_group(q), k_pool, v_pool, per_group(page_table), per_group(lengths)
+    )
     return out.reshape(q.shape)
 
 
-def write_kv_pages(pool: jax.Array, layer: jax.Array | int, groups: jax.Array, pages: jax.Array,
-                   offsets: jax.Array, rows: jax.Array) -> jax.Array:
+def write_kv_pages(
+    pool: jax.Array, layer: jax.Array | int, groups: jax.Array, pages: jax.Array, offsets: jax.Array, rows: jax.Array
+) -> jax.Array:
     """pool[layer, groups[i], pages[i], offsets[i]] = rows[i] for every index i (one scatter, in place
     when donated). pool [L, G, N, P, K, D]; groups/pages/offsets int [...]; rows [..., K, D]. Entries
     with a page id outside [0, N) are dropped."""
@@ -292,8 +338,12 @@ class Attention(nnx.Module):
         dtype, std = dtype_of(config.dtype), config.initializer_range
         self.config = config
         self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
-        self.k_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
-        self.v_proj = make_param(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
+        self.k_proj = make_param(
+            rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack
+        )
+        self.v_proj = make_param(
+            rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack
+        )
         self.o_proj = make_param(rngs, (h, hd, d), ("heads", "head_dim", "embed"), dtype=dtype, stddev=std, stack=stack)
         if config.qkv_bias:
             self.q_bias = make_param(None, (h, hd), ("heads", "head_dim"), dtype=dtype, init="zeros", stack=stack)
@@ -342,8 +392,9 @@ class Attention(nnx.Module):
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         return grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, length, length)))
 
-    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
-                       window: int, block: int) -> tuple[jax.Array, KVCache]:
+    def forward_cached(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
+    ) -> tuple[jax.Array, KVCache]:
         """Write this call's k/v into cache[layer, b, positions[b, t]], then attend to entries s <= positions[b, t].
 
         cache: the stacked {'k', 'v'}, each [L, B, S, K, D], updated in place (one scatter of this
@@ -356,8 +407,10 @@ class Attention(nnx.Module):
         (the engine's only multi-row use).
         """
         q, k, v = self._project(x, positions)
-        cache = {"k": write_kv_rows(cache["k"], layer, positions, k),
-                 "v": write_kv_rows(cache["v"], layer, positions, v)}
+        cache = {
+            "k": write_kv_rows(cache["k"], layer, positions, k),
+            "v": write_kv_rows(cache["v"], layer, positions, v),
+        }
         if x.shape[1] == 1:
             attended = decode_attention(q, cache["k"], cache["v"], layer, positions, window=window, block=block)
         elif resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
@@ -368,9 +421,9 @@ class Attention(nnx.Module):
             attended = grouped_attention(q, keys, values, mask)
         return self._output(attended), cache
 
-
-    def forward_paged(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
-                      pages: "PagedView") -> tuple[jax.Array, KVCache]:
+    def forward_paged(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: "PagedView"
+    ) -> tuple[jax.Array, KVCache]:
         """Decode (x [S, 1, D], one token per slot) against the paged cache {'k', 'v'} [L, G, N, P, K, D].
 
         Writes this token's k/v at page `pages.write_page[b]`, row `pages.write_offset[b]` of slot b's
@@ -378,12 +431,23 @@ class Attention(nnx.Module):
         s < pages.lengths[b] (`grouped_paged_attention`).
         """
         q, k, v = self._project(x, positions)
-        cache = {name: write_kv_pages(cache[name], layer, pages.write_group, pages.write_page,
-                                      pages.write_offset, rows[:, 0])
-                 for name, rows in (("k", k), ("v", v))}
-        attended = grouped_paged_attention(q[:, 0], cache["k"], cache["v"], layer, pages.table, pages.lengths,
-                                           window=pages.window, pages_per_block=pages.pages_per_block,
-                                           kernel=pages.kernel)
+        cache = {
+            name: write_kv_pages(
+                cache[name], layer, pages.write_group, pages.write_page, pages.write_offset, rows[:, 0]
+            )
+            for name, rows in (("k", k), ("v", v))
+        }
+        attended = grouped_paged_attention(
+            q[:, 0],
+            cache["k"],
+            cache["v"],
+            layer,
+            pages.table,
+            pages.lengths,
+            window=pages.window,
+            pages_per_block=pages.pages_per_block,
+            kernel=pages.kernel,
+        )
         return self._output(attended[:, None]), cache
 
 
@@ -456,15 +520,17 @@ class DecoderLayer(nnx.Module):
         h = x + self.attn(self.attn_norm(x), positions)
         return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES)
 
-    def forward_cached(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
-                       window: int, block: int) -> tuple[jax.Array, KVCache]:
+    def forward_cached(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
+    ) -> tuple[jax.Array, KVCache]:
         """As `__call__`, attending through (and updating) layer `layer` of the stacked KV cache."""
         attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache, layer, window, block)
         h = x + attended
         return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache
 
-    def forward_paged(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int,
-                      pages: PagedView) -> tuple[jax.Array, KVCache]:
+    def forward_paged(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
+    ) -> tuple[jax.Array, KVCache]:
         """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`)."""
         attended, cache = self.attn.forward_paged(self.attn_norm(x), positions, cache, layer, pages)
         h = x + attended

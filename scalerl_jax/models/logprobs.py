@@ -5,6 +5,7 @@ never materialized for the whole sequence: the head runs on one chunk of positio
 inside `lax.scan`, and each chunk is rematerialized in the backward pass (`jax.checkpoint`), so
 the gradient does not keep all chunks' logits either.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -15,8 +16,9 @@ import jax.numpy as jnp
 from scalerl_jax.models.transformer import Transformer
 
 
-def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperature: float, *,
-                               with_entropy: bool = True) -> tuple[jax.Array, jax.Array | None]:
+def token_logprobs_from_logits(
+    logits: jax.Array, targets: jax.Array, temperature: float, *, with_entropy: bool = True
+) -> tuple[jax.Array, jax.Array | None]:
     """(log softmax(z)[target], entropy of softmax(z) or None) with z = logits / temperature, float32.
 
     entropy = logsumexp(z) - sum softmax(z) z.
@@ -28,9 +30,15 @@ def token_logprobs_from_logits(logits: jax.Array, targets: jax.Array, temperatur
     return picked - log_norm, entropy
 
 
-def chunked_head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array, *,
-                          temperature: float, chunk_size: int, with_entropy: bool = True
-                          ) -> tuple[jax.Array, jax.Array | None]:
+def chunked_head_logprobs(
+    head: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
     """log p(targets[:, t] | hidden[:, t]) and entropies (or None), float32 [B, N], chunk by chunk.
 
     hidden [B, N, D], targets int [B, N]; `head` maps [B, C, D] -> float32 logits [B, C, V].
@@ -57,9 +65,14 @@ def chunked_head_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Ar
     return unchunk(logp), None if entropy is None else unchunk(entropy)
 
 
-def sequence_logprobs(model: Transformer, tokens: jax.Array, *, temperature: float = 1.0,
-                      chunk_size: int = 512, return_entropy: bool = False
-                      ) -> jax.Array | tuple[jax.Array, jax.Array]:
+def sequence_logprobs(
+    model: Transformer,
+    tokens: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    return_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """out[:, t] = log softmax(logits[:, t-1] / temperature)[tokens[:, t]] for t >= 1; out[:, 0] = 0.
 
     float32 [B, T]; with `return_entropy` also the entropy of the same distributions, aligned the
@@ -71,7 +84,13 @@ def sequence_logprobs(model: Transformer, tokens: jax.Array, *, temperature: flo
     if tokens.ndim != 2:
         raise ValueError(f"sequence_logprobs: tokens must be [B, T], got shape {tokens.shape}")
     hidden = model.hidden(tokens)
-    logp, entropy = chunked_head_logprobs(model.head, hidden[:, :-1], tokens[:, 1:], temperature=temperature,
-                                          chunk_size=chunk_size, with_entropy=return_entropy)
+    logp, entropy = chunked_head_logprobs(
+        model.head,
+        hidden[:, :-1],
+        tokens[:, 1:],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=return_entropy,
+    )
     shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
     return (shift(logp), shift(entropy)) if return_entropy else shift(logp)

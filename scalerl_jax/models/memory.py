@@ -16,6 +16,7 @@ The decode report (`plan_decode`) is for one generator device holding the whole 
 decode slots fit next to the weights, (a) without paging, each slot owning max_len tokens of KV, and
 (b) with a paged KV pool sized for the expected live tokens of the recipe's length distribution.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,14 @@ from scalerl_jax.models.config import ModelConfig, get_preset
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.transformer import Transformer
 
-GIB = 1024 ** 3
+GIB = 1024**3
 DEVICE_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """Per-device bytes of one training configuration."""
+
     params: int
     optimizer: int
     gradients: int
@@ -73,23 +75,33 @@ def shard_elements(shape: Sequence[int], spec: jax.sharding.PartitionSpec, mesh:
     return total
 
 
-def param_shard_bytes(config: ModelConfig, mesh: Mapping[str, int], rules: sharding.Rules,
-                      dtype: str | None = None) -> int:
+def param_shard_bytes(
+    config: ModelConfig, mesh: Mapping[str, int], rules: sharding.Rules, dtype: str | None = None
+) -> int:
     """Per-device bytes of all parameters (in `dtype` if given, else their own dtypes)."""
     abstract_state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     specs = sharding.param_specs(abstract_state, rules, mesh=mesh)
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     total = 0
-    for variable, spec in zip(jax.tree.leaves(abstract_state, is_leaf=is_variable),
-                              jax.tree.leaves(specs, is_leaf=is_variable)):
+    for variable, spec in zip(
+        jax.tree.leaves(abstract_state, is_leaf=is_variable), jax.tree.leaves(specs, is_leaf=is_variable)
+    ):
         value = variable.get_value()
         itemsize = np.dtype(dtype or value.dtype).itemsize
         total += shard_elements(value.shape, spec.get_value(), mesh) * itemsize
     return total
 
 
-def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch: int, seq_len: int,
-                     remat_policy: str, logprob_chunk: int, platform: str = "gpu") -> dict[str, int]:
+def activation_terms(
+    config: ModelConfig,
+    mesh: Mapping[str, int],
+    *,
+    microbatch: int,
+    seq_len: int,
+    remat_policy: str,
+    logprob_chunk: int,
+    platform: str = "gpu",
+) -> dict[str, int]:
     """Estimated activation bytes per device, by term.
 
     b = ceil(microbatch / (data * fsdp)) sequences of T tokens per device, tp = tensor size, e =
@@ -104,8 +116,13 @@ def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch
     Working set of one layer during its backward: the `none` amount for one layer. Head: the
     float32 hidden states (b T D 4) and ~4 float32 [b, chunk, V/tp] buffers per log-prob chunk.
     """
-    d, f, h, k, hd = (config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads,
-                      config.head_dim)
+    d, f, h, k, hd = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
     e = np.dtype(config.dtype).itemsize
     tp = mesh.get("tensor", 1)
     b = -(-microbatch // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
@@ -114,8 +131,13 @@ def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch
     scores = (h / tp) * (4 + hd * e) if flash else (h / tp) * seq_len * (4 + e)
     everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
     weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * f / tp)
-    saved = {"none": everything, "full": 0.0, "dots_with_no_batch_dims": weight_dots,
-             "dots": weight_dots + scores + e * h * hd / tp, "save_qkv_attn": e * (2 * h * hd / tp + 2 * k * hd / tp)}
+    saved = {
+        "none": everything,
+        "full": 0.0,
+        "dots_with_no_batch_dims": weight_dots,
+        "dots": weight_dots + scores + e * h * hd / tp,
+        "save_qkv_attn": e * (2 * h * hd / tp + 2 * k * hd / tp),
+    }
     if remat_policy not in saved:
         raise ValueError(f"activation_terms: unknown remat_policy {remat_policy!r}; expected one of {sorted(saved)}")
     return {
@@ -127,8 +149,14 @@ def activation_terms(config: ModelConfig, mesh: Mapping[str, int], *, microbatch
     }
 
 
-def kv_cache_bytes(config: ModelConfig, mesh: Mapping[str, int], *, slots: int, max_len: int,
-                   rules: sharding.Rules = sharding.DEFAULT_RULES) -> int:
+def kv_cache_bytes(
+    config: ModelConfig,
+    mesh: Mapping[str, int],
+    *,
+    slots: int,
+    max_len: int,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> int:
     """Per-device bytes of the sampler's KV cache ({'k', 'v'} [L, slots, max_len, K, hd])."""
     shape = (config.num_layers, slots, max_len, config.num_kv_heads, config.head_dim)
     spec = sharding.logical_to_spec(sharding.KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="kv_cache")
@@ -161,6 +189,7 @@ class DecodePlan:
     sized for the mean runs short when the slots' live tokens rise above it; the engine then preempts
     its youngest sequence (sampler.engine), so the mean sizing trades slots for occasional preemption.
     """
+
     device_bytes: int
     usable_fraction: float
     workspace: int
@@ -210,70 +239,109 @@ class DecodePlan:
         return self.kv_budget // (self.pages_per_slot_synchronized * self.page_size * self.kv_per_token)
 
 
-def plan_decode(config: ModelConfig, *, max_len: int, page_size: int, mean_prompt: float,
-                mean_completion: float, device_gb: float = DEVICE_MEMORY_GB["H200 141GB"],
-                usable_fraction: float = 0.9, workspace_gb: float = 4.0) -> DecodePlan:
+def plan_decode(
+    config: ModelConfig,
+    *,
+    max_len: int,
+    page_size: int,
+    mean_prompt: float,
+    mean_completion: float,
+    device_gb: float = DEVICE_MEMORY_GB["H200 141GB"],
+    usable_fraction: float = 0.9,
+    workspace_gb: float = 4.0,
+) -> DecodePlan:
     """DecodePlan of `config` (its dtypes as the generator holds them) on one device of `device_gb` GB."""
     if page_size < 1 or max_len < 1:
         raise ValueError(f"plan_decode: page_size={page_size} and max_len={max_len} must be >= 1")
     if not 0 < usable_fraction <= 1:
         raise ValueError(f"plan_decode: usable_fraction={usable_fraction} must be in (0, 1]")
-    return DecodePlan(device_bytes=int(device_gb * 1e9), usable_fraction=usable_fraction,
-                      workspace=int(workspace_gb * 1e9), weights=generator_weight_bytes(config),
-                      kv_per_token=kv_bytes_per_token(config), max_len=max_len, page_size=page_size,
-                      mean_prompt=float(mean_prompt), mean_completion=float(mean_completion))
+    return DecodePlan(
+        device_bytes=int(device_gb * 1e9),
+        usable_fraction=usable_fraction,
+        workspace=int(workspace_gb * 1e9),
+        weights=generator_weight_bytes(config),
+        kv_per_token=kv_bytes_per_token(config),
+        max_len=max_len,
+        page_size=page_size,
+        mean_prompt=float(mean_prompt),
+        mean_completion=float(mean_completion),
+    )
 
 
 def format_decode_plan(plan: DecodePlan, title: str) -> str:
     """Human-readable decode report in GB (1e9 bytes), with its assumptions."""
     gb = lambda n: f"{n / 1e9:10.2f} GB"  # noqa: E731
     per_slot_paged = plan.pages_per_slot * plan.page_size * plan.kv_per_token
-    return "\n".join([
-        title,
-        f"  {'device':<34}{gb(plan.device_bytes)}",
-        f"  {'generator weights':<34}{gb(plan.weights)}",
-        f"  {'reserve':<34}{gb(plan.reserve)} ({1 - plan.usable_fraction:.0%} of the device not "
-        f"taken by XLA + {plan.workspace / 1e9:.1f} GB decode/prefill workspace)",
-        f"  {'KV budget':<34}{gb(plan.kv_budget)}",
-        f"  {'KV per token':<34}{plan.kv_per_token:10,d} B (2 x layers x kv_heads x head_dim x dtype bytes)",
-        f"  (a) no paging: {plan.max_len} tokens per slot = {plan.max_len * plan.kv_per_token / 1e9:.3f} GB "
-        f"-> {plan.slots_unpaged} slots",
-        f"  (b) paging, page_size {plan.page_size}: assumed mean prompt {plan.mean_prompt:,.0f} + mean "
-        f"completion {plan.mean_completion:,.0f} tokens; slots at staggered points of their completions "
-        f"hold prompt + completion / 2 = {plan.live_tokens_per_slot:,.0f} live tokens on average -> "
-        f"{plan.pages_per_slot} pages = {per_slot_paged / 1e9:.3f} GB per slot -> {plan.slots_paged} slots "
-        f"(EngineConfig(num_slots={plan.slots_paged}, page_size={plan.page_size}, "
-        f"num_pages={plan.num_pages}))",
-        f"      live tokens above the mean make the engine preempt its youngest sequence; if all slots "
-        f"were at prompt + completion at once (synchronized start): "
-        f"{plan.pages_per_slot_synchronized} pages per slot -> {plan.slots_paged_synchronized} slots",
-    ])
+    return "\n".join(
+        [
+            title,
+            f"  {'device':<34}{gb(plan.device_bytes)}",
+            f"  {'generator weights':<34}{gb(plan.weights)}",
+            f"  {'reserve':<34}{gb(plan.reserve)} ({1 - plan.usable_fraction:.0%} of the device not "
+            f"taken by XLA + {plan.workspace / 1e9:.1f} GB decode/prefill workspace)",
+            f"  {'KV budget':<34}{gb(plan.kv_budget)}",
+            f"  {'KV per token':<34}{plan.kv_per_token:10,d} B (2 x layers x kv_heads x head_dim x dtype bytes)",
+            f"  (a) no paging: {plan.max_len} tokens per slot = {plan.max_len * plan.kv_per_token / 1e9:.3f} GB "
+            f"-> {plan.slots_unpaged} slots",
+            f"  (b) paging, page_size {plan.page_size}: assumed mean prompt {plan.mean_prompt:,.0f} + mean "
+            f"completion {plan.mean_completion:,.0f} tokens; slots at staggered points of their completions "
+            f"hold prompt + completion / 2 = {plan.live_tokens_per_slot:,.0f} live tokens on average -> "
+            f"{plan.pages_per_slot} pages = {per_slot_paged / 1e9:.3f} GB per slot -> {plan.slots_paged} slots "
+            f"(EngineConfig(num_slots={plan.slots_paged}, page_size={plan.page_size}, "
+            f"num_pages={plan.num_pages}))",
+            f"      live tokens above the mean make the engine preempt its youngest sequence; if all slots "
+            f"were at prompt + completion at once (synchronized start): "
+            f"{plan.pages_per_slot_synchronized} pages per slot -> {plan.slots_paged_synchronized} slots",
+        ]
+    )
 
 
-def plan_memory(config: ModelConfig, mesh_shape: Sequence[int] | Mapping[str, int], *, microbatch: int,
-                seq_len: int, remat_policy: str | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES,
-                logprob_chunk: int = 512, kv_slots: int = 0, platform: str = "gpu") -> MemoryPlan:
+def plan_memory(
+    config: ModelConfig,
+    mesh_shape: Sequence[int] | Mapping[str, int],
+    *,
+    microbatch: int,
+    seq_len: int,
+    remat_policy: str | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+    logprob_chunk: int = 512,
+    kv_slots: int = 0,
+    platform: str = "gpu",
+) -> MemoryPlan:
     """MemoryPlan for training `config` on a mesh (data, fsdp, tensor) of `platform` devices at
     `microbatch` sequences of `seq_len` tokens per microbatch (global), plus a sampler KV cache of
     `kv_slots` slots."""
     mesh = _mesh_sizes(mesh_shape)
     params = param_shard_bytes(config, mesh, rules)
     params_fp32 = param_shard_bytes(config, mesh, rules, dtype="float32")
-    terms = activation_terms(config, mesh, microbatch=microbatch, seq_len=seq_len,
-                             remat_policy=remat_policy or config.remat_policy, logprob_chunk=logprob_chunk,
-                             platform=platform)
-    return MemoryPlan(params=params, optimizer=2 * params_fp32, gradients=params_fp32 + params,
-                      activations=sum(terms.values()), activation_terms=terms,
-                      kv_cache=kv_cache_bytes(config, mesh, slots=kv_slots, max_len=seq_len, rules=rules)
-                      if kv_slots else 0)
+    terms = activation_terms(
+        config,
+        mesh,
+        microbatch=microbatch,
+        seq_len=seq_len,
+        remat_policy=remat_policy or config.remat_policy,
+        logprob_chunk=logprob_chunk,
+        platform=platform,
+    )
+    return MemoryPlan(
+        params=params,
+        optimizer=2 * params_fp32,
+        gradients=params_fp32 + params,
+        activations=sum(terms.values()),
+        activation_terms=terms,
+        kv_cache=kv_cache_bytes(config, mesh, slots=kv_slots, max_len=seq_len, rules=rules) if kv_slots else 0,
+    )
 
 
 def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> str:
     """Human-readable table of a MemoryPlan in GiB."""
-    lines = [title, f"  {'params':<28}{plan.params / GIB:10.2f} GiB",
-             f"  {'optimizer (AdamW mu, nu fp32)':<28}{plan.optimizer / GIB:10.2f} GiB",
-             f"  {'gradients (fp32 acc + 1 mb)':<28}{plan.gradients / GIB:10.2f} GiB",
-             f"  {'activations (estimate)':<28}{plan.activations / GIB:10.2f} GiB"]
+    lines = [
+        title,
+        f"  {'params':<28}{plan.params / GIB:10.2f} GiB",
+        f"  {'optimizer (AdamW mu, nu fp32)':<28}{plan.optimizer / GIB:10.2f} GiB",
+        f"  {'gradients (fp32 acc + 1 mb)':<28}{plan.gradients / GIB:10.2f} GiB",
+        f"  {'activations (estimate)':<28}{plan.activations / GIB:10.2f} GiB",
+    ]
     lines += [f"    {name:<26}{value / GIB:10.2f} GiB" for name, value in plan.activation_terms.items()]
     lines.append(f"  {'total per device':<28}{plan.total / GIB:10.2f} GiB")
     if plan.kv_cache:
@@ -290,11 +358,14 @@ def recipe_decode_defaults() -> dict[str, float]:
     max_prompt_tokens (an upper bound: prompts are at most that long); completion = the think
     budget's midpoint (think_budget_min + max) / 2."""
     from scalerl_jax import recipe  # the CLI's defaults only; models/ does not depend on the recipe
+
     config = recipe.scalerl_8b()
-    return {"max_len": config.data.max_prompt_tokens + config.sampler.max_new_tokens,
-            "page_size": config.sampler.page_size,
-            "mean_prompt": config.data.max_prompt_tokens,
-            "mean_completion": (config.sampler.think_budget_min + config.sampler.think_budget_max) / 2}
+    return {
+        "max_len": config.data.max_prompt_tokens + config.sampler.max_new_tokens,
+        "page_size": config.sampler.page_size,
+        "mean_prompt": config.data.max_prompt_tokens,
+        "mean_completion": (config.sampler.think_budget_min + config.sampler.think_budget_max) / 2,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -312,36 +383,73 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--logprob_chunk", type=int, default=512)
     parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
     parser.add_argument("--usable_fraction", type=float, default=0.9)
-    parser.add_argument("--max_len", type=int, default=int(defaults["max_len"]),
-                        help="decode: tokens per slot (prompt + completion)")
-    parser.add_argument("--page_size", type=int, default=int(defaults["page_size"]),
-                        help="decode: tokens per KV page (default: the recipe's sampler.page_size)")
-    parser.add_argument("--mean_prompt", type=float, default=defaults["mean_prompt"],
-                        help="decode: mean prompt tokens (default: the recipe's max_prompt_tokens)")
-    parser.add_argument("--mean_completion", type=float, default=defaults["mean_completion"],
-                        help="decode: mean completion tokens (default: the recipe's think budget midpoint)")
-    parser.add_argument("--device_gb", type=float, default=DEVICE_MEMORY_GB["H200 141GB"],
-                        help="decode: device memory (GB)")
-    parser.add_argument("--workspace_gb", type=float, default=4.0,
-                        help="decode: scratch kept free for the decode step and prefill")
+    parser.add_argument(
+        "--max_len", type=int, default=int(defaults["max_len"]), help="decode: tokens per slot (prompt + completion)"
+    )
+    parser.add_argument(
+        "--page_size",
+        type=int,
+        default=int(defaults["page_size"]),
+        help="decode: tokens per KV page (default: the recipe's sampler.page_size)",
+    )
+    parser.add_argument(
+        "--mean_prompt",
+        type=float,
+        default=defaults["mean_prompt"],
+        help="decode: mean prompt tokens (default: the recipe's max_prompt_tokens)",
+    )
+    parser.add_argument(
+        "--mean_completion",
+        type=float,
+        default=defaults["mean_completion"],
+        help="decode: mean completion tokens (default: the recipe's think budget midpoint)",
+    )
+    parser.add_argument(
+        "--device_gb", type=float, default=DEVICE_MEMORY_GB["H200 141GB"], help="decode: device memory (GB)"
+    )
+    parser.add_argument(
+        "--workspace_gb", type=float, default=4.0, help="decode: scratch kept free for the decode step and prefill"
+    )
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
     config = get_preset(args.preset, **overrides)
     if args.report in ("all", "decode"):
-        plan = plan_decode(config, max_len=args.max_len, page_size=args.page_size, mean_prompt=args.mean_prompt,
-                           mean_completion=args.mean_completion, device_gb=args.device_gb,
-                           usable_fraction=args.usable_fraction, workspace_gb=args.workspace_gb)
-        print(format_decode_plan(plan, f"decode: {args.preset} ({config.dtype}, fp32_head={config.fp32_head}) on "
-                                       f"one {args.device_gb:g} GB device, max_len {args.max_len}"))
+        plan = plan_decode(
+            config,
+            max_len=args.max_len,
+            page_size=args.page_size,
+            mean_prompt=args.mean_prompt,
+            mean_completion=args.mean_completion,
+            device_gb=args.device_gb,
+            usable_fraction=args.usable_fraction,
+            workspace_gb=args.workspace_gb,
+        )
+        print(
+            format_decode_plan(
+                plan,
+                f"decode: {args.preset} ({config.dtype}, fp32_head={config.fp32_head}) on "
+                f"one {args.device_gb:g} GB device, max_len {args.max_len}",
+            )
+        )
     if args.report == "decode":
         return
     mesh = [int(s) for s in args.mesh.split(",")]
-    plan = plan_memory(config, mesh, microbatch=args.microbatch, seq_len=args.seq_len, remat_policy=args.remat,
-                       logprob_chunk=args.logprob_chunk, kv_slots=args.kv_slots, platform=args.platform)
-    title = (f"{args.preset} ({config.num_params():,} params, {config.dtype}, fp32_head={config.fp32_head}) on mesh "
-             f"data,fsdp,tensor={args.mesh}; microbatch {args.microbatch} x {args.seq_len} tokens, remat "
-             f"{args.remat}, attention {config.attention_impl} -> "
-             f"{resolve_attention_impl(config, args.platform)} on {args.platform}")
+    plan = plan_memory(
+        config,
+        mesh,
+        microbatch=args.microbatch,
+        seq_len=args.seq_len,
+        remat_policy=args.remat,
+        logprob_chunk=args.logprob_chunk,
+        kv_slots=args.kv_slots,
+        platform=args.platform,
+    )
+    title = (
+        f"{args.preset} ({config.num_params():,} params, {config.dtype}, fp32_head={config.fp32_head}) on mesh "
+        f"data,fsdp,tensor={args.mesh}; microbatch {args.microbatch} x {args.seq_len} tokens, remat "
+        f"{args.remat}, attention {config.attention_impl} -> "
+        f"{resolve_attention_impl(config, args.platform)} on {args.platform}"
+    )
     print(format_plan(plan, title, args.usable_fraction))
 
 

@@ -29,6 +29,7 @@ the custom call inside the engine's layer scan, and the shape limits (`triton_sh
 beyond what the Triton lowering itself checks. No split over the sequence (flash-decoding): one
 program per (slot, kv head), so few slots x kv heads under-fill the GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,14 +73,15 @@ def triton_shape_problems(*, head_dim: int, page_size: int, pages_per_block: int
     return "; ".join(problems) or None
 
 
-def paged_attention_supported(platform: str, *, head_dim: int, page_size: int,
-                              pages_per_block: int) -> bool:
+def paged_attention_supported(platform: str, *, head_dim: int, page_size: int, pages_per_block: int) -> bool:
     """True when the compiled kernel runs on `platform` ('gpu'/'cuda': Triton) with these shapes.
 
     CPU and TPU have no compiled kernel here (CPU can run it with `interpret=True`, for tests).
     """
-    return platform in GPU_PLATFORMS and triton_shape_problems(
-        head_dim=head_dim, page_size=page_size, pages_per_block=pages_per_block) is None
+    return (
+        platform in GPU_PLATFORMS
+        and triton_shape_problems(head_dim=head_dim, page_size=page_size, pages_per_block=pages_per_block) is None
+    )
 
 
 def block_table_columns(block: jax.Array, live_pages: jax.Array, pages_per_block: int) -> jax.Array:
@@ -93,8 +95,18 @@ def block_table_columns(block: jax.Array, live_pages: jax.Array, pages_per_block
     return jnp.minimum(columns, live_pages - 1)
 
 
-def _paged_decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_ref, v_pages_ref,
-                         o_ref, *, pages_per_block: int, scale: float):
+def _paged_decode_kernel(
+    layer_ref,
+    lengths_ref,
+    page_table_ref,
+    q_ref,
+    k_pages_ref,
+    v_pages_ref,
+    o_ref,
+    *,
+    pages_per_block: int,
+    scale: float,
+):
     """One (slot, kv head) program: online softmax over the slot's live pages, block by block."""
     slot, kv_head = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
@@ -115,20 +127,31 @@ def _paged_decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_
         v = v_pages_ref[layer, pages, :, kv_head, :].reshape(block_tokens, head_dim)
         positions = block * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
         live = positions < length  # [B]
-        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                 preferred_element_type=jnp.float32) * scale  # [rows, B]
+        scores = (
+            lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32
+            )
+            * scale
+        )  # [rows, B]
         scores = jnp.where(live[None, :], scores, -jnp.inf)
         new_max = jnp.maximum(running_max, scores.max(axis=1))
         correction = jnp.exp(running_max - new_max)
         weights = jnp.exp(scores - new_max[:, None])
         v = jnp.where(live[:, None], v, jnp.zeros_like(v))
-        weighted_v = lax.dot_general(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                     precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-        return (new_max, running_sum * correction + weights.sum(axis=1),
-                acc * correction[:, None] + weighted_v)
+        weighted_v = lax.dot_general(
+            weights.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        )
+        return (new_max, running_sum * correction + weights.sum(axis=1), acc * correction[:, None] + weighted_v)
 
-    init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    init = (
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
     _, total, acc = lax.fori_loop(0, num_blocks, attend_block, init)
     safe_total = jnp.where(total > 0, total, 1.0)
     o_ref[...] = jnp.where(total[:, None] > 0, acc / safe_total[:, None], 0.0).astype(o_ref.dtype)
@@ -137,12 +160,15 @@ def _paged_decode_kernel(layer_ref, lengths_ref, page_table_ref, q_ref, k_pages_
 def _check_shapes(q, k_pages, v_pages, page_table, lengths) -> None:
     """ValueError naming the argument whose shape does not fit the paged layout."""
     if k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
-        raise ValueError(f"paged_decode_attention: k_pages {k_pages.shape} and v_pages {v_pages.shape} "
-                         "must both be [L, N, P, K, D]")
+        raise ValueError(
+            f"paged_decode_attention: k_pages {k_pages.shape} and v_pages {v_pages.shape} must both be [L, N, P, K, D]"
+        )
     _, _, _, num_kv_heads, head_dim = k_pages.shape
     if q.ndim != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(f"paged_decode_attention: q {q.shape} must be [S, H, D={head_dim}] with H a "
-                         f"multiple of the {num_kv_heads} kv heads")
+        raise ValueError(
+            f"paged_decode_attention: q {q.shape} must be [S, H, D={head_dim}] with H a "
+            f"multiple of the {num_kv_heads} kv heads"
+        )
     num_slots = q.shape[0]
     if page_table.ndim != 2 or page_table.shape[0] != num_slots:
         raise ValueError(f"paged_decode_attention: page_table {page_table.shape} must be [S={num_slots}, M]")
@@ -150,9 +176,17 @@ def _check_shapes(q, k_pages, v_pages, page_table, lengths) -> None:
         raise ValueError(f"paged_decode_attention: lengths {lengths.shape} must be [S={num_slots}]")
 
 
-def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array,
-                           page_table: jax.Array, lengths: jax.Array, *, pages_per_block: int = 8,
-                           interpret: bool = False) -> jax.Array:
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    layer: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    pages_per_block: int = 8,
+    interpret: bool = False,
+) -> jax.Array:
     """Decode attention of one query token per slot over that slot's live paged keys: [S, H, D] in q.dtype.
 
     See the module docstring for the layout and the math. `layer` is an int32 scalar in [0, L) (may be
@@ -164,11 +198,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     _check_shapes(q, k_pages, v_pages, page_table, lengths)
     _, _, page_size, num_kv_heads, head_dim = k_pages.shape
     if not interpret:
-        problems = triton_shape_problems(head_dim=head_dim, page_size=page_size,
-                                         pages_per_block=pages_per_block)
+        problems = triton_shape_problems(head_dim=head_dim, page_size=page_size, pages_per_block=pages_per_block)
         if problems:
-            raise ValueError(f"paged_decode_attention: {problems} for the Triton kernel (interpret=True "
-                             "takes any shape)")
+            raise ValueError(
+                f"paged_decode_attention: {problems} for the Triton kernel (interpret=True takes any shape)"
+            )
     num_slots, num_heads, _ = q.shape
     group = num_heads // num_kv_heads
     rows = padded_query_rows(group)
@@ -182,13 +216,11 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     lengths = lengths.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
-    kernel = functools.partial(_paged_decode_kernel, pages_per_block=pages_per_block,
-                               scale=1.0 / math.sqrt(head_dim))
+    kernel = functools.partial(_paged_decode_kernel, pages_per_block=pages_per_block, scale=1.0 / math.sqrt(head_dim))
     out = pl.pallas_call(
         kernel,
         grid=(num_slots, num_kv_heads),
-        in_specs=[whole(layer), whole(lengths), whole(page_table), per_program, whole(k_pages),
-                  whole(v_pages)],
+        in_specs=[whole(layer), whole(lengths), whole(page_table), per_program, whole(k_pages), whole(v_pages)],
         out_specs=per_program,
         out_shape=jax.ShapeDtypeStruct(grouped_q.shape, q.dtype),
         interpret=interpret,

@@ -7,6 +7,7 @@ name to mesh axes among `('data', 'fsdp', 'tensor')`; `param_shardings` turns th
 no-op unless a `use_mesh_rules(mesh, rules)` context is active on this thread (the generator and
 the trainer threads use different meshes).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,14 @@ def _rules_dict(rules: Rules) -> dict[str, MeshAxes]:
     return table
 
 
-def _build_spec(logical_axes: Sequence[str | None], rules: Rules, mesh_shape: Mapping[str, int] | None,
-                shape: Sequence[int] | None, name: str, strict: bool) -> PartitionSpec:
+def _build_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules,
+    mesh_shape: Mapping[str, int] | None,
+    shape: Sequence[int] | None,
+    name: str,
+    strict: bool,
+) -> PartitionSpec:
     table = _rules_dict(rules)
     used: set[str] = set()
     spec: list[MeshAxes] = []
@@ -81,16 +88,22 @@ def _build_spec(logical_axes: Sequence[str | None], rules: Rules, mesh_shape: Ma
                 if strict:
                     raise ValueError(
                         f"{name}: dimension {dim} ({logical!r}, size {shape[dim]}) is not divisible by "
-                        f"mesh axes {axes} of total size {size}; change the mesh or the sharding rules")
+                        f"mesh axes {axes} of total size {size}; change the mesh or the sharding rules"
+                    )
                 axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules = DEFAULT_RULES, *,
-                    mesh: Mesh | Mapping[str, int] | None = None, shape: Sequence[int] | None = None,
-                    name: str = "array") -> PartitionSpec:
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    *,
+    mesh: Mesh | Mapping[str, int] | None = None,
+    shape: Sequence[int] | None = None,
+    name: str = "array",
+) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry `logical_axes`.
 
     Each logical name maps to mesh axes through `rules` (first matching rule; unknown names and
@@ -120,8 +133,7 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return ".".join(str(getattr(p, "key", getattr(p, "idx", getattr(p, "name", p)))) for p in path)
 
 
-def param_specs(model_or_state: Any, rules: Rules = DEFAULT_RULES,
-                mesh: Mesh | Mapping[str, int] | None = None) -> Any:
+def param_specs(model_or_state: Any, rules: Rules = DEFAULT_RULES, mesh: Mesh | Mapping[str, int] | None = None) -> Any:
     """Pytree like `nnx.state(model)` with each variable's value replaced by its PartitionSpec.
 
     With `mesh` (a Mesh or {axis: size}), axes absent from it are dropped and divisibility is checked.
@@ -137,8 +149,7 @@ def param_specs(model_or_state: Any, rules: Rules = DEFAULT_RULES,
         if axes is None:
             return variable.replace(PartitionSpec())
         if len(axes) != len(shape):
-            raise ValueError(
-                f"param {_path_name(path)}: logical axes {axes} do not match its shape {tuple(shape)}")
+            raise ValueError(f"param {_path_name(path)}: logical axes {axes} do not match its shape {tuple(shape)}")
         return variable.replace(logical_to_spec(axes, rules, mesh=mesh, shape=shape, name=_path_name(path)))
 
     return jax.tree_util.tree_map_with_path(spec_of, state, is_leaf=_is_variable)
@@ -150,12 +161,12 @@ def param_shardings(model_or_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULE
     Works on a concrete model, its state, or an abstract one from `nnx.eval_shape`.
     """
     specs = param_specs(model_or_state, rules, mesh)
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A `Mesh` of `devices` (default: all) with the given shape; one entry may be -1 ("the rest")."""
     devices = list(jax.devices() if devices is None else devices)
     shape = [int(s) for s in shape]
@@ -175,8 +186,9 @@ def make_mesh(shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES,
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
-def split_devices(devices: Sequence[jax.Device], generator_fraction: float
-                  ) -> tuple[list[jax.Device], list[jax.Device]]:
+def split_devices(
+    devices: Sequence[jax.Device], generator_fraction: float
+) -> tuple[list[jax.Device], list[jax.Device]]:
     """Disjoint (generator, trainer) device lists: the first round(n * fraction) devices generate.
 
     Each side gets at least one device. With a single device both sides share it (CPU runs).

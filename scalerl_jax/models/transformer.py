@@ -5,6 +5,7 @@ applied with `jax.lax.scan` over `nnx.split` state slices, so compile time does 
 depth) or a list of L separate layers (unrolled). Both apply `jax.checkpoint` per layer with the
 policy named by `config.remat_policy` when gradients are taken through `__call__`/`hidden`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,8 +34,7 @@ def remat_policy(name: str) -> Callable[..., bool] | None:
         "full": policies.nothing_saveable,
         "dots": policies.checkpoint_dots,
         "dots_with_no_batch_dims": policies.dots_with_no_batch_dims_saveable,
-        "save_qkv_attn": policies.save_only_these_names(
-            "query_proj", "key_proj", "value_proj", "attention_out"),
+        "save_qkv_attn": policies.save_only_these_names("query_proj", "key_proj", "value_proj", "attention_out"),
     }
     if name == "none":
         return None
@@ -60,12 +60,15 @@ def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> ja
     hidden, weight = hidden.astype(jnp.float32), weight.astype(jnp.float32)
 
     def dot_at(precision: jax.lax.Precision | jax.lax.DotAlgorithmPreset) -> Callable[..., jax.Array]:
-        return lambda h, w: jnp.einsum("...d,dv->...v", h, w, precision=precision,
-                                       preferred_element_type=jnp.float32)
+        return lambda h, w: jnp.einsum("...d,dv->...v", h, w, precision=precision, preferred_element_type=jnp.float32)
 
     if head_precision == "bf16x3":
-        return jax.lax.platform_dependent(hidden, weight, cuda=dot_at(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
-                                          default=dot_at(jax.lax.Precision.HIGHEST))
+        return jax.lax.platform_dependent(
+            hidden,
+            weight,
+            cuda=dot_at(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
+            default=dot_at(jax.lax.Precision.HIGHEST),
+        )
     return dot_at(jax.lax.Precision[head_precision.upper()])(hidden, weight)
 
 
@@ -75,8 +78,9 @@ class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         d, v = config.hidden_size, config.vocab_size
-        self.embed_tokens = make_param(rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config),
-                                       stddev=config.initializer_range)
+        self.embed_tokens = make_param(
+            rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config), stddev=config.initializer_range
+        )
         if config.scan_layers:
             self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers)
         else:
@@ -84,8 +88,9 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype_of(config.dtype))
         if not config.tie_word_embeddings:
             head_dtype = jnp.float32 if config.fp32_head else dtype_of(config.dtype)
-            self.lm_head = make_param(rngs, (d, v), ("embed", "vocab"), dtype=head_dtype,
-                                      stddev=config.initializer_range)
+            self.lm_head = make_param(
+                rngs, (d, v), ("embed", "vocab"), dtype=head_dtype, stddev=config.initializer_range
+            )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Logits float32 [B, T, V] of causal attention over tokens [B, T]."""
@@ -106,8 +111,7 @@ class Transformer(nnx.Module):
             return layer(x, pos)
 
         if policy_name != "none":
-            apply_layer = _checkpointed(apply_layer, remat_policy(policy_name),
-                                        prevent_cse=not self.config.scan_layers)
+            apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
         x = self.embed(tokens)
         if self.config.scan_layers:
             x, _ = _scan_layers(self.layers, lambda layer, h, _: (apply_layer(layer, h, positions), None), x, None)
@@ -131,8 +135,15 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("...d,dv->...v", hidden.astype(body), weight.astype(body)).astype(jnp.float32)
         return sharding.constrain(logits, sharding.LOGITS_AXES) if logits.ndim == 3 else logits
 
-    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
-                       window: int | None = None, block: int | None = None) -> tuple[jax.Array, KVCache]:
+    def forward_cached(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache,
+        *,
+        window: int | None = None,
+        block: int | None = None,
+    ) -> tuple[jax.Array, KVCache]:
         """Final-normed hidden [B, T, D] and the updated cache.
 
         For each row b and step t, K/V of tokens[b, t] are written at cache[:, b, positions[b, t]]
@@ -155,10 +166,12 @@ class Transformer(nnx.Module):
         if block < 1:
             raise ValueError(f"forward_cached: block={block} must be >= 1")
         return self._through_layers(
-            tokens, cache, lambda layer, h, c, index: layer.forward_cached(h, positions, c, index, window, block))
+            tokens, cache, lambda layer, h, c, index: layer.forward_cached(h, positions, c, index, window, block)
+        )
 
-    def forward_paged(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-                      pages: PagedView) -> tuple[jax.Array, KVCache]:
+    def forward_paged(
+        self, tokens: jax.Array, positions: jax.Array, cache: KVCache, pages: PagedView
+    ) -> tuple[jax.Array, KVCache]:
         """Final-normed hidden [S, 1, D] of one decode step and the updated paged cache.
 
         cache {'k', 'v'}: [L, G, N, P, K, D] page pools (`init_kv_pages`), carried whole through the
@@ -166,11 +179,15 @@ class Transformer(nnx.Module):
         below `pages.lengths` (`layers.Attention.forward_paged`).
         """
         return self._through_layers(
-            tokens, cache, lambda layer, h, c, index: layer.forward_paged(h, positions, c, index, pages))
+            tokens, cache, lambda layer, h, c, index: layer.forward_paged(h, positions, c, index, pages)
+        )
 
-    def _through_layers(self, tokens: jax.Array, cache: KVCache,
-                        apply: Callable[[DecoderLayer, jax.Array, KVCache, Any], tuple[jax.Array, KVCache]]
-                        ) -> tuple[jax.Array, KVCache]:
+    def _through_layers(
+        self,
+        tokens: jax.Array,
+        cache: KVCache,
+        apply: Callable[[DecoderLayer, jax.Array, KVCache, Any], tuple[jax.Array, KVCache]],
+    ) -> tuple[jax.Array, KVCache]:
         """Embed, fold `apply(layer, h, cache, layer_index)` over the layers (a scan when stacked),
         final norm; the cache is carried through the loop."""
         x = self.embed(tokens)
@@ -190,8 +207,9 @@ class Transformer(nnx.Module):
         return self.final_norm(x), cache
 
 
-def _checkpointed(apply_layer: Callable[..., jax.Array], policy: Callable[..., bool], *,
-                  prevent_cse: bool) -> Callable[..., jax.Array]:
+def _checkpointed(
+    apply_layer: Callable[..., jax.Array], policy: Callable[..., bool], *, prevent_cse: bool
+) -> Callable[..., jax.Array]:
     """`apply_layer(layer, x, pos)` under `jax.checkpoint` (the layer passed functionally as its state).
 
     prevent_cse can be False inside `lax.scan`, which already keeps XLA from merging the recomputation.
@@ -208,8 +226,12 @@ def _checkpointed(apply_layer: Callable[..., jax.Array], policy: Callable[..., b
     return apply
 
 
-def _scan_layers(stacked: DecoderLayer, body: Callable[[DecoderLayer, jax.Array, Any], tuple[jax.Array, Any]],
-                 x: jax.Array, per_layer: Any) -> tuple[jax.Array, Any]:
+def _scan_layers(
+    stacked: DecoderLayer,
+    body: Callable[[DecoderLayer, jax.Array, Any], tuple[jax.Array, Any]],
+    x: jax.Array,
+    per_layer: Any,
+) -> tuple[jax.Array, Any]:
     """Fold `body(layer_i, x, per_layer[i]) -> (x, out_i)` over the stacked layers with lax.scan."""
     graphdef, state = nnx.split(stacked)
 
@@ -229,11 +251,19 @@ def _check_cache(config: ModelConfig, cache: KVCache, batch: int) -> None:
         if len(shape) != 5 or (shape[0], shape[1], shape[3], shape[4]) != expected:
             raise ValueError(
                 f"KV cache {name!r} has shape {tuple(shape)}; expected [num_layers={expected[0]}, "
-                f"batch={batch}, max_len, num_kv_heads={expected[2]}, head_dim={expected[3]}]")
+                f"batch={batch}, max_len, num_kv_heads={expected[2]}, head_dim={expected[3]}]"
+            )
 
 
-def init_kv_cache(config: ModelConfig, batch: int, max_len: int, *, dtype: str | None = None,
-                  mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+def init_kv_cache(
+    config: ModelConfig,
+    batch: int,
+    max_len: int,
+    *,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> KVCache:
     """Zero KV cache {'k', 'v'}, each [num_layers, batch, max_len, num_kv_heads, head_dim].
 
     dtype defaults to the body dtype. With a mesh the zeros are created directly on their
@@ -252,9 +282,16 @@ def init_kv_cache(config: ModelConfig, batch: int, max_len: int, *, dtype: str |
     return jax.jit(zeros, out_shardings={"k": out, "v": out})()
 
 
-def init_kv_pages(config: ModelConfig, *, groups: int, pages_per_group: int, page_size: int,
-                  dtype: str | None = None, mesh: Mesh | None = None,
-                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> KVCache:
+def init_kv_pages(
+    config: ModelConfig,
+    *,
+    groups: int,
+    pages_per_group: int,
+    page_size: int,
+    dtype: str | None = None,
+    mesh: Mesh | None = None,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> KVCache:
     """Zero paged KV cache {'k', 'v'}, each [num_layers, groups, pages_per_group, page_size,
     num_kv_heads, head_dim] (logical axes `sharding.PAGED_KV_CACHE_AXES`: groups like the batch,
     so each device holds the pages of its own slots). dtype defaults to the body dtype."""
@@ -266,14 +303,14 @@ def init_kv_pages(config: ModelConfig, *, groups: int, pages_per_group: int, pag
 
     if mesh is None:
         return zeros()
-    spec = sharding.logical_to_spec(sharding.PAGED_KV_CACHE_AXES, rules, mesh=mesh, shape=shape,
-                                    name="paged kv_cache")
+    spec = sharding.logical_to_spec(sharding.PAGED_KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="paged kv_cache")
     out = NamedSharding(mesh, spec)
     return jax.jit(zeros, out_shardings={"k": out, "v": out})()
 
 
-def init_transformer(config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
-                     rules: sharding.Rules = sharding.DEFAULT_RULES) -> Transformer:
+def init_transformer(
+    config: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None, rules: sharding.Rules = sharding.DEFAULT_RULES
+) -> Transformer:
     """A randomly initialized `Transformer` built by one jitted program and, with a mesh, created
     directly on `param_shardings` (an 8B model never sits whole on one device). The draws are those
     of `Transformer(config, rngs=nnx.Rngs(seed))` (equal up to float rounding of the fused program)."""

@@ -8,16 +8,46 @@ Only this package (and `main`) uses threads.
 
 from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
-from scalerl_jax.pipeline.lag import (PipelineSchedule, PPOOffPolicySchedule, Schedule, Ticket,
-                                      default_capacity, make_schedule)
+from scalerl_jax.pipeline.lag import (
+    PipelineSchedule,
+    PPOOffPolicySchedule,
+    Schedule,
+    Ticket,
+    default_capacity,
+    make_schedule,
+)
 from scalerl_jax.pipeline.generator import Admission, GeneratorLink, GeneratorLoop, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, StepRecord
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate
 
 __all__ = [
-    "Admission", "BufferCounts", "ClusterSpec", "GeneratorLink", "GeneratorLoop", "GeneratorStats", "Group", "GroupBuffer", "PPOOffPolicySchedule",
-    "LocalLink", "Pipeline", "PipelineConfig", "PipelineResult", "PipelineSchedule", "PipelineStopped", "Prompt",
-    "Schedule", "SimResult", "StepRecord", "Ticket", "WaitTimes", "build_train_batch",
-    "default_capacity", "lags", "make_schedule", "pick_bucket", "power_of_two_buckets", "simulate",
+    "Admission",
+    "BufferCounts",
+    "ClusterSpec",
+    "GeneratorLink",
+    "GeneratorLoop",
+    "GeneratorStats",
+    "Group",
+    "GroupBuffer",
+    "PPOOffPolicySchedule",
+    "LocalLink",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineResult",
+    "PipelineSchedule",
+    "PipelineStopped",
+    "Prompt",
+    "Schedule",
+    "SimResult",
+    "StepRecord",
+    "Ticket",
+    "WaitTimes",
+    "build_train_batch",
+    "default_capacity",
+    "lags",
+    "make_schedule",
+    "pick_bucket",
+    "power_of_two_buckets",
+    "simulate",
 ]

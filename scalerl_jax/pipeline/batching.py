@@ -74,8 +74,9 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
     for bucket in sorted(buckets):
         if bucket >= length:
             return bucket
-    raise ValueError(f"train batch: a sequence of {length} tokens exceeds the largest length "
-                     f"bucket {max(buckets)} (max_seq_len)")
+    raise ValueError(
+        f"train batch: a sequence of {length} tokens exceeds the largest length bucket {max(buckets)} (max_seq_len)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +84,8 @@ class MicrobatchPlan:
     """Rows sorted into microbatches: row p of microbatch m is sample `order[m, p]` (an index into
     the batch's samples, padding rows included), padded to `lengths[m]` tokens."""
 
-    order: np.ndarray            # int [M, R]
-    lengths: tuple[int, ...]     # T_m, one bucket per microbatch
+    order: np.ndarray  # int [M, R]
+    lengths: tuple[int, ...]  # T_m, one bucket per microbatch
 
     @property
     def padded_tokens(self) -> int:
@@ -92,8 +93,9 @@ class MicrobatchPlan:
         return int(self.order.shape[1] * sum(self.lengths))
 
 
-def plan_sorted_microbatches(lengths: Sequence[int], num_microbatches: int,
-                             length_buckets: Sequence[int]) -> MicrobatchPlan:
+def plan_sorted_microbatches(
+    lengths: Sequence[int], num_microbatches: int, length_buckets: Sequence[int]
+) -> MicrobatchPlan:
     """Samples sorted by length, longest first (ties by index), cut into `num_microbatches`
     chunks of R = B / M consecutive samples; chunk m is padded to the smallest bucket >= its
     longest sample. Sorting makes the rows of a chunk nearly equal in length, so the padding is
@@ -101,11 +103,11 @@ def plan_sorted_microbatches(lengths: Sequence[int], num_microbatches: int,
     lengths = np.asarray(lengths, np.int64)
     rows = len(lengths)
     if num_microbatches < 1 or rows % num_microbatches:
-        raise ValueError(f"sorted microbatches: B={rows} rows do not split into "
-                         f"num_microbatches={num_microbatches}")
+        raise ValueError(f"sorted microbatches: B={rows} rows do not split into num_microbatches={num_microbatches}")
     order = np.argsort(-lengths, kind="stable").reshape(num_microbatches, rows // num_microbatches)
-    return MicrobatchPlan(order=order, lengths=tuple(pick_bucket(int(max(lengths[chunk].max(), 1)),
-                                                                 length_buckets) for chunk in order))
+    return MicrobatchPlan(
+        order=order, lengths=tuple(pick_bucket(int(max(lengths[chunk].max(), 1)), length_buckets) for chunk in order)
+    )
 
 
 def padding_fraction(lengths: Sequence[int], padded_tokens: int) -> float:
@@ -155,20 +157,28 @@ class _Sample:
 
 def _pad_rows(samples: Sequence[_Sample | None], length: int) -> dict[str, np.ndarray]:
     """tokens / loss_mask / behavior_logp [len(samples), length], right padded (None: all 0)."""
-    arrays = {"tokens": np.zeros((len(samples), length), np.int32),
-              "loss_mask": np.zeros((len(samples), length), np.float32),
-              "behavior_logp": np.zeros((len(samples), length), np.float32)}
+    arrays = {
+        "tokens": np.zeros((len(samples), length), np.int32),
+        "loss_mask": np.zeros((len(samples), length), np.float32),
+        "behavior_logp": np.zeros((len(samples), length), np.float32),
+    }
     for row, sample in enumerate(samples):
         if sample is not None:
             for name, array in arrays.items():
                 values = getattr(sample, name)
-                array[row, :len(values)] = values
+                array[row, : len(values)] = values
     return arrays
 
 
-def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Sequence[int],
-                      zero_variance: str = "drop", mask_truncated: bool = False,
-                      microbatches: int | None = None) -> tuple[dict[str, np.ndarray], BatchInfo]:
+def build_train_batch(
+    groups: Sequence[Group],
+    *,
+    rows: int,
+    length_buckets: Sequence[int],
+    zero_variance: str = "drop",
+    mask_truncated: bool = False,
+    microbatches: int | None = None,
+) -> tuple[dict[str, np.ndarray], BatchInfo]:
     """The train batch dict (module docstring) and its `BatchInfo`; with `mask_truncated`, the
     completions `cut_by_length` get loss_mask 0 (module docstring).
 
@@ -183,8 +193,11 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         raise ValueError(f"zero_variance={zero_variance!r}: expected one of {ZERO_VARIANCE_MODES}")
     if not groups:
         raise ValueError("build_train_batch: no groups")
-    samples = [(g_index, j, group, completion) for g_index, group in enumerate(groups)
-               for j, completion in enumerate(group.completions)]
+    samples = [
+        (g_index, j, group, completion)
+        for g_index, group in enumerate(groups)
+        for j, completion in enumerate(group.completions)
+    ]
     if len(samples) > rows:
         raise ValueError(f"build_train_batch: {len(samples)} completions do not fit rows={rows}")
     sequences: list[_Sample | None] = [None] * rows
@@ -198,7 +211,8 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         if not (len(completion.logprobs) == len(sampled) == len(completion.tokens)):
             raise ValueError(
                 f"group {group.group_id} completion {j}: tokens/logprobs/sampled lengths "
-                f"{len(completion.tokens)}/{len(completion.logprobs)}/{len(sampled)} differ")
+                f"{len(completion.tokens)}/{len(completion.logprobs)}/{len(sampled)} differ"
+            )
         if mask_truncated and cut_by_length(completion):
             sampled = np.zeros_like(sampled)
             truncated_masked += 1
@@ -207,7 +221,8 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
         sequences[index] = _Sample(
             tokens=np.concatenate([prompt, np.asarray(completion.tokens, np.int32)]),
             loss_mask=np.concatenate([no_loss, sampled.astype(np.float32)]),
-            behavior_logp=np.concatenate([no_loss, np.where(sampled, completion.logprobs, 0.0)]))
+            behavior_logp=np.concatenate([no_loss, np.where(sampled, completion.logprobs, 0.0)]),
+        )
         lengths[index] = len(prompt) + len(completion.tokens)
         rewards[index] = group.rewards[j]
         group_ids[index] = g_index
@@ -220,34 +235,52 @@ def build_train_batch(groups: Sequence[Group], *, rows: int, length_buckets: Seq
     sample_valid = np.asarray(sample_valid, bool)
     if microbatches is None:
         length = pick_bucket(int(lengths.max()), length_buckets)
-        batch = {**_pad_rows(sequences, length), "rewards": rewards, "group_ids": group_ids,
-                 "sample_valid": sample_valid}
+        batch = {
+            **_pad_rows(sequences, length),
+            "rewards": rewards,
+            "group_ids": group_ids,
+            "sample_valid": sample_valid,
+        }
         padded_shapes = ((rows, length),)
         sampled_tokens = int(batch["loss_mask"].sum())
     else:
-        batch, padded_shapes = _sorted_layout(sequences, lengths, microbatches, length_buckets, {
-            "rewards": rewards, "group_ids": group_ids, "sample_valid": sample_valid})
+        batch, padded_shapes = _sorted_layout(
+            sequences,
+            lengths,
+            microbatches,
+            length_buckets,
+            {"rewards": rewards, "group_ids": group_ids, "sample_valid": sample_valid},
+        )
         sampled_tokens = int(batch["loss_tokens"].sum())
     completions = [c for _, _, _, c in samples]
     info = BatchInfo(
-        num_groups=len(groups), num_completions=len(samples), zero_variance_groups=int(dropped),
-        sequence_length=max(t for _, t in padded_shapes), longest_sequence=int(lengths.max()),
+        num_groups=len(groups),
+        num_completions=len(samples),
+        zero_variance_groups=int(dropped),
+        sequence_length=max(t for _, t in padded_shapes),
+        longest_sequence=int(lengths.max()),
         completion_tokens=sum(len(c.tokens) for c in completions),
         sampled_tokens=sampled_tokens,
         interrupted=sum(bool(c.interrupted) for c in completions),
-        truncated=sum(bool(c.truncated) for c in completions), truncated_masked=truncated_masked,
-        padded_shapes=padded_shapes, sequence_tokens=int(lengths.sum()))
+        truncated=sum(bool(c.truncated) for c in completions),
+        truncated_masked=truncated_masked,
+        padded_shapes=padded_shapes,
+        sequence_tokens=int(lengths.sum()),
+    )
     return batch, info
 
 
-def _sorted_layout(sequences: Sequence[_Sample | None], lengths: np.ndarray, microbatches: int,
-                   length_buckets: Sequence[int], per_row: dict[str, np.ndarray]
-                   ) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...]]:
+def _sorted_layout(
+    sequences: Sequence[_Sample | None],
+    lengths: np.ndarray,
+    microbatches: int,
+    length_buckets: Sequence[int],
+    per_row: dict[str, np.ndarray],
+) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...]]:
     """The sorted layout (`build_train_batch`) and its padded (R, T_m) shapes."""
     plan = plan_sorted_microbatches(lengths, microbatches, length_buckets)
     dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]
-    loss_tokens = np.asarray([0.0 if s is None else float(s.loss_mask.sum()) for s in sequences],
-                             np.float32)
+    loss_tokens = np.asarray([0.0 if s is None else float(s.loss_mask.sum()) for s in sequences], np.float32)
     batch = {name: array[dealt] for name, array in {**per_row, "loss_tokens": loss_tokens}.items()}
     for m, (chunk, length) in enumerate(zip(plan.order, plan.lengths)):
         for name, array in _pad_rows([sequences[i] for i in chunk], length).items():

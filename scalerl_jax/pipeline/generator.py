@@ -98,8 +98,9 @@ class GeneratorCounters:
 
     def add(self, **increments: float) -> None:
         with self._lock:
-            self._stats = dataclasses.replace(self._stats, **{
-                name: getattr(self._stats, name) + value for name, value in increments.items()})
+            self._stats = dataclasses.replace(
+                self._stats, **{name: getattr(self._stats, name) + value for name, value in increments.items()}
+            )
 
     def snapshot(self) -> GeneratorStats:
         with self._lock:
@@ -160,9 +161,17 @@ class LocalLink:
     Thread safe. `close()` closes the buffer and wakes every waiter here with `PipelineStopped`.
     """
 
-    def __init__(self, buffer: GroupBuffer, *, prompt_source: Callable[[], Prompt],
-                 reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]], samples_per_prompt: int,
-                 zero_variance: str, counters: GeneratorCounters, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        buffer: GroupBuffer,
+        *,
+        prompt_source: Callable[[], Prompt],
+        reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]],
+        samples_per_prompt: int,
+        zero_variance: str,
+        counters: GeneratorCounters,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.buffer = buffer
         self._prompt_source, self._reward_fn = prompt_source, reward_fn
         self._samples, self._zero_variance = samples_per_prompt, zero_variance
@@ -205,8 +214,10 @@ class LocalLink:
     def finish(self, admission: Admission, completions: Sequence[Any]) -> None:
         early = [v for c in completions for v in c.versions[:1] if v < admission.version]
         if early:
-            raise RuntimeError(f"group {admission.group_id}: first token version {min(early)} is older than "
-                               f"its admission version {admission.version}")
+            raise RuntimeError(
+                f"group {admission.group_id}: first token version {min(early)} is older than "
+                f"its admission version {admission.version}"
+            )
         with self._cond:
             self._raise_if_closed()
             self._to_score.append((admission, completions))
@@ -229,12 +240,19 @@ class LocalLink:
         rewards = np.asarray(self._reward_fn(admission.prompt, completions), np.float32)
         score_s = self._clock() - start
         if rewards.shape != (self._samples,):
-            raise ValueError(f"reward_fn returned shape {rewards.shape} for group {admission.group_id}; "
-                             f"expected ({self._samples},)")
-        group = Group(group_id=admission.group_id, prompt=admission.prompt, admit_version=admission.version,
-                      completions=completions, rewards=rewards)
-        produced = dict(generated_tokens=sum(len(c.tokens) for c in completions), completions=len(completions),
-                        score_s=score_s)
+            raise ValueError(
+                f"reward_fn returned shape {rewards.shape} for group {admission.group_id}; expected ({self._samples},)"
+            )
+        group = Group(
+            group_id=admission.group_id,
+            prompt=admission.prompt,
+            admit_version=admission.version,
+            completions=completions,
+            rewards=rewards,
+        )
+        produced = dict(
+            generated_tokens=sum(len(c.tokens) for c in completions), completions=len(completions), score_s=score_s
+        )
         if self._zero_variance == "refill" and np.all(rewards == rewards[0]):
             self.buffer.discard(admission.group_id)
             self._counters.add(groups_discarded=1, **produced)
@@ -282,8 +300,9 @@ class LocalLink:
             job = self._next_job
             self._next_job += 1
             self._jobs[job] = _EvalJob(version, [tuple(int(t) for t in p) for p in prompts])
-            self._eval_queue.extend(EvalItem(job, i, prompt, seed_offset + i, version)
-                                    for i, prompt in enumerate(self._jobs[job].prompts))
+            self._eval_queue.extend(
+                EvalItem(job, i, prompt, seed_offset + i, version) for i, prompt in enumerate(self._jobs[job].prompts)
+            )
             self._cond.notify_all()
         self.buffer.notify()  # wakes generators waiting on the buffer
         with self._cond:
@@ -320,7 +339,8 @@ class LocalLink:
                 if newer:
                     raise RuntimeError(
                         f"evaluation of params version {job.version} (request {index}) sampled tokens with "
-                        f"versions {newer}: a params version was pushed before the evaluation returned")
+                        f"versions {newer}: a params version was pushed before the evaluation returned"
+                    )
                 job.done[index] = completion
             self._cond.notify_all()
 
@@ -348,21 +368,39 @@ class GeneratorLoop:
     and the seconds spent in them.
     """
 
-    def __init__(self, batcher: Any, link: GeneratorLink, settings: SamplingSettings,
-                 counters: GeneratorCounters, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        batcher: Any,
+        link: GeneratorLink,
+        settings: SamplingSettings,
+        counters: GeneratorCounters,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.batcher, self.link, self.settings = batcher, link, settings
         self._counters, self._clock = counters, clock
 
     def _request(self, request_id: Hashable, prompt: Sequence[int], seed: int) -> Request:
         s = self.settings
-        return Request(request_id=request_id, prompt_tokens=prompt, max_new_tokens=s.max_new_tokens, seed=seed,
-                       temperature=s.temperature, stop_tokens=s.stop_tokens, interrupt=s.interrupt)
+        return Request(
+            request_id=request_id,
+            prompt_tokens=prompt,
+            max_new_tokens=s.max_new_tokens,
+            seed=seed,
+            temperature=s.temperature,
+            stop_tokens=s.stop_tokens,
+            interrupt=s.interrupt,
+        )
 
     def _requests(self, admission: Admission) -> list[Request]:
         s = self.settings
-        return [self._request((admission.group_id, sample), admission.prompt.tokens,
-                              request_seed(s.seed, admission.version, admission.index, sample))
-                for sample in range(s.samples_per_prompt)]
+        return [
+            self._request(
+                (admission.group_id, sample),
+                admission.prompt.tokens,
+                request_seed(s.seed, admission.version, admission.index, sample),
+            )
+            for sample in range(s.samples_per_prompt)
+        ]
 
     def _room(self) -> int:
         """Requests the batcher may still queue: its free slots plus the slack, less those pending."""

@@ -43,8 +43,9 @@ class Group:
     def __post_init__(self) -> None:
         rewards = np.asarray(self.rewards, np.float32).reshape(-1)
         if rewards.shape[0] != len(self.completions):
-            raise ValueError(f"group {self.group_id}: {rewards.shape[0]} rewards for "
-                             f"{len(self.completions)} completions")
+            raise ValueError(
+                f"group {self.group_id}: {rewards.shape[0]} rewards for {len(self.completions)} completions"
+            )
         if not np.all(np.isfinite(rewards)):
             raise ValueError(f"group {self.group_id}: non-finite reward {rewards.tolist()}")
         object.__setattr__(self, "rewards", rewards)

@@ -57,9 +57,7 @@ class Schedule(Protocol):
     groups_per_step: int
     max_lag: int
 
-    def admission_allowed(
-        self, *, num_unconsumed: int, generator_version: int, next_batch_version: int
-    ) -> bool:
+    def admission_allowed(self, *, num_unconsumed: int, generator_version: int, next_batch_version: int) -> bool:
         """May one more group be admitted now?"""
 
     def select_batch(self, tickets: Sequence[Ticket], next_batch_version: int) -> list[int] | None:
@@ -88,9 +86,7 @@ class PipelineSchedule:
         _check_positive("PipelineSchedule.max_lag", self.max_lag, 0)
         _check_positive("PipelineSchedule.groups_per_step", self.groups_per_step, 1)
 
-    def admission_allowed(
-        self, *, num_unconsumed: int, generator_version: int, next_batch_version: int
-    ) -> bool:
+    def admission_allowed(self, *, num_unconsumed: int, generator_version: int, next_batch_version: int) -> bool:
         """`unconsumed + 1 <= (v + k - t + 1) * G` (module docstring)."""
         horizon = generator_version + self.max_lag - next_batch_version + 1
         return num_unconsumed + 1 <= horizon * self.groups_per_step
@@ -105,7 +101,8 @@ class PipelineSchedule:
                 raise RuntimeError(
                     f"lag bound broken: group {ticket.group_id} admitted at version "
                     f"{ticket.admit_version} is still unconsumed at trainer version {t} "
-                    f"(max_lag={self.max_lag}); admission control was bypassed")
+                    f"(max_lag={self.max_lag}); admission control was bypassed"
+                )
             deadlines[ticket.group_id] = deadline
         finished = sorted((deadlines[x.group_id], x.group_id) for x in tickets if x.finished)
         if len(finished) < size:
@@ -152,9 +149,7 @@ class PPOOffPolicySchedule:
     def is_phase_start(self, version: int) -> bool:
         return (version - self.first_version) % self.max_lag == 0
 
-    def admission_allowed(
-        self, *, num_unconsumed: int, generator_version: int, next_batch_version: int
-    ) -> bool:
+    def admission_allowed(self, *, num_unconsumed: int, generator_version: int, next_batch_version: int) -> bool:
         """At a phase start, with the generator on the trainer's version, up to k*G groups."""
         return (
             self.is_phase_start(next_batch_version)
@@ -170,8 +165,8 @@ class PPOOffPolicySchedule:
         versions = {x.admit_version for x in tickets}
         if len(versions) > 1:
             raise RuntimeError(
-                f"PPO-off-policy phase mixes admission versions {sorted(versions)}; "
-                "admission control was bypassed")
+                f"PPO-off-policy phase mixes admission versions {sorted(versions)}; admission control was bypassed"
+            )
         ordered = sorted(x.group_id for x in tickets if x.finished)
         if len(ordered) < self.groups_per_step:
             return None
@@ -191,8 +186,7 @@ def make_schedule(kind: str, *, k: int, groups_per_step: int, first_version: int
     if kind == "pipeline":
         return PipelineSchedule(max_lag=k, groups_per_step=groups_per_step)
     if kind == "ppo_off_policy":
-        return PPOOffPolicySchedule(
-            max_lag=k, groups_per_step=groups_per_step, first_version=first_version)
+        return PPOOffPolicySchedule(max_lag=k, groups_per_step=groups_per_step, first_version=first_version)
     raise ValueError(f"schedule kind {kind!r}: expected 'pipeline' or 'ppo_off_policy'")
 
 

@@ -50,8 +50,7 @@ import numpy as np
 from absl import logging
 
 from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, octave_buckets
-from scalerl_jax.pipeline.generator import (GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink,
-                                            SamplingSettings)
+from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink, SamplingSettings
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
@@ -110,27 +109,38 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in ("pipeline", "ppo_off_policy"):
-            raise ValueError(f"PipelineConfig.schedule={self.schedule!r}: expected 'pipeline' "
-                             "or 'ppo_off_policy'")
+            raise ValueError(f"PipelineConfig.schedule={self.schedule!r}: expected 'pipeline' or 'ppo_off_policy'")
         if self.zero_variance not in ZERO_VARIANCE_MODES:
-            raise ValueError(f"PipelineConfig.zero_variance={self.zero_variance!r}: expected one "
-                             f"of {ZERO_VARIANCE_MODES}")
-        for name, minimum in (("prompts_per_step", 1), ("samples_per_prompt", 1), ("num_steps", 0),
-                              ("max_new_tokens", 1), ("max_seq_len", 2), ("min_length_bucket", 1),
-                              ("length_buckets_per_octave", 1), ("microbatches", 1),
-                              ("first_version", 0)):
+            raise ValueError(
+                f"PipelineConfig.zero_variance={self.zero_variance!r}: expected one of {ZERO_VARIANCE_MODES}"
+            )
+        for name, minimum in (
+            ("prompts_per_step", 1),
+            ("samples_per_prompt", 1),
+            ("num_steps", 0),
+            ("max_new_tokens", 1),
+            ("max_seq_len", 2),
+            ("min_length_bucket", 1),
+            ("length_buckets_per_octave", 1),
+            ("microbatches", 1),
+            ("first_version", 0),
+        ):
             if getattr(self, name) < minimum:
                 raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= {minimum}")
         if self.zero_variance == "refill" and self.samples_per_prompt < 2:
-            raise ValueError("PipelineConfig.zero_variance='refill' needs samples_per_prompt >= 2 "
-                             "(a single completion always has zero variance)")
+            raise ValueError(
+                "PipelineConfig.zero_variance='refill' needs samples_per_prompt >= 2 "
+                "(a single completion always has zero variance)"
+            )
         if self.admission_slack is not None and self.admission_slack < 0:
             raise ValueError(f"PipelineConfig.admission_slack={self.admission_slack} must be >= 0")
         if self.poll_s <= 0 or self.join_timeout_s <= 0:
             raise ValueError("PipelineConfig.poll_s and join_timeout_s must be > 0")
         if self.peak_flops_per_s is not None and not self.peak_flops_per_s > 0:
-            raise ValueError(f"PipelineConfig.peak_flops_per_s={self.peak_flops_per_s} must be > 0 "
-                             "(None when the devices' peak is unknown)")
+            raise ValueError(
+                f"PipelineConfig.peak_flops_per_s={self.peak_flops_per_s} must be > 0 "
+                "(None when the devices' peak is unknown)"
+            )
 
     @property
     def rows(self) -> int:
@@ -180,10 +190,15 @@ class PipelineResult:
 def sampling_settings(config: PipelineConfig) -> SamplingSettings:
     """What every generator's requests share, from the pipeline config (the same on every process)."""
     return SamplingSettings(
-        max_new_tokens=config.max_new_tokens, samples_per_prompt=config.samples_per_prompt,
-        temperature=config.temperature, stop_tokens=tuple(config.stop_tokens), interrupt=config.interrupt,
-        seed=config.seed, poll_s=config.poll_s,
-        admission_slack=config.samples_per_prompt if config.admission_slack is None else config.admission_slack)
+        max_new_tokens=config.max_new_tokens,
+        samples_per_prompt=config.samples_per_prompt,
+        temperature=config.temperature,
+        stop_tokens=tuple(config.stop_tokens),
+        interrupt=config.interrupt,
+        seed=config.seed,
+        poll_s=config.poll_s,
+        admission_slack=config.samples_per_prompt if config.admission_slack is None else config.admission_slack,
+    )
 
 
 class Pipeline:
@@ -205,45 +220,57 @@ class Pipeline:
     waits and throughput.
     """
 
-    def __init__(self, config: PipelineConfig, *, batcher: Any,
-                 prompt_source: Callable[[], Prompt],
-                 reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]],
-                 train_step: Callable[[Any, dict], tuple[Any, dict]], train_state: Any,
-                 push_params: Callable[[Any, int], Any] | None = None,
-                 on_step: Callable[[StepRecord], None] | None = None,
-                 on_start: Callable[[], None] | None = None,
-                 remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        batcher: Any,
+        prompt_source: Callable[[], Prompt],
+        reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]],
+        train_step: Callable[[Any, dict], tuple[Any, dict]],
+        train_state: Any,
+        push_params: Callable[[Any, int], Any] | None = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+        on_start: Callable[[], None] | None = None,
+        remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
-        self.schedule = make_schedule(config.schedule, k=config.k,
-                                      groups_per_step=config.prompts_per_step,
-                                      first_version=config.first_version)
+        self.schedule = make_schedule(
+            config.schedule, k=config.k, groups_per_step=config.prompts_per_step, first_version=config.first_version
+        )
         capacity = config.capacity if config.capacity is not None else default_capacity(self.schedule)
-        self.buffer = GroupBuffer(self.schedule, capacity=capacity,
-                                  first_version=config.first_version, clock=clock)
+        self.buffer = GroupBuffer(self.schedule, capacity=capacity, first_version=config.first_version, clock=clock)
         if batcher is not None and batcher.version != config.first_version:
-            raise ValueError(f"batcher holds params version {batcher.version} but "
-                             f"PipelineConfig.first_version={config.first_version}")
+            raise ValueError(
+                f"batcher holds params version {batcher.version} but "
+                f"PipelineConfig.first_version={config.first_version}"
+            )
         if batcher is None and push_params is None:
             raise ValueError("Pipeline without a local batcher needs push_params")
         self.batcher = batcher
         self.train_step = train_step
-        self.push_params = push_params or (
-            lambda state, version: batcher.update_params(state.params, version))
+        self.push_params = push_params or (lambda state, version: batcher.update_params(state.params, version))
         self.on_step, self.on_start = on_step, on_start
         self.clock = clock
         self.length_buckets = octave_buckets(
-            min(config.min_length_bucket, config.max_seq_len), config.max_seq_len,
-            config.length_buckets_per_octave)
+            min(config.min_length_bucket, config.max_seq_len), config.max_seq_len, config.length_buckets_per_octave
+        )
         self._train_state = train_state
         self._version = config.first_version
         self._pushed_version = config.first_version  # the newest version every generator holds
         self._reporting = threading.Lock()  # held by the trainer across push, on_start and on_step
         self._trained_ids: list[int] = []
         self._generator_stats = GeneratorCounters()
-        self.link = LocalLink(self.buffer, prompt_source=prompt_source, reward_fn=reward_fn,
-                              samples_per_prompt=config.samples_per_prompt,
-                              zero_variance=config.zero_variance, counters=self._generator_stats, clock=clock)
+        self.link = LocalLink(
+            self.buffer,
+            prompt_source=prompt_source,
+            reward_fn=reward_fn,
+            samples_per_prompt=config.samples_per_prompt,
+            zero_variance=config.zero_variance,
+            counters=self._generator_stats,
+            clock=clock,
+        )
         self.sampling = sampling_settings(config)
         self._remote_generators = list(remote_generators)
         self._stop = threading.Event()  # every loop: leave now
@@ -270,16 +297,21 @@ class Pipeline:
         if self.batcher is not None:
             loops.append(("generator", self._generator_loop))
         loops += [(name, functools.partial(serve, self.link, self._stop)) for name, serve in self._remote_generators]
-        threads = [threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}",
-                                    daemon=True) for name, loop in loops]
+        threads = [
+            threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}", daemon=True)
+            for name, loop in loops
+        ]
         previous_handlers = self._install_signal_handlers()
         try:
             for thread in threads:
                 thread.start()
             while any(thread.is_alive() for thread in threads):
                 # A waiting trainer leaves now, a training or reporting one after its step and on_step.
-                if (self._stop_requested.is_set() and not self._stop.is_set()
-                        and self._reporting.acquire(blocking=False)):
+                if (
+                    self._stop_requested.is_set()
+                    and not self._stop.is_set()
+                    and self._reporting.acquire(blocking=False)
+                ):
                     self.link.close()
                     self._reporting.release()
                 for thread in threads:
@@ -296,16 +328,19 @@ class Pipeline:
         if self._error is not None:
             raise self._error
         if stuck:
-            raise RuntimeError(f"pipeline threads {stuck} did not stop within "
-                               f"{self.config.join_timeout_s} s")
+            raise RuntimeError(f"pipeline threads {stuck} did not stop within {self.config.join_timeout_s} s")
         return PipelineResult(
-            train_state=self._train_state, version=self._version,
+            train_state=self._train_state,
+            version=self._version,
             steps=self._version - self.config.first_version,
-            stop_reason=self._stop_reason or "num_steps", counts=self.buffer.counts(),
+            stop_reason=self._stop_reason or "num_steps",
+            counts=self.buffer.counts(),
             trained_group_ids=tuple(self._trained_ids),
             queued_group_ids=tuple(self.buffer.queued_group_ids()),
-            waits=self.buffer.waits(), generator=self._generator_stats.snapshot(),
-            wall_s=self.clock() - start)
+            waits=self.buffer.waits(),
+            generator=self._generator_stats.snapshot(),
+            wall_s=self.clock() - start,
+        )
 
     def _install_signal_handlers(self) -> dict:
         if threading.current_thread() is not threading.main_thread():
@@ -314,8 +349,7 @@ class Pipeline:
         def handler(signum, frame):
             if self._stop_requested.is_set() and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            logging.warning("pipeline: %s received, stopping after the current step",
-                            signal.Signals(signum).name)
+            logging.warning("pipeline: %s received, stopping after the current step", signal.Signals(signum).name)
             self.request_stop(f"signal {signal.Signals(signum).name}")
 
         previous = {}
@@ -367,8 +401,10 @@ class Pipeline:
         (request i with stream `seed_offset + i`); only from `on_start` / `on_step` (module
         docstring). Pushes `version` first if the schedule did not."""
         if version != self._version:
-            raise ValueError(f"sample_eval(version={version}): the trainer holds version {self._version}; "
-                             "only the newest version can be evaluated")
+            raise ValueError(
+                f"sample_eval(version={version}): the trainer holds version {self._version}; "
+                "only the newest version can be evaluated"
+            )
         if self._pushed_version != version:
             self._push(self._train_state, version)
         return self.link.evaluate(version, prompts, seed_offset)
@@ -380,18 +416,20 @@ class Pipeline:
         if self.on_start is not None:
             with self._reporting_step():
                 self.on_start()
-        while (self._version - cfg.first_version < cfg.num_steps
-               and not self._stop_requested.is_set()):
+        while self._version - cfg.first_version < cfg.num_steps and not self._stop_requested.is_set():
             wait_before = self.buffer.waits().trainer_waiting_for_data
             version, groups = self.buffer.take_batch()
             if version != self._version:
                 raise RuntimeError(f"trainer at version {self._version} got batch {version}")
             counts = self.buffer.counts()
             batch, info = build_train_batch(
-                groups, rows=cfg.rows, length_buckets=self.length_buckets,
+                groups,
+                rows=cfg.rows,
+                length_buckets=self.length_buckets,
                 zero_variance="none" if cfg.zero_variance == "none" else "drop",
                 mask_truncated=cfg.mask_truncated,
-                microbatches=cfg.microbatches if cfg.sort_by_length else None)
+                microbatches=cfg.microbatches if cfg.sort_by_length else None,
+            )
             step_start = self.clock()
             self._train_state = None  # the step may donate the state's buffers
             state, train_metrics = self.train_step(state, batch)
@@ -403,28 +441,45 @@ class Pipeline:
                 push_s = self._push(state, self._version) if self.schedule.should_push(self._version) else 0.0
                 self._trained_ids.extend(g.group_id for g in groups)
                 totals.completions += info.num_completions
-                totals.tokens += info.completion_tokens + sum(
-                    len(g.prompt.tokens) * len(g.completions) for g in groups)
+                totals.tokens += info.completion_tokens + sum(len(g.prompt.tokens) * len(g.completions) for g in groups)
                 waits = self.buffer.waits()
                 metrics = dict(train_metrics)
-                metrics.update(step_metrics(
-                    groups, info, version=version, counts=counts, waits=waits,
-                    generator=self._generator_stats.snapshot(), totals=totals,
-                    elapsed=max(self.clock() - totals.start, 1e-9),
-                    wait_s=waits.trainer_waiting_for_data - wait_before, step_s=step_s, push_s=push_s,
-                    step_flops=(None if cfg.train_step_flops is None
-                                else sum(cfg.train_step_flops(rows, length)
-                                         for rows, length in info.padded_shapes)),
-                    peak_flops_per_s=cfg.peak_flops_per_s))
+                metrics.update(
+                    step_metrics(
+                        groups,
+                        info,
+                        version=version,
+                        counts=counts,
+                        waits=waits,
+                        generator=self._generator_stats.snapshot(),
+                        totals=totals,
+                        elapsed=max(self.clock() - totals.start, 1e-9),
+                        wait_s=waits.trainer_waiting_for_data - wait_before,
+                        step_s=step_s,
+                        push_s=push_s,
+                        step_flops=(
+                            None
+                            if cfg.train_step_flops is None
+                            else sum(cfg.train_step_flops(rows, length) for rows, length in info.padded_shapes)
+                        ),
+                        peak_flops_per_s=cfg.peak_flops_per_s,
+                    )
+                )
                 metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
                 totals.discarded = counts.discarded
                 if self.on_step is not None:
-                    self.on_step(StepRecord(
-                        version=version, group_ids=tuple(g.group_id for g in groups),
-                        first_versions=tuple(v for g in groups for v in g.first_versions),
-                        last_versions=tuple(v for g in groups for v in g.last_versions),
-                        lags=tuple(int(x) for x in lags(groups, version)), metrics=metrics,
-                        groups=tuple(groups), train_state=state))
+                    self.on_step(
+                        StepRecord(
+                            version=version,
+                            group_ids=tuple(g.group_id for g in groups),
+                            first_versions=tuple(v for g in groups for v in g.first_versions),
+                            last_versions=tuple(v for g in groups for v in g.last_versions),
+                            lags=tuple(int(x) for x in lags(groups, version)),
+                            metrics=metrics,
+                            groups=tuple(groups),
+                            train_state=state,
+                        )
+                    )
 
 
 @dataclasses.dataclass
@@ -437,10 +492,22 @@ class _Totals:
     discarded: int = 0  # buffer's discarded count at the previous step
 
 
-def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, counts: BufferCounts,
-                 waits: WaitTimes, generator: GeneratorStats, totals: _Totals, elapsed: float,
-                 wait_s: float, step_s: float, push_s: float, step_flops: float | None = None,
-                 peak_flops_per_s: float | None = None) -> dict[str, float]:
+def step_metrics(
+    groups: Sequence[Group],
+    info: BatchInfo,
+    *,
+    version: int,
+    counts: BufferCounts,
+    waits: WaitTimes,
+    generator: GeneratorStats,
+    totals: _Totals,
+    elapsed: float,
+    wait_s: float,
+    step_s: float,
+    push_s: float,
+    step_flops: float | None = None,
+    peak_flops_per_s: float | None = None,
+) -> dict[str, float]:
     """The pipeline's per-step metrics. Lag of a completion = `version` (the params the step ran
     on) - version of its first token; versions spanned = last - first token version + 1; idle
     fractions and rates are cumulative over the `elapsed` seconds of the run. Over the batch's
@@ -487,8 +554,7 @@ def step_metrics(groups: Sequence[Group], info: BatchInfo, *, version: int, coun
         "sampler/interrupted_frac": info.interrupted / info.num_completions,
         "sampler/truncated_frac": info.truncated / info.num_completions,
         "sampler/score_s": generator.score_s,
-        "data/zero_variance_dropped": float(
-            info.zero_variance_groups + counts.discarded - totals.discarded),
+        "data/zero_variance_dropped": float(info.zero_variance_groups + counts.discarded - totals.discarded),
         "data/truncated_masked": float(info.truncated_masked),
         "train/reward_std": float(rewards.std()),
         "train/completion_len_mean": float(lengths.mean()),

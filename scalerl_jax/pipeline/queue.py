@@ -63,7 +63,8 @@ class GroupBuffer:
         if capacity < schedule.min_capacity():
             raise ValueError(
                 f"GroupBuffer capacity={capacity} groups is below the schedule's minimum "
-                f"{schedule.min_capacity()} (it could never form a batch)")
+                f"{schedule.min_capacity()} (it could never form a batch)"
+            )
         self.schedule = schedule
         self.capacity = capacity
         self._clock = clock
@@ -173,8 +174,7 @@ class GroupBuffer:
             try:
                 while True:
                     self._raise_if_closed()
-                    chosen = self.schedule.select_batch(
-                        list(self._tickets.values()), self._next_batch_version)
+                    chosen = self.schedule.select_batch(list(self._tickets.values()), self._next_batch_version)
                     if chosen is not None:
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()

@@ -77,9 +77,16 @@ class ClusterSpec:
     weight_load_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("num_generators", "num_trainers", "slots_per_generator", "chunk_steps",
-                     "prompts_per_step", "samples_per_prompt", "prompt_tokens",
-                     "min_completion_tokens"):
+        for name in (
+            "num_generators",
+            "num_trainers",
+            "slots_per_generator",
+            "chunk_steps",
+            "prompts_per_step",
+            "samples_per_prompt",
+            "prompt_tokens",
+            "min_completion_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)} must be >= 1")
         if self.max_completion_tokens < self.min_completion_tokens:
@@ -87,8 +94,16 @@ class ClusterSpec:
         for name in ("length_median", "decode_step_s", "train_token_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)} must be > 0")
-        for name in ("group_sigma", "sample_sigma", "decode_slot_s", "decode_kv_token_s",
-                     "prefill_token_s", "train_step_overhead_s", "weight_push_s", "weight_load_s"):
+        for name in (
+            "group_sigma",
+            "sample_sigma",
+            "decode_slot_s",
+            "decode_kv_token_s",
+            "prefill_token_s",
+            "train_step_overhead_s",
+            "weight_push_s",
+            "weight_load_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"ClusterSpec.{name}={getattr(self, name)} must be >= 0")
 
@@ -121,8 +136,7 @@ def chunk_cost(spec: ClusterSpec, remaining: np.ndarray, context: np.ndarray) ->
     steps = int(min(spec.chunk_steps, remaining.max()))
     advance = np.minimum(remaining, steps)
     kv_reads = float(np.sum(advance * context + advance * (advance - 1) / 2))
-    seconds = (steps * spec.decode_step_s + spec.decode_slot_s * float(advance.sum())
-               + spec.decode_kv_token_s * kv_reads)
+    seconds = steps * spec.decode_step_s + spec.decode_slot_s * float(advance.sum()) + spec.decode_kv_token_s * kv_reads
     return steps, advance, seconds
 
 
@@ -134,8 +148,11 @@ def full_chunk_costs(spec: ClusterSpec, num_chunks: int, active: int, context_su
     """
     c = spec.chunk_steps
     start_context = context_sum + active * c * np.arange(num_chunks, dtype=np.float64)
-    return (c * spec.decode_step_s + spec.decode_slot_s * active * c
-            + spec.decode_kv_token_s * (c * start_context + active * c * (c - 1) / 2))
+    return (
+        c * spec.decode_step_s
+        + spec.decode_slot_s * active * c
+        + spec.decode_kv_token_s * (c * start_context + active * c * (c - 1) / 2)
+    )
 
 
 @dataclasses.dataclass
@@ -173,8 +190,7 @@ class _Generator:
 class _Simulation:
     """Event loop state. Use `simulate()`."""
 
-    def __init__(self, spec: ClusterSpec, schedule: Schedule, num_steps: int, warmup_steps: int,
-                 seed: int):
+    def __init__(self, spec: ClusterSpec, schedule: Schedule, num_steps: int, warmup_steps: int, seed: int):
         self.spec = spec
         self.schedule = schedule
         self.capacity = default_capacity(schedule)
@@ -268,8 +284,10 @@ class _Simulation:
         if len(self.tickets) + 1 > self.capacity:
             return False
         return self.schedule.admission_allowed(
-            num_unconsumed=len(self.tickets), generator_version=self.min_generator_version(),
-            next_batch_version=self.next_batch_version)
+            num_unconsumed=len(self.tickets),
+            generator_version=self.min_generator_version(),
+            next_batch_version=self.next_batch_version,
+        )
 
     def admit_group(self) -> None:
         spec = self.spec
@@ -278,12 +296,9 @@ class _Simulation:
         self.tickets[group_id] = Ticket(group_id, self.min_generator_version(), finished=False)
         z_prompt = self.rng.standard_normal()
         z_samples = self.rng.standard_normal(spec.samples_per_prompt)
-        lengths = np.exp(math.log(spec.length_median) + spec.group_sigma * z_prompt
-                         + spec.sample_sigma * z_samples)
-        lengths = np.clip(np.rint(lengths), spec.min_completion_tokens,
-                          spec.max_completion_tokens).astype(np.int64)
-        self.groups[group_id] = {"remaining": spec.samples_per_prompt, "lengths": lengths,
-                                 "first": [], "last": []}
+        lengths = np.exp(math.log(spec.length_median) + spec.group_sigma * z_prompt + spec.sample_sigma * z_samples)
+        lengths = np.clip(np.rint(lengths), spec.min_completion_tokens, spec.max_completion_tokens).astype(np.int64)
+        self.groups[group_id] = {"remaining": spec.samples_per_prompt, "lengths": lengths, "first": [], "last": []}
         for length in lengths:
             self.pending.append((group_id, int(length)))
 
@@ -341,15 +356,15 @@ class _Simulation:
         costs = full_chunk_costs(spec, num_full, count, int(gen.context[active].sum()))
         full_ends = decode_start + np.cumsum(costs)
         done = num_full * spec.chunk_steps
-        _, last_advance, last_s = chunk_cost(
-            spec, gen.remaining[active] - done, gen.context[active] + done)
+        _, last_advance, last_s = chunk_cost(spec, gen.remaining[active] - done, gen.context[active] + done)
         advance = np.zeros_like(gen.remaining)
         advance[active] = done + last_advance
         full_s = float(costs.sum())
         slot_s = count * full_s + float(last_advance.sum()) * last_s / max(int(last_advance.max()), 1)
         end = decode_start + full_s + last_s
-        gen.plan = _Plan(end=end, decode_start=decode_start, full_ends=full_ends, active=count,
-                         advance=advance, slot_s=slot_s)
+        gen.plan = _Plan(
+            end=end, decode_start=decode_start, full_ends=full_ends, active=count, advance=advance, slot_s=slot_s
+        )
         self.counters["generator_busy_s"] += end - now
         self.counters["generator_slot_s"] += slot_s
         self.schedule_generator(gen, end)
@@ -420,19 +435,25 @@ class _Simulation:
         delta = {key: self.counters[key] - start[key] for key in self.counters}
         steps = self.num_steps - self.warmup_steps
         gen_busy = min(delta.get("generator_busy_s", 0.0) / (spec.num_generators * window), 1.0)
-        slot_util = min(delta.get("generator_slot_s", 0.0) / (
-            spec.num_generators * spec.slots_per_generator * window), 1.0)
+        slot_util = min(
+            delta.get("generator_slot_s", 0.0) / (spec.num_generators * spec.slots_per_generator * window), 1.0
+        )
         trainer_busy = min(delta.get("trainer_busy_s", 0.0) / window, 1.0)
         gpus = spec.num_generators + spec.num_trainers
         return SimResult(
-            schedule=kind, k=self.schedule.max_lag, window_s=window, steps=steps,
+            schedule=kind,
+            k=self.schedule.max_lag,
+            window_s=window,
+            steps=steps,
             step_time_s=window / steps,
             samples_per_s=delta.get("samples", 0) / window,
             tokens_per_s=delta.get("tokens", 0) / window,
             gpu_utilization=(spec.num_generators * gen_busy + spec.num_trainers * trainer_busy) / gpus,
-            generator_busy_frac=gen_busy, generator_slot_util=slot_util,
+            generator_busy_frac=gen_busy,
+            generator_slot_util=slot_util,
             trainer_busy_frac=trainer_busy,
-            generator_idle_frac=1.0 - gen_busy, trainer_idle_frac=1.0 - trainer_busy,
+            generator_idle_frac=1.0 - gen_busy,
+            trainer_idle_frac=1.0 - trainer_busy,
             lag_mean=float(np.mean(self.window_lags)) if self.window_lags else 0.0,
             lag_max=int(max(self.window_lags, default=0)),
             versions_spanned_mean=float(np.mean(self.window_spans)) if self.window_spans else 0.0,
@@ -440,8 +461,9 @@ class _Simulation:
         )
 
 
-def simulate(spec: ClusterSpec, *, schedule: str, k: int, num_steps: int = 40,
-             warmup_steps: int | None = None, seed: int = 0) -> SimResult:
+def simulate(
+    spec: ClusterSpec, *, schedule: str, k: int, num_steps: int = 40, warmup_steps: int | None = None, seed: int = 0
+) -> SimResult:
     """Simulate `num_steps` trainer steps of `schedule` ('pipeline' | 'ppo_off_policy') with k.
 
     `warmup_steps` (default: k + 2) are excluded from the metrics window.

@@ -75,9 +75,7 @@ def aggregation_weights(
     return safe_divide(mask, (tokens_per_group[group_ids] * num_prompts)[:, None])
 
 
-def count_sequences_and_prompts(
-    mask: jax.Array, group_ids: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def count_sequences_and_prompts(mask: jax.Array, group_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(number of rows with a valid token, number of prompts with a valid token), as int32."""
     tokens_per_row = jnp.sum(mask, axis=1)
     tokens_per_group = group_sum(tokens_per_row, group_ids)

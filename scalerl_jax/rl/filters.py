@@ -13,9 +13,7 @@ import jax.numpy as jnp
 from scalerl_jax.rl.groups import as_row_mask, check_group_ids, check_rank
 
 
-def zero_variance_mask(
-    rewards: jax.Array, group_ids: jax.Array, *, valid: jax.Array | None = None
-) -> jax.Array:
+def zero_variance_mask(rewards: jax.Array, group_ids: jax.Array, *, valid: jax.Array | None = None) -> jax.Array:
     """True where the completion's prompt has rewards that are not all equal.
 
     ``out[b] = valid[b] and max_{b' in G(b)} r[b'] > min_{b' in G(b)} r[b']`` where ``G(b)`` is the
@@ -36,10 +34,6 @@ def zero_variance_mask(
     group_ids = jnp.asarray(group_ids)
     check_group_ids(group_ids, batch)
     row_valid = as_row_mask("valid", valid, batch) > 0
-    group_max = jax.ops.segment_max(
-        jnp.where(row_valid, rewards, -jnp.inf), group_ids, num_segments=batch
-    )
-    group_min = jax.ops.segment_min(
-        jnp.where(row_valid, rewards, jnp.inf), group_ids, num_segments=batch
-    )
+    group_max = jax.ops.segment_max(jnp.where(row_valid, rewards, -jnp.inf), group_ids, num_segments=batch)
+    group_min = jax.ops.segment_min(jnp.where(row_valid, rewards, jnp.inf), group_ids, num_segments=batch)
     return row_valid & (group_max[group_ids] > group_min[group_ids])

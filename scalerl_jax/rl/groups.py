@@ -21,9 +21,7 @@ def check_rank(name: str, array: jax.Array, rank: int) -> None:
 def check_same_shape(name: str, array: jax.Array, expected: tuple[int, ...], like: str) -> None:
     """Raises ValueError naming ``name`` unless ``array.shape == expected`` (the shape of ``like``)."""
     if tuple(array.shape) != tuple(expected):
-        raise ValueError(
-            f"{name}: shape {tuple(array.shape)} does not match {like} shape {tuple(expected)}"
-        )
+        raise ValueError(f"{name}: shape {tuple(array.shape)} does not match {like} shape {tuple(expected)}")
 
 
 def check_group_ids(group_ids: jax.Array, batch: int) -> None:

@@ -20,9 +20,7 @@ from scalerl_jax.rl.groups import check_group_ids, safe_divide
 from scalerl_jax.rl.objectives import per_token_policy_terms
 
 
-def policy_metrics(
-    aux: dict[str, jax.Array], mask: jax.Array, group_ids: jax.Array
-) -> dict[str, jax.Array]:
+def policy_metrics(aux: dict[str, jax.Array], mask: jax.Array, group_ids: jax.Array) -> dict[str, jax.Array]:
     """Batch metrics from ``per_token_policy_terms``'s aux arrays and the effective mask.
 
     Returns float32/int32 scalars: 'num_tokens' (sum of the mask), 'num_sequences' and

@@ -45,18 +45,14 @@ DEFAULT_CLIP_EPS: dict[str, tuple[float, float | None]] = {
 }
 
 
-def resolve_clip_eps(
-    objective: str, eps_low: float | None, eps_high: float | None
-) -> tuple[float, float]:
+def resolve_clip_eps(objective: str, eps_low: float | None, eps_high: float | None) -> tuple[float, float]:
     """The (eps_low, eps_high) clip range for a ratio-clipping objective (dapo, grpo, gspo).
 
     ``None`` takes the objective's default from ``DEFAULT_CLIP_EPS``; for grpo an unset eps_high
     equals eps_low. Raises ValueError for a negative value or an objective that does not clip.
     """
     if objective not in DEFAULT_CLIP_EPS:
-        raise ValueError(
-            f"objective: {objective!r} has no clip range; expected one of {tuple(DEFAULT_CLIP_EPS)}"
-        )
+        raise ValueError(f"objective: {objective!r} has no clip range; expected one of {tuple(DEFAULT_CLIP_EPS)}")
     default_low, default_high = DEFAULT_CLIP_EPS[objective]
     low = default_low if eps_low is None else float(eps_low)
     if eps_high is not None:
@@ -153,14 +149,13 @@ def per_token_policy_terms(
         low, high = resolve_clip_eps(objective, eps_low, eps_high)
         if objective == "gspo":
             sequence_log_ratio = safe_divide(jnp.sum(mask * log_ratio, axis=1), jnp.sum(mask, axis=1))
-            weight, clipped_low, clipped_high, ratio = _clipped_weight(
-                sequence_log_ratio, advantages, low, high)
+            weight, clipped_low, clipped_high, ratio = _clipped_weight(sequence_log_ratio, advantages, low, high)
             terms = jnp.broadcast_to((-weight * advantages)[:, None], logp.shape)
             clipped_low, clipped_high, ratio = (
-                jnp.broadcast_to(x[:, None], logp.shape) for x in (clipped_low, clipped_high, ratio))
+                jnp.broadcast_to(x[:, None], logp.shape) for x in (clipped_low, clipped_high, ratio)
+            )
         else:
-            weight, clipped_low, clipped_high, ratio = _clipped_weight(
-                log_ratio, advantages[:, None], low, high)
+            weight, clipped_low, clipped_high, ratio = _clipped_weight(log_ratio, advantages[:, None], low, high)
             terms = -weight * advantages[:, None]
 
     masked_flag = lambda flag: jnp.where(on, flag, False).astype(jnp.float32)

@@ -2,13 +2,33 @@
 
 from scalerl_jax.sampler.api import generate
 from scalerl_jax.sampler.batcher import Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import (ChunkResult, DecodeState, Engine, EngineConfig,
-                                        InterruptionConfig, Prefix, SlotSettings,
-                                        interruption_from_tokenizer)
+from scalerl_jax.sampler.engine import (
+    ChunkResult,
+    DecodeState,
+    Engine,
+    EngineConfig,
+    InterruptionConfig,
+    Prefix,
+    SlotSettings,
+    interruption_from_tokenizer,
+)
 from scalerl_jax.sampler.sampling import masked_log_probs, sample_tokens, top_k_mask, top_p_mask
 
 __all__ = [
-    "ChunkResult", "Completion", "ContinuousBatcher", "DecodeState", "Engine", "EngineConfig",
-    "InterruptionConfig", "Prefix", "Request", "SlotSettings", "generate",
-    "interruption_from_tokenizer", "masked_log_probs", "sample_tokens", "top_k_mask", "top_p_mask",
+    "ChunkResult",
+    "Completion",
+    "ContinuousBatcher",
+    "DecodeState",
+    "Engine",
+    "EngineConfig",
+    "InterruptionConfig",
+    "Prefix",
+    "Request",
+    "SlotSettings",
+    "generate",
+    "interruption_from_tokenizer",
+    "masked_log_probs",
+    "sample_tokens",
+    "top_k_mask",
+    "top_p_mask",
 ]

@@ -46,14 +46,31 @@ def generate(
     if max_len is None:
         max_len = prefill_bucket(longest, min_bucket=min_prefill_bucket, max_len=longest * 2)
     graphdef, params = nnx.split(model)
-    engine = cached_engine(graphdef, model.config, EngineConfig(
-        num_slots=num_slots, max_len=max_len, chunk_size=chunk_size, top_k=top_k, top_p=top_p,
-        max_stop_tokens=max(1, len(stop_tokens)), min_prefill_bucket=min_prefill_bucket,
-        interruption=interruption))
+    engine = cached_engine(
+        graphdef,
+        model.config,
+        EngineConfig(
+            num_slots=num_slots,
+            max_len=max_len,
+            chunk_size=chunk_size,
+            top_k=top_k,
+            top_p=top_p,
+            max_stop_tokens=max(1, len(stop_tokens)),
+            min_prefill_bucket=min_prefill_bucket,
+            interruption=interruption,
+        ),
+    )
     batcher = ContinuousBatcher(engine, params, seed=seed)
     for index, prompt in enumerate(prompts):
-        batcher.add_request(Request(request_id=index, prompt_tokens=list(prompt),
-                                    max_new_tokens=max_new_tokens, seed=index,
-                                    temperature=temperature, stop_tokens=tuple(stop_tokens)))
+        batcher.add_request(
+            Request(
+                request_id=index,
+                prompt_tokens=list(prompt),
+                max_new_tokens=max_new_tokens,
+                seed=index,
+                temperature=temperature,
+                stop_tokens=tuple(stop_tokens),
+            )
+        )
     by_id = {completion.request_id: completion for completion in batcher.drain()}
     return [by_id[index] for index in range(len(prompts))]

@@ -30,8 +30,7 @@ import jax
 import numpy as np
 
 from scalerl_jax.distributed.weight_push import push_local
-from scalerl_jax.sampler.engine import (ChunkResult, Engine, SlotSettings, host_settings,
-                                        prefill_bucket, row_bucket)
+from scalerl_jax.sampler.engine import ChunkResult, Engine, SlotSettings, host_settings, prefill_bucket, row_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,8 +159,7 @@ class ContinuousBatcher:
     def stats(self) -> dict[str, float]:
         """Counters (chunks, tokens, completions, slot-steps) plus compile counts and last push time."""
         out = {f"sampler/{name}": float(value) for name, value in self.counters.items()}
-        out.update({f"sampler/compiles_{name}": float(count)
-                    for name, count in self.engine.compile_counts.items()})
+        out.update({f"sampler/compiles_{name}": float(count) for name, count in self.engine.compile_counts.items()})
         out["sampler/param_push_seconds"] = self.last_push_seconds
         out["sampler/params_version"] = float(self._version)
         return out
@@ -204,8 +202,9 @@ class ContinuousBatcher:
         previous, self._inflight = self._inflight, None
         if previous is not None:
             still_active = np.asarray(previous.result.active)
-            finished = [slot for slot, record in enumerate(previous.records)
-                        if record is not None and not still_active[slot]]
+            finished = [
+                slot for slot, record in enumerate(previous.records) if record is not None and not still_active[slot]
+            ]
             for slot in finished:
                 self._slots[slot] = None
             self.engine.release_slots(finished)
@@ -238,17 +237,21 @@ class ContinuousBatcher:
         if prompt.ndim != 1 or prompt.size == 0:
             raise ValueError(f"request {rid!r}: prompt_tokens is empty or not a flat list")
         if prompt.size + 1 > cfg.max_len:
-            raise ValueError(f"request {rid!r}: prompt length {prompt.size} leaves no room in "
-                             f"EngineConfig.max_len={cfg.max_len}")
+            raise ValueError(
+                f"request {rid!r}: prompt length {prompt.size} leaves no room in EngineConfig.max_len={cfg.max_len}"
+            )
         bad = np.flatnonzero((prompt < 0) | (prompt >= vocab))
         if bad.size:
-            raise ValueError(f"request {rid!r}: prompt_tokens[{bad[0]}]={prompt[bad[0]]} outside "
-                             f"the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"request {rid!r}: prompt_tokens[{bad[0]}]={prompt[bad[0]]} outside the vocabulary [0, {vocab})"
+            )
         if request.max_new_tokens < 1:
             raise ValueError(f"request {rid!r}: max_new_tokens={request.max_new_tokens} must be >= 1")
         if len(request.stop_tokens) > cfg.max_stop_tokens:
-            raise ValueError(f"request {rid!r}: {len(request.stop_tokens)} stop_tokens exceed "
-                             f"EngineConfig.max_stop_tokens={cfg.max_stop_tokens}")
+            raise ValueError(
+                f"request {rid!r}: {len(request.stop_tokens)} stop_tokens exceed "
+                f"EngineConfig.max_stop_tokens={cfg.max_stop_tokens}"
+            )
         if not 0 <= request.seed < 2**32:
             raise ValueError(f"request {rid!r}: seed={request.seed} must be in [0, 2**32)")
         if request.temperature < 0:
@@ -272,12 +275,11 @@ class ContinuousBatcher:
                 break  # FIFO: later requests wait for the pages this one needs
             self._queue.popleft()
             free.remove(slot)
-            bucket = prefill_bucket(len(request.prompt_tokens), min_bucket=cfg.min_prefill_bucket,
-                                    max_len=cfg.max_len)
+            bucket = prefill_bucket(len(request.prompt_tokens), min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
             groups[bucket].append((slot, request))
         for bucket, group in sorted(groups.items()):
             for start in range(0, len(group), cfg.max_prefill_rows):
-                self._insert_group(bucket, group[start:start + cfg.max_prefill_rows])
+                self._insert_group(bucket, group[start : start + cfg.max_prefill_rows])
             for slot, request in group:
                 self._slots[slot] = _SlotRecord(request, admitted=self._admissions)
                 self._admissions += 1
@@ -296,8 +298,11 @@ class ContinuousBatcher:
         """Evict the youngest running sequence of each page group short of pages for the next chunk
         until none is; their requests go back to the front of the queue."""
         while short := self.engine.chunk_shortfall():
-            candidates = [(record.admitted, slot) for slot, record in enumerate(self._slots)
-                          if record is not None and self.engine.pages.group_of(slot) in short]
+            candidates = [
+                (record.admitted, slot)
+                for slot, record in enumerate(self._slots)
+                if record is not None and self.engine.pages.group_of(slot) in short
+            ]
             _, slot = max(candidates)
             self._state = self.engine.evict(self._state, [slot])
             self._queue.appendleft(self._slots[slot].request)
@@ -317,19 +322,23 @@ class ContinuousBatcher:
         interrupt = np.zeros((rows,), bool)
         for row, (slot, request) in enumerate(group):
             prompt = np.asarray(request.prompt_tokens, np.int32)
-            tokens[row, :len(prompt)] = prompt
+            tokens[row, : len(prompt)] = prompt
             lengths[row] = len(prompt)
             slots[row] = slot
-            stops[row, :len(request.stop_tokens)] = request.stop_tokens
+            stops[row, : len(request.stop_tokens)] = request.stop_tokens
             max_new[row] = request.max_new_tokens
             temperature[row] = request.temperature
             streams[row] = request.seed
             interrupt[row] = request.interrupt
         settings: SlotSettings = host_settings(
-            seeds=np.full((rows,), self.seed, np.uint32), streams=streams, max_new_tokens=max_new,
-            temperature=temperature, stop_tokens=stops, interrupt=interrupt)
-        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots,
-                                                 settings)
+            seeds=np.full((rows,), self.seed, np.uint32),
+            streams=streams,
+            max_new_tokens=max_new,
+            temperature=temperature,
+            stop_tokens=stops,
+            interrupt=interrupt,
+        )
+        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots, settings)
         self.counters["prefill_calls"] += 1
         self.counters["prefill_rows_padded"] += rows - len(group)
 
@@ -357,19 +366,26 @@ class ContinuousBatcher:
             num_answer = int(result.num_answer[slot])
             if stopped:
                 reason = "stop"
-            elif (interruption is not None and think_budget >= 0
-                  and num_answer >= interruption.answer_budget):
+            elif interruption is not None and think_budget >= 0 and num_answer >= interruption.answer_budget:
                 reason = "answer_budget"
             else:
                 reason = "length"
-            finished.append(Completion(
-                request_id=record.request.request_id,
-                prompt_tokens=list(record.request.prompt_tokens),
-                tokens=record.tokens, logprobs=record.logprobs, versions=record.versions,
-                sampled=record.sampled, interrupted=bool(result.interrupted[slot]),
-                truncated=bool(result.truncated[slot]),
-                num_think_tokens=int(result.num_think[slot]), num_answer_tokens=num_answer,
-                finish_reason=reason, think_budget=think_budget))
+            finished.append(
+                Completion(
+                    request_id=record.request.request_id,
+                    prompt_tokens=list(record.request.prompt_tokens),
+                    tokens=record.tokens,
+                    logprobs=record.logprobs,
+                    versions=record.versions,
+                    sampled=record.sampled,
+                    interrupted=bool(result.interrupted[slot]),
+                    truncated=bool(result.truncated[slot]),
+                    num_think_tokens=int(result.num_think[slot]),
+                    num_answer_tokens=num_answer,
+                    finish_reason=reason,
+                    think_budget=think_budget,
+                )
+            )
             self._live_ids.discard(record.request.request_id)
             self.counters["completions"] += 1
         return finished

@@ -110,7 +110,8 @@ class InterruptionConfig:
         if not 1 <= self.think_budget_min <= self.think_budget_max:
             raise ValueError(
                 f"InterruptionConfig think budget range [{self.think_budget_min}, "
-                f"{self.think_budget_max}] must satisfy 1 <= min <= max")
+                f"{self.think_budget_max}] must satisfy 1 <= min <= max"
+            )
         if self.answer_budget < 1:
             raise ValueError(f"InterruptionConfig.answer_budget={self.answer_budget} must be >= 1")
 
@@ -127,8 +128,9 @@ def interruption_from_tokenizer(
     """Build an `InterruptionConfig` by encoding `phrase` and `end_think` with a `tokenizers.Tokenizer`."""
     phrase_ids = tokenizer.encode(phrase, add_special_tokens=False).ids
     end_think_ids = tokenizer.encode(end_think, add_special_tokens=False).ids
-    return InterruptionConfig(tuple(phrase_ids), tuple(end_think_ids), think_budget_min,
-                              think_budget_max, answer_budget)
+    return InterruptionConfig(
+        tuple(phrase_ids), tuple(end_think_ids), think_budget_min, think_budget_max, answer_budget
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +179,16 @@ class EngineConfig:
         if self.num_pages < 0:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} must be >= 0 (0 = every slot at max_len)")
         resolve_decode_kernel(self.decode_kernel, "cpu")
-        for name in ("num_slots", "max_len", "chunk_size", "max_stop_tokens", "min_prefill_bucket",
-                     "max_prefill_rows", "min_decode_window", "page_size"):
+        for name in (
+            "num_slots",
+            "max_len",
+            "chunk_size",
+            "max_stop_tokens",
+            "min_prefill_bucket",
+            "max_prefill_rows",
+            "min_decode_window",
+            "page_size",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
         if self.max_len < 2:
@@ -280,38 +290,55 @@ class Engine:
     must already be on that mesh. Without one everything lives on the default device.
     """
 
-    def __init__(self, graphdef: Any, model_config: Any, config: EngineConfig, *,
-                 mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES):
+    def __init__(
+        self,
+        graphdef: Any,
+        model_config: Any,
+        config: EngineConfig,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ):
         self.graphdef = graphdef
         self.model_config = model_config
         self.config = config
         self.mesh = mesh
         self.rules = tuple(rules)
         if config.max_len > model_config.max_position_embeddings:
-            logging.warning("EngineConfig.max_len=%d exceeds the model's max_position_embeddings=%d",
-                            config.max_len, model_config.max_position_embeddings)
-        self.compile_counts: dict[str, int] = {"prefill": 0, "insert": 0, "prefill_insert": 0,
-                                               "generate": 0, "evict": 0}
+            logging.warning(
+                "EngineConfig.max_len=%d exceeds the model's max_position_embeddings=%d",
+                config.max_len,
+                model_config.max_position_embeddings,
+            )
+        self.compile_counts: dict[str, int] = {
+            "prefill": 0,
+            "insert": 0,
+            "prefill_insert": 0,
+            "generate": 0,
+            "evict": 0,
+        }
         self._signatures: set[tuple] = set()
         self._prefill_jit = jax.jit(self._prefill)
         self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
         self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
-        self._evict_jit = jax.jit(lambda state, mask: state._replace(active=state.active & ~mask),
-                                  donate_argnums=(0,))
+        self._evict_jit = jax.jit(lambda state, mask: state._replace(active=state.active & ~mask), donate_argnums=(0,))
         self._live_bound = np.zeros((config.num_slots,), np.int64)
         self.page_groups = _batch_shards(mesh, self.rules)
         self.pages_per_slot = pages_for(config.max_len, config.page_size)
         total_pages = config.num_pages or config.num_slots * self.pages_per_slot
         if total_pages % self.page_groups:
-            raise ValueError(f"EngineConfig.num_pages={total_pages} must split into {self.page_groups} "
-                             "page groups (one per device the slots are sharded over)")
+            raise ValueError(
+                f"EngineConfig.num_pages={total_pages} must split into {self.page_groups} "
+                "page groups (one per device the slots are sharded over)"
+            )
         self.pages_per_group = total_pages // self.page_groups
         self.pages = self._new_page_table()
         platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
         self.decode_kernel = resolve_decode_kernel(config.decode_kernel, platform)
-        problems = triton_shape_problems(head_dim=model_config.head_dim, page_size=config.page_size,
-                                         pages_per_block=PALLAS_PAGES_PER_BLOCK)
+        problems = triton_shape_problems(
+            head_dim=model_config.head_dim, page_size=config.page_size, pages_per_block=PALLAS_PAGES_PER_BLOCK
+        )
         if self.decode_kernel == "pallas" and platform in GPU_PLATFORMS and problems:
             raise ValueError(f"EngineConfig.decode_kernel='pallas' on {platform}: {problems}")
 
@@ -329,22 +356,40 @@ class Engine:
             return jnp.zeros((slots,), bool)
 
         state = DecodeState(
-            cache=None, tokens=ints(0), positions=ints(0),
+            cache=None,
+            tokens=ints(0),
+            positions=ints(0),
             keys=jax.random.split(jax.random.key(0), slots),
-            num_generated=ints(0), max_new_tokens=ints(0),
+            num_generated=ints(0),
+            max_new_tokens=ints(0),
             temperature=jnp.zeros((slots,), jnp.float32),
-            stop_tokens=ints(-1, cfg.max_stop_tokens), active=flags(),
-            phase=ints(PHASE_ANSWER), forced_index=ints(0), recent=ints(-1, end_len),
-            think_budget=ints(-1), answer_budget=ints(0), num_think=ints(0), num_answer=ints(0),
-            interrupted=flags(), truncated=flags(), stopped=flags(),
+            stop_tokens=ints(-1, cfg.max_stop_tokens),
+            active=flags(),
+            phase=ints(PHASE_ANSWER),
+            forced_index=ints(0),
+            recent=ints(-1, end_len),
+            think_budget=ints(-1),
+            answer_budget=ints(0),
+            num_think=ints(0),
+            num_answer=ints(0),
+            interrupted=flags(),
+            truncated=flags(),
+            stopped=flags(),
         )
         if self.mesh is not None:
             state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
         self._live_bound[:] = 0
         self.pages = self._new_page_table()
-        return state._replace(cache=init_kv_pages(
-            self.model_config, groups=self.page_groups, pages_per_group=self.pages_per_group,
-            page_size=cfg.page_size, mesh=self.mesh, rules=self.rules))
+        return state._replace(
+            cache=init_kv_pages(
+                self.model_config,
+                groups=self.page_groups,
+                pages_per_group=self.pages_per_group,
+                page_size=cfg.page_size,
+                mesh=self.mesh,
+                rules=self.rules,
+            )
+        )
 
     def prefill(self, params: Any, tokens: Any, true_length: Any) -> Prefix:
         """K/V of right-padded host prompts `tokens` int32[N, Tb] (or [Tb]), lengths `true_length`."""
@@ -356,8 +401,7 @@ class Engine:
         with self._mesh_context():
             return self._prefill_jit(params, tokens, true_length)
 
-    def insert(self, prefix: Prefix, state: DecodeState, slots: Any,
-               settings: SlotSettings) -> DecodeState:
+    def insert(self, prefix: Prefix, state: DecodeState, slots: Any, settings: SlotSettings) -> DecodeState:
         """Place the prefix rows into `slots` (int32[N]; `num_slots` = drop that row); donates `state`."""
         slots = np.asarray(slots, np.int32).reshape(-1)
         self._count("insert", jax.tree.leaves(prefix.cache)[0].shape)
@@ -365,16 +409,18 @@ class Engine:
         with self._mesh_context():
             return self._insert_jit(prefix, state, slots, settings, self._table_rows(slots))
 
-    def prefill_insert(self, params: Any, state: DecodeState, tokens: Any, true_length: Any,
-                       slots: Any, settings: SlotSettings) -> DecodeState:
+    def prefill_insert(
+        self, params: Any, state: DecodeState, tokens: Any, true_length: Any, slots: Any, settings: SlotSettings
+    ) -> DecodeState:
         """`insert(prefill(params, tokens, true_length), state, slots, settings)` in one call."""
         tokens = np.asarray(tokens, np.int32)
         true_length, slots = np.asarray(true_length, np.int32), np.asarray(slots, np.int32)
         self._count("prefill_insert", tokens.shape)
         self._note_inserted(slots, true_length)
         with self._mesh_context():
-            return self._prefill_insert_jit(params, state, tokens, true_length, slots, settings,
-                                            self._table_rows(slots))
+            return self._prefill_insert_jit(
+                params, state, tokens, true_length, slots, settings, self._table_rows(slots)
+            )
 
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, ChunkResult]:
         """Run up to `chunk_size` decode steps over all slots, attending over the live window; donates `state`.
@@ -385,8 +431,10 @@ class Engine:
         needs = self._chunk_needs()
         short = self.pages.shortfall(needs)
         if short:
-            raise RuntimeError(f"paged KV cache: page groups {short} (group: pages missing) cannot "
-                               f"cover the next chunk; evict slots first (Engine.chunk_shortfall)")
+            raise RuntimeError(
+                f"paged KV cache: page groups {short} (group: pages missing) cannot "
+                f"cover the next chunk; evict slots first (Engine.chunk_shortfall)"
+            )
         for slot, length in needs.items():
             self.pages.grow(slot, length)
         window = self.decode_window()
@@ -439,17 +487,26 @@ class Engine:
                 for rows in _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows)):
                     dropped = np.full((rows,), cfg.num_slots, np.int32)
                     settings = host_settings(
-                        seeds=np.zeros(rows), streams=np.zeros(rows), max_new_tokens=np.ones(rows),
-                        temperature=np.zeros(rows), stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
-                        interrupt=np.zeros(rows, bool))
+                        seeds=np.zeros(rows),
+                        streams=np.zeros(rows),
+                        max_new_tokens=np.ones(rows),
+                        temperature=np.zeros(rows),
+                        stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
+                        interrupt=np.zeros(rows, bool),
+                    )
                     self._count("prefill_insert", (rows, bucket))
-                    state = self._prefill_insert_jit(params, state, np.zeros((rows, bucket), np.int32),
-                                                     np.ones((rows,), np.int32), dropped, settings,
-                                                     self._table_rows(dropped))
+                    state = self._prefill_insert_jit(
+                        params,
+                        state,
+                        np.zeros((rows, bucket), np.int32),
+                        np.ones((rows,), np.int32),
+                        dropped,
+                        settings,
+                        self._table_rows(dropped),
+                    )
             for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
                 self._count("generate", (window,))
-                state, _ = self._generate_jit(params, state, window, idle_table,
-                                              np.zeros((cfg.num_slots,), np.int32))
+                state, _ = self._generate_jit(params, state, window, idle_table, np.zeros((cfg.num_slots,), np.int32))
             self._count("evict", ())
             state = self._evict_jit(state, np.zeros((cfg.num_slots,), bool))
         return state
@@ -476,18 +533,22 @@ class Engine:
                 raise RuntimeError(
                     f"paged KV cache: slot {slot} needs {self.pages.missing(slot, length)} pages for a "
                     f"{length}-token prompt; group {self.pages.group_of(slot)} has "
-                    f"{self.pages.free_pages(self.pages.group_of(slot))} free")
+                    f"{self.pages.free_pages(self.pages.group_of(slot))} free"
+                )
             self._live_bound[slot] = length
 
     def _new_page_table(self) -> PageTable:
-        return PageTable(num_slots=self.config.num_slots, groups=self.page_groups,
-                         pages_per_group=self.pages_per_group, page_size=self.config.page_size,
-                         pages_per_slot=self.pages_per_slot)
+        return PageTable(
+            num_slots=self.config.num_slots,
+            groups=self.page_groups,
+            pages_per_group=self.pages_per_group,
+            page_size=self.config.page_size,
+            pages_per_slot=self.pages_per_slot,
+        )
 
     def _table_rows(self, slots: np.ndarray) -> np.ndarray:
         """Page table rows of `slots` (all out of range for a dropped row, slot == num_slots)."""
-        padded = np.concatenate([self.pages.table, np.full((1, self.pages_per_slot), self.pages_per_group,
-                                                           np.int32)])
+        padded = np.concatenate([self.pages.table, np.full((1, self.pages_per_slot), self.pages_per_group, np.int32)])
         return padded[np.minimum(slots, self.config.num_slots)]
 
     def _held_lengths(self) -> np.ndarray:
@@ -504,15 +565,19 @@ class Engine:
         if signature not in self._signatures:
             self._signatures.add(signature)
             self.compile_counts[name] += 1
-            logging.info("sampler engine: compiling %s for shape %s (%d %s compiles)", name, shape,
-                         self.compile_counts[name], name)
+            logging.info(
+                "sampler engine: compiling %s for shape %s (%d %s compiles)",
+                name,
+                shape,
+                self.compile_counts[name],
+                name,
+            )
 
     def _decode_block(self) -> int | None:
         """Keys per decode attention piece (`EngineConfig.decode_block`; None = the whole window)."""
         if self.config.decode_block:
             return self.config.decode_block
-        platform = (self.mesh.devices.flat[0].platform if self.mesh is not None
-                    else jax.default_backend())
+        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
         return CPU_DECODE_BLOCK if platform == "cpu" else None
 
     def _prefill(self, params: Any, tokens: jax.Array, true_length: jax.Array) -> Prefix:
@@ -525,21 +590,30 @@ class Engine:
         last_token = jnp.take_along_axis(tokens, last_index[:, None], axis=1)[:, 0]
         return Prefix(cache=cache, last_token=last_token, true_length=true_length)
 
-    def _prefill_insert(self, params: Any, state: DecodeState, tokens: jax.Array,
-                        true_length: jax.Array, slots: jax.Array, settings: SlotSettings,
-                        tables: jax.Array) -> DecodeState:
+    def _prefill_insert(
+        self,
+        params: Any,
+        state: DecodeState,
+        tokens: jax.Array,
+        true_length: jax.Array,
+        slots: jax.Array,
+        settings: SlotSettings,
+        tables: jax.Array,
+    ) -> DecodeState:
         return self._insert(self._prefill(params, tokens, true_length), state, slots, settings, tables)
 
-    def _insert(self, prefix: Prefix, state: DecodeState, slots: jax.Array,
-                settings: SlotSettings, tables: jax.Array) -> DecodeState:
+    def _insert(
+        self, prefix: Prefix, state: DecodeState, slots: jax.Array, settings: SlotSettings, tables: jax.Array
+    ) -> DecodeState:
         """`tables` int32 [N, pages_per_slot]: the inserted slots' page table rows."""
         cfg = self.config
         bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
         positions = jnp.arange(bucket)
         pages = tables[:, positions // cfg.page_size]  # [N, Tb]; out of range where not held
         offsets = jnp.broadcast_to(positions % cfg.page_size, pages.shape)
-        groups = jnp.broadcast_to((jnp.minimum(slots, cfg.num_slots - 1) // self._slots_per_group())[:, None],
-                                  pages.shape)
+        groups = jnp.broadcast_to(
+            (jnp.minimum(slots, cfg.num_slots - 1) // self._slots_per_group())[:, None], pages.shape
+        )
 
         def put_cache(pool: jax.Array, part: jax.Array) -> jax.Array:
             return pool.at[:, groups, pages, offsets].set(part.astype(pool.dtype), mode="drop")
@@ -547,8 +621,7 @@ class Engine:
         def put(field: jax.Array, value: jax.Array) -> jax.Array:
             return field.at[slots].set(jnp.asarray(value).astype(field.dtype), mode="drop")
 
-        request_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(
-            settings.seed, settings.stream)
+        request_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(settings.seed, settings.stream)
         split_keys = jax.vmap(jax.random.split)(request_keys)
         budget_keys, sample_keys = split_keys[:, 0], split_keys[:, 1]
         rows = settings.seed.shape[0]
@@ -556,8 +629,7 @@ class Engine:
             lo, hi = cfg.interruption.think_budget_min, cfg.interruption.think_budget_max
             drawn = jax.vmap(lambda k: jax.random.randint(k, (), lo, hi + 1))(budget_keys)
             think_budget = jnp.where(settings.interrupt, drawn, -1)
-            answer_budget = jnp.where(settings.interrupt, cfg.interruption.answer_budget,
-                                      settings.max_new_tokens)
+            answer_budget = jnp.where(settings.interrupt, cfg.interruption.answer_budget, settings.max_new_tokens)
         else:
             think_budget = jnp.full((rows,), -1, jnp.int32)
             answer_budget = settings.max_new_tokens
@@ -579,8 +651,10 @@ class Engine:
             recent=put(state.recent, jnp.full((rows, state.recent.shape[1]), -1, jnp.int32)),
             think_budget=put(state.think_budget, think_budget),
             answer_budget=put(state.answer_budget, answer_budget),
-            num_think=put(state.num_think, zeros), num_answer=put(state.num_answer, zeros),
-            interrupted=put(state.interrupted, falses), truncated=put(state.truncated, falses),
+            num_think=put(state.num_think, zeros),
+            num_answer=put(state.num_answer, zeros),
+            interrupted=put(state.interrupted, falses),
+            truncated=put(state.truncated, falses),
             stopped=put(state.stopped, falses),
         )
 
@@ -592,20 +666,28 @@ class Engine:
         page = jnp.take_along_axis(table, (feed // cfg.page_size)[:, None], axis=1)[:, 0]
         block = self._decode_block()
         return PagedView(
-            table=table, lengths=jnp.where(state.active, jnp.minimum(feed + 1, held), 0),
+            table=table,
+            lengths=jnp.where(state.active, jnp.minimum(feed + 1, held), 0),
             write_group=jnp.arange(cfg.num_slots, dtype=jnp.int32) // self._slots_per_group(),
             write_page=jnp.where(state.active, page, self.pages_per_group),
-            write_offset=feed % cfg.page_size, window=window,
-            pages_per_block=(PALLAS_PAGES_PER_BLOCK if self.decode_kernel == "pallas"
-                             else pages_for(window, cfg.page_size) if block is None
-                             else max(1, block // cfg.page_size)),
-            kernel=self.decode_kernel)
+            write_offset=feed % cfg.page_size,
+            window=window,
+            pages_per_block=(
+                PALLAS_PAGES_PER_BLOCK
+                if self.decode_kernel == "pallas"
+                else pages_for(window, cfg.page_size)
+                if block is None
+                else max(1, block // cfg.page_size)
+            ),
+            kernel=self.decode_kernel,
+        )
 
     def _slots_per_group(self) -> int:
         return self.config.num_slots // self.page_groups
 
-    def _decode_step(self, model: Any, state: DecodeState, window: int, table: jax.Array,
-                     held: jax.Array) -> tuple[DecodeState, tuple]:
+    def _decode_step(
+        self, model: Any, state: DecodeState, window: int, table: jax.Array, held: jax.Array
+    ) -> tuple[DecodeState, tuple]:
         """One token for every active slot: (new state, (token, logprob, sampled, emitted)) per slot.
 
         Attention reads the slot's keys below its position + 1 (inside `window`); the caller ensures
@@ -613,12 +695,12 @@ class Engine:
         """
         cfg = self.config
         feed_positions = self._feed_positions(state)
-        hidden, cache = model.forward_paged(state.tokens[:, None], feed_positions[:, None], state.cache,
-                                            self._paged_view(state, window, table, held))
+        hidden, cache = model.forward_paged(
+            state.tokens[:, None], feed_positions[:, None], state.cache, self._paged_view(state, window, table, held)
+        )
         logits = model.head(hidden[:, 0]).astype(jnp.float32)
         step_keys = jax.vmap(jax.random.fold_in)(state.keys, state.num_generated)
-        drawn, drawn_logprob = sample_tokens(logits, step_keys, state.temperature,
-                                             top_k=cfg.top_k, top_p=cfg.top_p)
+        drawn, drawn_logprob = sample_tokens(logits, step_keys, state.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         active = state.active
         forcing = active & (state.phase == PHASE_FORCING)
         thinking = active & (state.phase == PHASE_THINK)
@@ -642,20 +724,23 @@ class Engine:
         num_think = state.num_think + thinking.astype(jnp.int32)
         num_answer = state.num_answer + answering.astype(jnp.int32)
         stop = active & ~forcing & jnp.any(token[:, None] == state.stop_tokens, axis=1)
-        out_of_room = active & ((num_generated >= state.max_new_tokens) |
-                                (positions + 1 >= cfg.max_len))
+        out_of_room = active & ((num_generated >= state.max_new_tokens) | (positions + 1 >= cfg.max_len))
         answer_full = answering & (num_answer >= state.answer_budget)
         finished = stop | out_of_room | answer_full
         # The phrase starts only if the sequence goes on (a stop or a full budget ends it first).
         start_forcing = thinking & ~closed & ~finished & (num_think >= state.think_budget)
-        phase = jnp.where(closed | phrase_done, PHASE_ANSWER,
-                          jnp.where(start_forcing, PHASE_FORCING, state.phase))
+        phase = jnp.where(closed | phrase_done, PHASE_ANSWER, jnp.where(start_forcing, PHASE_FORCING, state.phase))
         new_state = state._replace(
             cache=cache,
             tokens=jnp.where(active, token, state.tokens),
-            positions=positions, num_generated=num_generated,
-            active=active & ~finished, phase=phase, forced_index=forced_index, recent=recent,
-            num_think=num_think, num_answer=num_answer,
+            positions=positions,
+            num_generated=num_generated,
+            active=active & ~finished,
+            phase=phase,
+            forced_index=forced_index,
+            recent=recent,
+            num_think=num_think,
+            num_answer=num_answer,
             interrupted=state.interrupted | start_forcing,
             truncated=state.truncated | (finished & ~stop),
             stopped=state.stopped | stop,
@@ -668,13 +753,17 @@ class Engine:
         """Where each slot's next token is written (its position, kept inside the cache)."""
         return jnp.minimum(state.positions, self.config.max_len - 1)
 
-    def _generate(self, params: Any, state: DecodeState, window: int, table: jax.Array,
-                  held: jax.Array) -> tuple[DecodeState, ChunkResult]:
+    def _generate(
+        self, params: Any, state: DecodeState, window: int, table: jax.Array, held: jax.Array
+    ) -> tuple[DecodeState, ChunkResult]:
         model = nnx.merge(self.graphdef, params)
         slots, chunk = self.config.num_slots, self.config.chunk_size
-        outputs = (jnp.full((slots, chunk), PAD_TOKEN, jnp.int32),
-                   jnp.zeros((slots, chunk), jnp.float32),
-                   jnp.zeros((slots, chunk), bool), jnp.zeros((slots, chunk), bool))
+        outputs = (
+            jnp.full((slots, chunk), PAD_TOKEN, jnp.int32),
+            jnp.zeros((slots, chunk), jnp.float32),
+            jnp.zeros((slots, chunk), bool),
+            jnp.zeros((slots, chunk), bool),
+        )
 
         def keep_going(carry):
             step, current, _ = carry
@@ -685,15 +774,23 @@ class Engine:
         def body(carry):
             step, current, outs = carry
             current, emitted = self._decode_step(model, current, window, table, held)
-            outs = tuple(jax.lax.dynamic_update_index_in_dim(buf, value, step, axis=1)
-                         for buf, value in zip(outs, emitted))
+            outs = tuple(
+                jax.lax.dynamic_update_index_in_dim(buf, value, step, axis=1) for buf, value in zip(outs, emitted)
+            )
             return step + 1, current, outs
 
         steps, state, outputs = jax.lax.while_loop(keep_going, body, (jnp.int32(0), state, outputs))
-        result = ChunkResult(*outputs, active=state.active, interrupted=state.interrupted,
-                             truncated=state.truncated, stopped=state.stopped,
-                             num_think=state.num_think, num_answer=state.num_answer,
-                             think_budget=state.think_budget, steps=steps)
+        result = ChunkResult(
+            *outputs,
+            active=state.active,
+            interrupted=state.interrupted,
+            truncated=state.truncated,
+            stopped=state.stopped,
+            num_think=state.num_think,
+            num_answer=state.num_answer,
+            think_budget=state.think_budget,
+            steps=steps,
+        )
         # The per-slot fields are separate output buffers from the state's (which the next call
         # donates); the batcher reads them after dispatching that call (tested via the batcher).
         return state, result
@@ -717,12 +814,20 @@ def _batch_shards(mesh: Mesh | None, rules: Rules) -> int:
 
 
 def host_settings(
-    *, seeds: np.ndarray, streams: np.ndarray, max_new_tokens: np.ndarray, temperature: np.ndarray,
-    stop_tokens: np.ndarray, interrupt: np.ndarray,
+    *,
+    seeds: np.ndarray,
+    streams: np.ndarray,
+    max_new_tokens: np.ndarray,
+    temperature: np.ndarray,
+    stop_tokens: np.ndarray,
+    interrupt: np.ndarray,
 ) -> SlotSettings:
     """Pack numpy per-request arrays into a `SlotSettings` with the engine's dtypes."""
     return SlotSettings(
-        seed=np.asarray(seeds, np.uint32), stream=np.asarray(streams, np.uint32),
+        seed=np.asarray(seeds, np.uint32),
+        stream=np.asarray(streams, np.uint32),
         max_new_tokens=np.asarray(max_new_tokens, np.int32),
         temperature=np.asarray(temperature, np.float32),
-        stop_tokens=np.asarray(stop_tokens, np.int32), interrupt=np.asarray(interrupt, bool))
+        stop_tokens=np.asarray(stop_tokens, np.int32),
+        interrupt=np.asarray(interrupt, bool),
+    )

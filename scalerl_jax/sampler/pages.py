@@ -23,15 +23,17 @@ def pages_for(length: int, page_size: int) -> int:
 class PageTable:
     """Pages held per slot, free pages per group, and the `table` the device reads (module doc)."""
 
-    def __init__(self, *, num_slots: int, groups: int, pages_per_group: int, page_size: int,
-                 pages_per_slot: int):
+    def __init__(self, *, num_slots: int, groups: int, pages_per_group: int, page_size: int, pages_per_slot: int):
         if num_slots % groups:
-            raise ValueError(f"paged KV cache: num_slots={num_slots} must split into {groups} equal "
-                             "page groups (one per device the slots are sharded over)")
+            raise ValueError(
+                f"paged KV cache: num_slots={num_slots} must split into {groups} equal "
+                "page groups (one per device the slots are sharded over)"
+            )
         if pages_per_group < pages_per_slot:
             raise ValueError(
                 f"paged KV cache: {pages_per_group} pages per group cannot hold one sequence of "
-                f"{pages_per_slot} pages (max_len / page_size); raise EngineConfig.num_pages")
+                f"{pages_per_slot} pages (max_len / page_size); raise EngineConfig.num_pages"
+            )
         self.groups, self.pages_per_group, self.page_size = groups, pages_per_group, page_size
         self.slots_per_group = num_slots // groups
         self.table = np.full((num_slots, pages_per_slot), pages_per_group, np.int32)
@@ -74,5 +76,8 @@ class PageTable:
         wanted = np.zeros((self.groups,), np.int64)
         for slot, length in needs.items():
             wanted[self.group_of(slot)] += self.missing(slot, length)
-        return {group: int(wanted[group]) - self.free_pages(group) for group in range(self.groups)
-                if wanted[group] > self.free_pages(group)}
+        return {
+            group: int(wanted[group]) - self.free_pages(group)
+            for group in range(self.groups)
+            if wanted[group] > self.free_pages(group)
+        }

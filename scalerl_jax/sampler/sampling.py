@@ -52,9 +52,7 @@ def top_p_mask(scaled_logits: jax.Array, top_p: float) -> jax.Array:
     return scaled_logits >= threshold
 
 
-def masked_log_probs(
-    logits: jax.Array, temperature: jax.Array, *, top_k: int = 0, top_p: float = 1.0
-) -> jax.Array:
+def masked_log_probs(logits: jax.Array, temperature: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
     """log softmax(mask(logits / T)) in fp32, shape [..., V]; -inf outside the kept set.
 
     `temperature` broadcasts against `logits[..., 0]` and must be > 0 here.

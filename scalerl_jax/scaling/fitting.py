@@ -104,9 +104,7 @@ def make_grid(
         c_mid_range = default_c_mid_range(unit, c_max)
     c_lo, c_hi = c_mid_range
     if not (0 < c_lo < c_hi) or num_c_mid < 2:
-        raise ValueError(
-            f"c_mid_range must satisfy 0 < lo < hi with num_c_mid >= 2; got {c_mid_range}, {num_c_mid}"
-        )
+        raise ValueError(f"c_mid_range must satisfy 0 < lo < hi with num_c_mid >= 2; got {c_mid_range}, {num_c_mid}")
     b_lo, b_hi = b_bounds
     if not (0 < b_lo < b_hi) or num_b < 3:
         raise ValueError(f"b_bounds must satisfy 0 < lo < hi with num_b >= 3; got {b_bounds}, {num_b}")
@@ -149,9 +147,7 @@ def check_curve(
     c = np.asarray(compute, dtype=np.float64)
     y = np.asarray(pass_rate, dtype=np.float64)
     if c.ndim != 1 or y.ndim != 1 or c.shape != y.shape:
-        raise ValueError(
-            f"{name}: compute and pass_rate must be 1-D of equal length; got shapes {c.shape}, {y.shape}"
-        )
+        raise ValueError(f"{name}: compute and pass_rate must be 1-D of equal length; got shapes {c.shape}, {y.shape}")
     if c.size == 0:
         raise ValueError(f"{name}: no points")
     if labels is not None and len(labels) != c.size:
@@ -213,9 +209,7 @@ class SigmoidFit:
         return float(np.sqrt(self.ssr / self.num_points))
 
 
-def _weighted_ssr(
-    log_c: np.ndarray, target: np.ndarray, w: np.ndarray, d: float, b: float, log_c_mid: float
-) -> float:
+def _weighted_ssr(log_c: np.ndarray, target: np.ndarray, w: np.ndarray, d: float, b: float, log_c_mid: float) -> float:
     """sum_i w_i (t_i - d expit(b (log C_i - log C_mid)))^2."""
     residual = target - d * expit(b * (log_c - log_c_mid))
     return float(w @ residual**2)
@@ -258,9 +252,7 @@ def grid_fit_rows(
         s_plus = np.take_along_axis(ssr, np.minimum(k + 1, last)[..., None], axis=-1)[..., 0]
         curvature = s_minus - 2.0 * s0 + s_plus
         interior = (k > 0) & (k < last) & (curvature > 0)
-        vertex = np.where(
-            interior, s0 - (s_minus - s_plus) ** 2 / (8.0 * np.where(interior, curvature, 1.0)), s0
-        )
+        vertex = np.where(interior, s0 - (s_minus - s_plus) ** 2 / (8.0 * np.where(interior, curvature, 1.0)), s0)
         candidates = np.argpartition(vertex, min(num_polished, vertex.size) - 1, axis=None)[:num_polished]
         best = None
         for ia, ij in zip(*np.unravel_index(candidates, vertex.shape), strict=True):
@@ -270,9 +262,7 @@ def grid_fit_rows(
                 return _weighted_ssr(log_c, target, w, float(d[ia]), float(np.exp(lb)), float(log_c_mid[ij]))
 
             lo, hi = log_b[max(kb - 1, 0)], log_b[min(kb + 1, last)]
-            polished = minimize_scalar(
-                pair_ssr, bounds=(lo, hi), method="bounded", options={"xatol": 1e-10 * step}
-            )
+            polished = minimize_scalar(pair_ssr, bounds=(lo, hi), method="bounded", options={"xatol": 1e-10 * step})
             pair_best = (pair_ssr(log_b[kb]), log_b[kb])
             if polished.fun < pair_best[0]:
                 pair_best = (float(polished.fun), float(polished.x))
@@ -304,9 +294,7 @@ def least_squares_refine(
         a, log_b, log_c_mid = p
         return sqrt_w * (r0 + (a - r0) * expit(np.exp(log_b) * (log_c - log_c_mid)) - y)
 
-    result = least_squares(
-        residuals, x0, bounds=(lower, upper), method="trf", xtol=1e-12, ftol=1e-12, gtol=1e-12
-    )
+    result = least_squares(residuals, x0, bounds=(lower, upper), method="trf", xtol=1e-12, ftol=1e-12, gtol=1e-12)
     a, log_b, log_c_mid = result.x
     return (
         float(a),
@@ -335,9 +323,7 @@ def _edge_warnings(
     if a <= r0:
         warnings.append(f"A={a:.3f} <= R0={r0:.3f}: the fitted curve does not rise")
     if c_mid > c_last:
-        warnings.append(
-            f"C_mid={c_mid:.4g} lies beyond the last fitted point ({c_last:.4g}): A is not yet constrained"
-        )
+        warnings.append(f"C_mid={c_mid:.4g} lies beyond the last fitted point ({c_last:.4g}): A is not yet constrained")
     return warnings
 
 
@@ -364,9 +350,7 @@ def select_window(
     if fit_start is None:
         fit_start = default_fit_start(unit, c_max)
     if not fit_start > 0:
-        raise ValueError(
-            f"{name}: fit_start must be > 0 (C = 0 anchors R0 and is never fitted); got {fit_start!r}"
-        )
+        raise ValueError(f"{name}: fit_start must be > 0 (C = 0 anchors R0 and is never fitted); got {fit_start!r}")
     if fit_end is not None and fit_end <= fit_start:
         raise ValueError(f"{name}: fit_end={fit_end!r} must exceed fit_start={fit_start!r}")
     in_window = before_end & (c >= fit_start)
@@ -445,16 +429,12 @@ def fit_sigmoid(
     a, b, c_mid, ssr = grid_fit_rows(window.c, window.y, weights, r0, grid)[0]
     warnings = []
     if method == "least_squares":
-        a, b, c_mid, ssr, converged = least_squares_refine(
-            window.c, window.y, weights, r0, grid, (a, b, c_mid)
-        )
+        a, b, c_mid, ssr, converged = least_squares_refine(window.c, window.y, weights, r0, grid, (a, b, c_mid))
         if not converged:
             warnings.append("least_squares did not converge")
     warnings += _edge_warnings(a, b, c_mid, r0, float(window.c.max()), method, grid)
     if window.c.size <= NUM_SIGMOID_PARAMS:
-        warnings.append(
-            f"{window.c.size} points for {NUM_SIGMOID_PARAMS} parameters: no residual degree of freedom"
-        )
+        warnings.append(f"{window.c.size} points for {NUM_SIGMOID_PARAMS} parameters: no residual degree of freedom")
     return SigmoidFit(
         r0=float(r0),
         a=float(a),
@@ -501,6 +481,4 @@ def extrapolation_error(fit: FittedCurve, compute: ArrayLike, pass_rate: ArrayLi
     if not np.any(held_out):
         return ExtrapolationError(mae=float("nan"), max_abs=float("nan"), num_points=0)
     errors = np.abs(np.asarray(fit.predict(c[held_out])) - y[held_out])
-    return ExtrapolationError(
-        mae=float(errors.mean()), max_abs=float(errors.max()), num_points=int(held_out.sum())
-    )
+    return ExtrapolationError(mae=float(errors.mean()), max_abs=float(errors.max()), num_points=int(held_out.sum()))

@@ -52,9 +52,7 @@ class PowerLawFit:
         return not self.warnings
 
 
-def _linear_start(
-    x: np.ndarray, y: np.ndarray, alphas: np.ndarray, a_bounds: tuple[float, float]
-) -> np.ndarray:
+def _linear_start(x: np.ndarray, y: np.ndarray, alphas: np.ndarray, a_bounds: tuple[float, float]) -> np.ndarray:
     """Best (A, D', alpha) over the alpha grid, (A, D') by linear least squares, clipped."""
     basis = np.exp(-alphas[:, None] * np.log(x)[None, :])  # [K, N]: x^(-alpha)
     basis_mean = basis.mean(axis=1)
@@ -81,9 +79,7 @@ def fit_power_law(
 ) -> PowerLawFit:
     """Fit R(C) = A - D C^(-alpha) on the window [fit_start, fit_end] (module docstring)."""
     if not (a_bounds[0] < a_bounds[1]) or not (0 < alpha_bounds[0] < alpha_bounds[1]) or num_alpha < 2:
-        raise ValueError(
-            f"{name}: bad power-law bounds a={a_bounds}, alpha={alpha_bounds}, num_alpha={num_alpha}"
-        )
+        raise ValueError(f"{name}: bad power-law bounds a={a_bounds}, alpha={alpha_bounds}, num_alpha={num_alpha}")
     c, y = check_curve(compute, pass_rate, name=name)
     window = select_window(c, y, unit=unit, fit_start=fit_start, fit_end=fit_end, name=name)
     c_ref = float(window.c.max())
@@ -97,9 +93,7 @@ def fit_power_law(
         a, d_scaled, alpha = p
         return a - d_scaled * np.exp(-alpha * np.log(x)) - window.y
 
-    result = least_squares(
-        residuals, start, bounds=(lower, upper), method="trf", xtol=1e-12, ftol=1e-12, gtol=1e-12
-    )
+    result = least_squares(residuals, start, bounds=(lower, upper), method="trf", xtol=1e-12, ftol=1e-12, gtol=1e-12)
     a, d_scaled, alpha = (float(v) for v in result.x)
     warnings = []
     if result.status <= 0:

@@ -157,8 +157,6 @@ def read_runs(paths: Sequence[str | Path], *, names: Sequence[str] | None = None
     seen: dict[str, str] = {}
     for run in runs:
         if run.name in seen:
-            raise ValueError(
-                f"runs {seen[run.name]} and {run.path} are both named {run.name!r}; give distinct names"
-            )
+            raise ValueError(f"runs {seen[run.name]} and {run.path} are both named {run.name!r}; give distinct names")
         seen[run.name] = run.path
     return runs

@@ -13,6 +13,7 @@ and writes WORKDIR/study.md, curves.png and params.png.
 Exit status: 0 done; 1 a run failed (the same command resumes) or a curve could not be fitted;
 2 bad input (flags, study directory, metrics files).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,20 @@ from scalerl_jax.study.variants import expand_variants
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.study", description=__doc__.split("\n\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m scalerl_jax.study", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--config", help="base config file ('file.py' or 'file.py:arg'), as main's --config")
     parser.add_argument("--variants", default="baseline", help="comma-separated: baseline, leave-one-out names, loo")
     parser.add_argument("--seeds", type=int, default=1, help="runs per variant (config.seed = 0 .. seeds-1)")
     parser.add_argument("--workdir", help="the study directory")
     parser.add_argument("--analyze", metavar="DIR", help="only analyze this study directory")
-    parser.add_argument("--cut", type=float, default=DEFAULT_CUT_FRACTION,
-                        help="fit up to this fraction of each curve's last compute (default 0.5)")
+    parser.add_argument(
+        "--cut",
+        type=float,
+        default=DEFAULT_CUT_FRACTION,
+        help="fit up to this fraction of each curve's last compute (default 0.5)",
+    )
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples per variant fit (0: none)")
     parser.add_argument("--a-range", help="A grid LO,HI (default: the runs' eval.fit_a_range)")
     return parser
@@ -44,13 +50,18 @@ def analyze(study_dir: Path, *, cut_fraction: float, bootstrap: int, a_range: tu
     """Fits, prints and writes the study's report; 1 when some variant curve could not be fitted."""
     runs = report.read_study(study_dir)
     a_range = a_range or report.study_a_range(study_dir, runs)
-    results = [analyze_variant(name, curves, cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
-               for name, curves in runs.items()]
-    text = report.write_report(study_dir, results, pair_orders(results), cut_fraction=cut_fraction,
-                               a_range=a_range, bootstrap=bootstrap)
+    results = [
+        analyze_variant(name, curves, cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
+        for name, curves in runs.items()
+    ]
+    text = report.write_report(
+        study_dir, results, pair_orders(results), cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap
+    )
     print(text)
-    print(f"wrote {study_dir / report.REPORT_FILE}, {study_dir / report.CURVES_FIGURE}, "
-          f"{study_dir / report.PARAMS_FIGURE}")
+    print(
+        f"wrote {study_dir / report.REPORT_FILE}, {study_dir / report.CURVES_FIGURE}, "
+        f"{study_dir / report.PARAMS_FIGURE}"
+    )
     return 0 if all(r.mean_fit.fit is not None for r in results) else 1
 
 
@@ -81,9 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("a study needs --config and --workdir (or --analyze DIR)")
             if args.seeds < 1:
                 raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
-            study = driver.StudySpec(study_dir=Path(args.workdir).absolute(), base=driver.absolute_base(args.config),
-                                     variants=tuple(expand_variants(args.variants)), num_seeds=args.seeds,
-                                     overrides=driver.check_overrides(overrides, base=args.config))
+            study = driver.StudySpec(
+                study_dir=Path(args.workdir).absolute(),
+                base=driver.absolute_base(args.config),
+                variants=tuple(expand_variants(args.variants)),
+                num_seeds=args.seeds,
+                overrides=driver.check_overrides(overrides, base=args.config),
+            )
             status = driver.run_study(study)
             if status != 0:
                 return status

@@ -17,6 +17,7 @@ Ordering: for each pair of variants, the late half's observed order (mean pass r
 held-back points) against the early fits' order, read two ways: the predicted mean over the same
 held-back computes, and the asymptote A.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -171,8 +172,14 @@ def mean_curve(name: str, runs: Sequence[RunCurve]) -> Curve:
     return Curve(name, units.pop(), np.asarray(steps), compute, pass_rate)
 
 
-def fit_early(curve: Curve, *, cut_fraction: float = DEFAULT_CUT_FRACTION, a_range: tuple[float, float],
-              bootstrap: int = 0, seed: int = 0) -> CurveFit:
+def fit_early(
+    curve: Curve,
+    *,
+    cut_fraction: float = DEFAULT_CUT_FRACTION,
+    a_range: tuple[float, float],
+    bootstrap: int = 0,
+    seed: int = 0,
+) -> CurveFit:
     """The early-half fit of `curve` (module docstring), with a bootstrap interval when `bootstrap` > 0."""
     if not 0.0 < cut_fraction < 1.0:
         raise ValueError(f"cut_fraction must be in (0, 1), got {cut_fraction}")
@@ -181,8 +188,15 @@ def fit_early(curve: Curve, *, cut_fraction: float = DEFAULT_CUT_FRACTION, a_ran
     if cut <= fit_start:
         return CurveFit(curve, fit_start, cut, error=f"the cut {cut:.4g} is not past fit_start {fit_start:.4g}")
     try:
-        fit = fit_sigmoid(curve.compute, curve.pass_rate, fit_start=fit_start, fit_end=cut, unit=curve.unit,
-                          a_range=a_range, name=curve.name)
+        fit = fit_sigmoid(
+            curve.compute,
+            curve.pass_rate,
+            fit_start=fit_start,
+            fit_end=cut,
+            unit=curve.unit,
+            a_range=a_range,
+            name=curve.name,
+        )
     except ValueError as error:
         return CurveFit(curve, fit_start, cut, error=str(error))
     if bootstrap == 0:
@@ -194,8 +208,14 @@ def fit_early(curve: Curve, *, cut_fraction: float = DEFAULT_CUT_FRACTION, a_ran
     return CurveFit(curve, fit_start, cut, fit=fit, interval=interval)
 
 
-def analyze_variant(name: str, runs: Sequence[RunCurve], *, cut_fraction: float = DEFAULT_CUT_FRACTION,
-                    a_range: tuple[float, float], bootstrap: int = 200) -> VariantResult:
+def analyze_variant(
+    name: str,
+    runs: Sequence[RunCurve],
+    *,
+    cut_fraction: float = DEFAULT_CUT_FRACTION,
+    a_range: tuple[float, float],
+    bootstrap: int = 200,
+) -> VariantResult:
     """Per-seed fits and the mean-curve fit (with its bootstrap interval) of one variant."""
     seed_fits = tuple(fit_early(run_curve(run), cut_fraction=cut_fraction, a_range=a_range) for run in runs)
     mean_fit = fit_early(mean_curve(name, runs), cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
@@ -208,6 +228,9 @@ def pair_orders(results: Sequence[VariantResult]) -> list[PairOrder]:
     for first, second in itertools.combinations(results, 2):
         f, s = first.mean_fit, second.mean_fit
         a_diff = f.fit.a - s.fit.a if f.fit is not None and s.fit is not None else float("nan")
-        orders.append(PairOrder(first.name, second.name, f.late_observed - s.late_observed,
-                                f.late_predicted - s.late_predicted, a_diff))
+        orders.append(
+            PairOrder(
+                first.name, second.name, f.late_observed - s.late_observed, f.late_predicted - s.late_predicted, a_diff
+            )
+        )
     return orders

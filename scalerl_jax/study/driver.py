@@ -25,6 +25,7 @@ is a link to STUDY/warm_start; variants change none of the digested keys and see
 `config.seed` (not `warm_start.seed`), so every run of a study has the same digest: the first run
 builds the policy, every later one finds it complete and loads it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +104,11 @@ def check_overrides(overrides: Sequence[str], *, base: str) -> tuple[str, ...]:
 
 def plan_runs(study: StudySpec) -> list[RunSpec]:
     """Every (variant, seed) of the study, seed by seed (module docstring)."""
-    return [RunSpec(variant, seed, study.study_dir / variant / f"seed{seed}")
-            for seed in range(study.num_seeds) for variant in study.variants]
+    return [
+        RunSpec(variant, seed, study.study_dir / variant / f"seed{seed}")
+        for seed in range(study.num_seeds)
+        for variant in study.variants
+    ]
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -135,8 +139,15 @@ def run_state(workdir: Path) -> str:
 
 def main_command(study: StudySpec, run: RunSpec, python: str = sys.executable) -> list[str]:
     """main's command line for `run` (module docstring); `--config` comes before its overrides."""
-    return [python, "-m", "scalerl_jax.main", f"--config={STUDY_CONFIG_FILE}:{study.base},{run.variant}",
-            f"{SEED_OVERRIDE}={run.seed}", *study.overrides, f"--workdir={run.workdir}"]
+    return [
+        python,
+        "-m",
+        "scalerl_jax.main",
+        f"--config={STUDY_CONFIG_FILE}:{study.base},{run.variant}",
+        f"{SEED_OVERRIDE}={run.seed}",
+        *study.overrides,
+        f"--workdir={run.workdir}",
+    ]
 
 
 def link_warm_start(study_dir: Path, workdir: Path) -> None:
@@ -149,8 +160,10 @@ def link_warm_start(study_dir: Path, workdir: Path) -> None:
     if link.is_symlink() and os.readlink(link) == target:
         return
     if link.exists() or link.is_symlink():
-        raise ValueError(f"{link} exists and is not a link to the study's shared warm start {shared}; "
-                         "move it away to run this workdir as part of the study")
+        raise ValueError(
+            f"{link} exists and is not a link to the study's shared warm start {shared}; "
+            "move it away to run this workdir as part of the study"
+        )
     link.symlink_to(target, target_is_directory=True)
 
 
@@ -158,14 +171,20 @@ def check_study_file(study: StudySpec) -> None:
     """Writes STUDY/study.json; a study resumed with another base config or other overrides is a
     ValueError (its runs would mix two configs). Variants and seeds may be added."""
     path = study.study_dir / STUDY_FILE
-    record = {"base": study.base, "overrides": list(study.overrides), "variants": list(study.variants),
-              "num_seeds": study.num_seeds}
+    record = {
+        "base": study.base,
+        "overrides": list(study.overrides),
+        "variants": list(study.variants),
+        "num_seeds": study.num_seeds,
+    }
     if path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
         for key in ("base", "overrides"):
             if saved[key] != record[key]:
-                raise ValueError(f"{path}: this study was started with {key} {saved[key]!r}, not {record[key]!r}; "
-                                 "use another --workdir or the same settings")
+                raise ValueError(
+                    f"{path}: this study was started with {key} {saved[key]!r}, not {record[key]!r}; "
+                    "use another --workdir or the same settings"
+                )
     study.study_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
@@ -219,12 +238,17 @@ def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[
         if state == "finished":
             continue
         action = "resume" if state == "started" else "run"
-        echo(progress_line(len(finished), len(runs), minutes_per_run(read_log(study.study_dir), finished),
-                           f"{run.name} ({action})"))
+        echo(
+            progress_line(
+                len(finished), len(runs), minutes_per_run(read_log(study.study_dir), finished), f"{run.name} ({action})"
+            )
+        )
         link_warm_start(study.study_dir, run.workdir)
         command = main_command(study, run, python)
-        append_log(study.study_dir, {"event": "start", "run": run.name, "action": action, "time": time.time(),
-                                     "command": command})
+        append_log(
+            study.study_dir,
+            {"event": "start", "run": run.name, "action": action, "time": time.time(), "command": command},
+        )
         started = time.time()
         with open(run.workdir / RUN_LOG, "a", encoding="utf-8") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {action}: {' '.join(command)}\n")
@@ -233,8 +257,10 @@ def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[
         minutes = (time.time() - started) / 60
         append_log(study.study_dir, {"event": "end", "run": run.name, "returncode": returncode, "minutes": minutes})
         if returncode != 0:
-            echo(f"study: run {run.name} failed with exit status {returncode} after {minutes:.1f} min; "
-                 f"see {run.workdir / RUN_LOG}; the same command resumes the study")
+            echo(
+                f"study: run {run.name} failed with exit status {returncode} after {minutes:.1f} min; "
+                f"see {run.workdir / RUN_LOG}; the same command resumes the study"
+            )
             return 1
         if run_state(run.workdir) != "finished":
             echo(f"study: run {run.name} ended without an evaluation at its num_steps; see {run.workdir / RUN_LOG}")

@@ -1,6 +1,7 @@
 """A study's results on disk: its runs read back, the tables (stdout and STUDY/study.md) and the
 figures (STUDY/curves.png: every variant's points and early-half fit on one log-compute axis with
 its cut; STUDY/params.png: A and B per variant with the spread over seeds)."""
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,16 @@ def has_evaluation(run_dir: Path) -> bool:
 
 
 def _seed_number(path: Path) -> int | None:
-    suffix = path.name[len("seed"):]
+    suffix = path.name[len("seed") :]
     return int(suffix) if path.name.startswith("seed") and suffix.isdigit() else None
 
 
 def study_variants(study_dir: Path) -> list[str]:
     """The variants of STUDY: study.json's order when it exists, else the directories holding
     seed<k> runs (baseline first, then by name)."""
-    found = {p.name for p in study_dir.iterdir()
-             if p.is_dir() and any(_seed_number(s) is not None for s in p.iterdir())}
+    found = {
+        p.name for p in study_dir.iterdir() if p.is_dir() and any(_seed_number(s) is not None for s in p.iterdir())
+    }
     spec = study_dir / driver.STUDY_FILE
     if spec.is_file():
         order = json.loads(spec.read_text(encoding="utf-8"))["variants"]
@@ -53,8 +55,9 @@ def read_study(study_dir: Path) -> dict[str, list[RunCurve]]:
     runs = {}
     for variant in study_variants(study_dir):
         seeds = sorted((s for s in (study_dir / variant).iterdir() if _seed_number(s) is not None), key=_seed_number)
-        curves = [read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True)
-                  for s in seeds if has_evaluation(s)]
+        curves = [
+            read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True) for s in seeds if has_evaluation(s)
+        ]
         if curves:
             runs[variant] = curves
     if not runs:
@@ -111,37 +114,83 @@ def variant_table(results: Sequence[VariantResult]) -> str:
     """One row per variant: the compute of its mean curve's last evaluation (C_end: what the same
     steps cost), spread over seeds, the mean-curve fit with its bootstrap interval, and its
     extrapolation to the held-back half."""
-    header = ["variant", "seeds", "C_end", "A (seeds)", "B (seeds)", "C_mid (seeds)", "A (mean curve) [boot]",
-              "B [boot]", "C_mid [boot]", "fitted/held", "late RMSE", "final err", "late obs", "late pred", "status"]
+    header = [
+        "variant",
+        "seeds",
+        "C_end",
+        "A (seeds)",
+        "B (seeds)",
+        "C_mid (seeds)",
+        "A (mean curve) [boot]",
+        "B [boot]",
+        "C_mid [boot]",
+        "fitted/held",
+        "late RMSE",
+        "final err",
+        "late obs",
+        "late pred",
+        "status",
+    ]
     rows = []
     for r in results:
         m = r.mean_fit
         f, i = m.fit, m.interval
-        rows.append([
-            r.name, str(len(r.seed_fits)), format_compute(float(m.curve.compute[-1])),
-            _spread(r, "a", 3), _spread(r, "b", 2), _spread(r, "c_mid", 0),
-            "-" if f is None else f"{f.a:.3f} " + (_interval(*i.a, 3) if i else ""),
-            "-" if f is None else f"{f.b:.2f} " + (_interval(*i.b, 2) if i else ""),
-            "-" if f is None else f"{format_compute(f.c_mid)} " + (_interval(*i.c_mid, 0, compute=True) if i else ""),
-            "-" if f is None else f"{f.num_points}/{int(m.held_out.sum())}",
-            _num(m.late_rmse), _num(m.final_error), _num(m.late_observed), _num(m.late_predicted), _status(m),
-        ])
+        rows.append(
+            [
+                r.name,
+                str(len(r.seed_fits)),
+                format_compute(float(m.curve.compute[-1])),
+                _spread(r, "a", 3),
+                _spread(r, "b", 2),
+                _spread(r, "c_mid", 0),
+                "-" if f is None else f"{f.a:.3f} " + (_interval(*i.a, 3) if i else ""),
+                "-" if f is None else f"{f.b:.2f} " + (_interval(*i.b, 2) if i else ""),
+                "-"
+                if f is None
+                else f"{format_compute(f.c_mid)} " + (_interval(*i.c_mid, 0, compute=True) if i else ""),
+                "-" if f is None else f"{f.num_points}/{int(m.held_out.sum())}",
+                _num(m.late_rmse),
+                _num(m.final_error),
+                _num(m.late_observed),
+                _num(m.late_predicted),
+                _status(m),
+            ]
+        )
     return markdown_table(header, rows)
 
 
 def seed_table(results: Sequence[VariantResult]) -> str:
     """One row per run: its own early-half fit and extrapolation."""
-    header = ["run", "last step", "R0", "A", "B", "C_mid", "fit window", "fitted/held", "late RMSE", "final err",
-              "status"]
+    header = [
+        "run",
+        "last step",
+        "R0",
+        "A",
+        "B",
+        "C_mid",
+        "fit window",
+        "fitted/held",
+        "late RMSE",
+        "final err",
+        "status",
+    ]
     rows = []
     for r in results:
         for s in r.seed_fits:
             f = s.fit
-            cells = (["-"] * 4 if f is None else
-                     [f"{f.r0:.3f}", f"{f.a:.3f}", f"{f.b:.2f}", format_compute(f.c_mid)])
-            rows.append([s.curve.name, str(int(s.curve.steps[-1])), *cells, f"[{format_compute(s.fit_start)}, {format_compute(s.cut)}]",
-                         "-" if f is None else f"{f.num_points}/{int(s.held_out.sum())}",
-                         _num(s.late_rmse), _num(s.final_error), _status(s)])
+            cells = ["-"] * 4 if f is None else [f"{f.r0:.3f}", f"{f.a:.3f}", f"{f.b:.2f}", format_compute(f.c_mid)]
+            rows.append(
+                [
+                    s.curve.name,
+                    str(int(s.curve.steps[-1])),
+                    *cells,
+                    f"[{format_compute(s.fit_start)}, {format_compute(s.cut)}]",
+                    "-" if f is None else f"{f.num_points}/{int(s.held_out.sum())}",
+                    _num(s.late_rmse),
+                    _num(s.final_error),
+                    _status(s),
+                ]
+            )
     return markdown_table(header, rows)
 
 
@@ -150,10 +199,25 @@ def _agreement(value: bool | None) -> str:
 
 
 def order_table(orders: Sequence[PairOrder]) -> str:
-    header = ["first vs second", "late observed (1st - 2nd)", "early fit: predicted late (1st - 2nd)", "same order",
-              "early fit: A (1st - 2nd)", "same order"]
-    rows = [[f"{o.first} vs {o.second}", f"{o.late_observed_diff:+.3f}", f"{o.late_predicted_diff:+.3f}",
-             _agreement(o.predicted_agrees), f"{o.a_diff:+.3f}", _agreement(o.a_agrees)] for o in orders]
+    header = [
+        "first vs second",
+        "late observed (1st - 2nd)",
+        "early fit: predicted late (1st - 2nd)",
+        "same order",
+        "early fit: A (1st - 2nd)",
+        "same order",
+    ]
+    rows = [
+        [
+            f"{o.first} vs {o.second}",
+            f"{o.late_observed_diff:+.3f}",
+            f"{o.late_predicted_diff:+.3f}",
+            _agreement(o.predicted_agrees),
+            f"{o.a_diff:+.3f}",
+            _agreement(o.a_agrees),
+        ]
+        for o in orders
+    ]
     return markdown_table(header, rows)
 
 
@@ -161,8 +225,11 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
     def count(values):
         known = [v for v in values if v is not None]
         return f"{sum(known)} of {len(known)}"
-    return (f"Early-half fits ordered {count(o.predicted_agrees for o in orders)} pairs as their late halves did "
-            f"by predicted late pass rate, {count(o.a_agrees for o in orders)} by asymptote A.")
+
+    return (
+        f"Early-half fits ordered {count(o.predicted_agrees for o in orders)} pairs as their late halves did "
+        f"by predicted late pass rate, {count(o.a_agrees for o in orders)} by asymptote A."
+    )
 
 
 def timing_line(study_dir: Path) -> str:
@@ -175,26 +242,44 @@ def timing_line(study_dir: Path) -> str:
         return "Wall time: no launch recorded in study_log.jsonl."
     total = sum(r["minutes"] for r in ends)
     killed = f"; {unended} launch(es) killed before they ended, not timed" if unended else ""
-    return (f"Wall time: {total:.1f} min over {len(ends)} ended launches of {len({r['run'] for r in ends})} runs"
-            f"{killed} (study_log.jsonl).")
+    return (
+        f"Wall time: {total:.1f} min over {len(ends)} ended launches of {len({r['run'] for r in ends})} runs"
+        f"{killed} (study_log.jsonl)."
+    )
 
 
-def report_text(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder],
-                cut_fraction: float, a_range: tuple[float, float], bootstrap: int) -> str:
+def report_text(
+    study_dir: Path,
+    results: Sequence[VariantResult],
+    orders: Sequence[PairOrder],
+    cut_fraction: float,
+    a_range: tuple[float, float],
+    bootstrap: int,
+) -> str:
     """The whole report in markdown (also what stdout shows)."""
     unit = unit_label(results[0].mean_fit.curve.unit)
-    return "\n\n".join([
-        f"# Study {study_dir}", timing_line(study_dir),
-        f"Fit window per curve: [0.09375 C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
-        f"evaluation); points beyond are held back and predicted. A grid {a_range[0]:g}..{a_range[1]:g}. "
-        "(seeds): mean ± sample std of the per-seed fits. Mean curve: the mean over seeds at each evaluation "
-        f"step, fitted with a {bootstrap}-resample 95% bootstrap interval [boot]. late obs / late pred: mean "
-        "measured / predicted pass rate over the held-back points; final err: predicted - measured at the last.",
-        "## Variants", variant_table(results),
-        "## Ordering: did the early half predict the late half's order?", order_table(orders), order_summary(orders),
-        "## Runs", seed_table(results),
-        f"Figures: {CURVES_FIGURE} (points and early-half fits, cut dotted), {PARAMS_FIGURE} (A and B, seed std).",
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                f"# Study {study_dir}",
+                timing_line(study_dir),
+                f"Fit window per curve: [0.09375 C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
+                f"evaluation); points beyond are held back and predicted. A grid {a_range[0]:g}..{a_range[1]:g}. "
+                "(seeds): mean ± sample std of the per-seed fits. Mean curve: the mean over seeds at each evaluation "
+                f"step, fitted with a {bootstrap}-resample 95% bootstrap interval [boot]. late obs / late pred: mean "
+                "measured / predicted pass rate over the held-back points; final err: predicted - measured at the last.",
+                "## Variants",
+                variant_table(results),
+                "## Ordering: did the early half predict the late half's order?",
+                order_table(orders),
+                order_summary(orders),
+                "## Runs",
+                seed_table(results),
+                f"Figures: {CURVES_FIGURE} (points and early-half fits, cut dotted), {PARAMS_FIGURE} (A and B, seed std).",
+            ]
+        )
+        + "\n"
+    )
 
 
 def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
@@ -224,7 +309,10 @@ def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel(f"RL training compute ({unit_label(results[0].mean_fit.curve.unit)}, log scale)")
     ax.set_ylabel("held-out pass rate")
-    ax.set_title("early-half fits (solid), extrapolation (dashed), cut (dotted), held back (squares), not fitted (hollow)", fontsize=9)
+    ax.set_title(
+        "early-half fits (solid), extrapolation (dashed), cut (dotted), held back (squares), not fitted (hollow)",
+        fontsize=9,
+    )
     ax.grid(True, which="both", alpha=0.2)
     ax.legend(fontsize=7, frameon=False, loc="best")
     fig.tight_layout()
@@ -257,8 +345,15 @@ def plot_params(results: Sequence[VariantResult], path: Path) -> None:
     fig.savefig(path)
 
 
-def write_report(study_dir: Path, results: Sequence[VariantResult], orders: Sequence[PairOrder], *,
-                 cut_fraction: float, a_range: tuple[float, float], bootstrap: int) -> str:
+def write_report(
+    study_dir: Path,
+    results: Sequence[VariantResult],
+    orders: Sequence[PairOrder],
+    *,
+    cut_fraction: float,
+    a_range: tuple[float, float],
+    bootstrap: int,
+) -> str:
     """Writes study.md, curves.png and params.png into `study_dir`; returns the report text."""
     text = report_text(study_dir, results, orders, cut_fraction, a_range, bootstrap)
     (study_dir / REPORT_FILE).write_text(text, encoding="utf-8")

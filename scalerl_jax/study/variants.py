@@ -6,6 +6,7 @@ variant list stands for the baseline and every leave-one-out variant. The run's 
 `configs/study.py:BASE,VARIANT`, where BASE is a config file as `--config` takes it (`file.py`
 or `file.py:arg`), so that each run of a study is an ordinary `main` run with its own config.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,7 +28,7 @@ def expand_variants(names: str) -> list[str]:
     known = [BASELINE, *recipe.LEAVE_ONE_OUT]
     expanded: list[str] = []
     for name in (n.strip() for n in names.split(",")):
-        for variant in (known if name == ALL_LEAVE_ONE_OUT else [name]):
+        for variant in known if name == ALL_LEAVE_ONE_OUT else [name]:
             if variant not in known:
                 raise ValueError(f"unknown study variant {variant!r}; choose from {known} or {ALL_LEAVE_ONE_OUT!r}")
             if variant not in expanded:
@@ -61,7 +62,9 @@ def variant_config(base: ml_collections.ConfigDict, variant: str) -> ml_collecti
     if variant == BASELINE:
         return config
     if variant not in recipe.LEAVE_ONE_OUT:
-        raise ValueError(f"unknown study variant {variant!r}; choose {BASELINE!r} or one of {sorted(recipe.LEAVE_ONE_OUT)}")
+        raise ValueError(
+            f"unknown study variant {variant!r}; choose {BASELINE!r} or one of {sorted(recipe.LEAVE_ONE_OUT)}"
+        )
     recipe.LEAVE_ONE_OUT[variant](config)
     return config
 

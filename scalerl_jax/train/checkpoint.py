@@ -24,6 +24,7 @@ the reason, never a silent start from scratch. Restore must ask for the dtypes t
 step, the OS reason and the newest complete checkpoint. Orbax's own log lines are muted during
 save and restore; its errors reach the caller as those messages.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -191,8 +192,10 @@ def _serializable(train_state: Any) -> Any:
     shardings."""
     if jax.process_count() == 1:
         return train_state
-    return jax.tree.map(lambda leaf: jax.device_get(leaf) if isinstance(leaf, jax.Array) and leaf.is_fully_addressable
-                        else leaf, train_state)
+    return jax.tree.map(
+        lambda leaf: jax.device_get(leaf) if isinstance(leaf, jax.Array) and leaf.is_fully_addressable else leaf,
+        train_state,
+    )
 
 
 class RunCheckpointer:
@@ -207,20 +210,27 @@ class RunCheckpointer:
         multiprocessing = ocp.options.MultiprocessingOptions()
         if processes is not None and jax.process_count() > 1:
             if min(processes) != 0:
-                raise ValueError(f"RunCheckpointer: the trainer processes {sorted(processes)} must include "
-                                 "process 0 (orbax writes host arrays from process 0 only)")
+                raise ValueError(
+                    f"RunCheckpointer: the trainer processes {sorted(processes)} must include "
+                    "process 0 (orbax writes host arrays from process 0 only)"
+                )
             multiprocessing = ocp.options.MultiprocessingOptions(
-                primary_host=0, active_processes=set(processes), barrier_sync_key_prefix="trainers")
+                primary_host=0, active_processes=set(processes), barrier_sync_key_prefix="trainers"
+            )
             os.makedirs(self.directory, exist_ok=True)  # orbax creates it only without active_processes
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=multiprocessing.active_processes is None,
-                                                 cleanup_tmp_directories=True,
-                                                 multiprocessing_options=multiprocessing),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                create=multiprocessing.active_processes is None,
+                cleanup_tmp_directories=True,
+                multiprocessing_options=multiprocessing,
+            ),
             item_handlers={  # the handlers take the same processes (orbax's defaults: all of them)
                 TRAIN_STATE: ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
                 RUN_STATE: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
-                INTEGRITY: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)},
+                INTEGRITY: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+            },
         )
 
     def latest_step(self) -> int | None:
@@ -237,17 +247,25 @@ class RunCheckpointer:
         `config` is the run config as a flat {dotted_key: value} JSON-able dict (see `saved_config`).
         Raises CheckpointError naming the path, step, OS reason and newest complete checkpoint.
         """
-        record = {"leaf_sha256": tree_checksums(train_state), "run_state_sha256": run_state_checksum(run_state),
-                  "config": dict(config)}
+        record = {
+            "leaf_sha256": tree_checksums(train_state),
+            "run_state_sha256": run_state_checksum(run_state),
+            "config": dict(config),
+        }
         failure = None
         with _orbax_muted():
             try:
                 self._probe_writable()
-                self._manager.save(step, args=ocp.args.Composite(**{
-                    TRAIN_STATE: ocp.args.StandardSave(_serializable(train_state)),
-                    RUN_STATE: ocp.args.JsonSave(run_state),
-                    INTEGRITY: ocp.args.JsonSave(record),
-                }))
+                self._manager.save(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            TRAIN_STATE: ocp.args.StandardSave(_serializable(train_state)),
+                            RUN_STATE: ocp.args.JsonSave(run_state),
+                            INTEGRITY: ocp.args.JsonSave(record),
+                        }
+                    ),
+                )
                 self._manager.wait_until_finished()
             except Exception as error:  # orbax/tensorstore raise ValueError, OSError, RuntimeError
                 failure = error
@@ -257,7 +275,8 @@ class RunCheckpointer:
             intact = f"step {newest}" if newest is not None else "none"
             raise CheckpointError(
                 f"checkpoint: could not save step {step} to {os.path.join(self.directory, str(step))}: "
-                f"{_short_reason(failure)}; newest complete checkpoint: {intact}") from None
+                f"{_short_reason(failure)}; newest complete checkpoint: {intact}"
+            ) from None
         logging.info("checkpoint: saved step %d to %s", step, self.directory)
 
     def _probe_writable(self) -> None:
@@ -288,10 +307,15 @@ class RunCheckpointer:
         )
         try:
             with _orbax_muted():
-                restored = self._manager.restore(step, args=ocp.args.Composite(**{
-                    TRAIN_STATE: ocp.args.StandardRestore(abstract),
-                    RUN_STATE: ocp.args.JsonRestore(),
-                }))
+                restored = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        **{
+                            TRAIN_STATE: ocp.args.StandardRestore(abstract),
+                            RUN_STATE: ocp.args.JsonRestore(),
+                        }
+                    ),
+                )
         except Exception as error:
             raise _Unusable(f"unreadable ({_short_reason(error)})") from None
         train_state, run_state = restored[TRAIN_STATE], dict(restored[RUN_STATE])

@@ -14,30 +14,36 @@ Causal attention on a sequence of T tokens: query i attends i + 1 keys, and QK^T
 This counts only the causal half of the score matrix (PaLM's 12 L h e T counts the full square;
 halve it to compare) and never counts recomputation (remat), so it is the MODEL FLOPs of MFU.
 """
+
 from __future__ import annotations
 
 from scalerl_jax.models.config import ModelConfig
 
 
 def matmul_params(config: ModelConfig) -> int:
-  """N: weights that enter a matmul once per token (module docstring)."""
-  d, f, h, k, e = (config.hidden_size, config.intermediate_size, config.num_heads,
-                   config.num_kv_heads, config.head_dim)
-  per_layer = 2 * d * h * e + 2 * d * k * e + 3 * d * f
-  return config.num_layers * per_layer + d * config.vocab_size
+    """N: weights that enter a matmul once per token (module docstring)."""
+    d, f, h, k, e = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    per_layer = 2 * d * h * e + 2 * d * k * e + 3 * d * f
+    return config.num_layers * per_layer + d * config.vocab_size
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-  """6 N + 6 L h e (T + 1): forward + backward model FLOPs per token of a length-T sequence."""
-  if seq_len < 1:
-    raise ValueError(f"train_flops_per_token: seq_len={seq_len} must be >= 1")
-  attention = 6 * config.num_layers * config.num_heads * config.head_dim * (seq_len + 1)
-  return 6.0 * matmul_params(config) + float(attention)
+    """6 N + 6 L h e (T + 1): forward + backward model FLOPs per token of a length-T sequence."""
+    if seq_len < 1:
+        raise ValueError(f"train_flops_per_token: seq_len={seq_len} must be >= 1")
+    attention = 6 * config.num_layers * config.num_heads * config.head_dim * (seq_len + 1)
+    return 6.0 * matmul_params(config) + float(attention)
 
 
 def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
-  """Model FLOPs of one step on `batch_size` sequences of `seq_len` tokens."""
-  return train_flops_per_token(config, seq_len) * batch_size * seq_len
+    """Model FLOPs of one step on `batch_size` sequences of `seq_len` tokens."""
+    return train_flops_per_token(config, seq_len) * batch_size * seq_len
 
 
 # Peak dense (no sparsity) bf16 matmul FLOP/s of one device, by a substring of JAX's
@@ -47,32 +53,32 @@ PEAK_BF16_FLOPS_PER_S: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H200 NVL", 835e12),
-    ("H100", 989e12),   # SXM, e.g. 'NVIDIA H100 80GB HBM3'
-    ("H200", 989e12),   # SXM, and GH200
+    ("H100", 989e12),  # SXM, e.g. 'NVIDIA H100 80GB HBM3'
+    ("H200", 989e12),  # SXM, and GH200
     ("B200", 2250e12),
     ("A100", 312e12),
     ("L40S", 362e12),
     ("TPU v4", 275e12),
     ("TPU v5 lite", 197e12),  # v5e
     ("TPU v5e", 197e12),
-    ("TPU v5", 459e12),       # v5p
+    ("TPU v5", 459e12),  # v5p
     ("TPU v6 lite", 918e12),  # v6e (Trillium)
     ("TPU v6e", 918e12),
 )
 
 
 def peak_bf16_flops_per_s(device_kind: str) -> float | None:
-  """Peak dense bf16 FLOP/s of one device of this `device_kind`; None when unknown (e.g. CPU)."""
-  for name, flops in PEAK_BF16_FLOPS_PER_S:
-    if name in device_kind:
-      return flops
-  return None
+    """Peak dense bf16 FLOP/s of one device of this `device_kind`; None when unknown (e.g. CPU)."""
+    for name, flops in PEAK_BF16_FLOPS_PER_S:
+        if name in device_kind:
+            return flops
+    return None
 
 
 def devices_peak_flops_per_s(devices) -> float | None:
-  """Summed peak dense bf16 FLOP/s of `devices` (e.g. the trainer's), the denominator of MFU;
-  None when any device's kind is not in `PEAK_BF16_FLOPS_PER_S`."""
-  peaks = [peak_bf16_flops_per_s(device.device_kind) for device in devices]
-  if not peaks or any(peak is None for peak in peaks):
-    return None
-  return float(sum(peaks))
+    """Summed peak dense bf16 FLOP/s of `devices` (e.g. the trainer's), the denominator of MFU;
+    None when any device's kind is not in `PEAK_BF16_FLOPS_PER_S`."""
+    peaks = [peak_bf16_flops_per_s(device.device_kind) for device in devices]
+    if not peaks or any(peak is None for peak in peaks):
+        return None
+    return float(sum(peaks))
