@@ -16,7 +16,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset

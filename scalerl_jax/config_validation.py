@@ -13,7 +13,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import ml_collections
 

@@ -14,7 +14,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from absl import logging

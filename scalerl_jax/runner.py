@@ -21,7 +21,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -34,15 +35,6 @@ from scalerl_jax import fit as fit_cli
 from scalerl_jax.config_validation import ConfigError, check_resume, config_json, flat_config
 from scalerl_jax.console import quiet_library_logs
 from scalerl_jax.data.rows import read_rows
-from scalerl_jax.metrics import MetricsWriter, format_progress
-from scalerl_jax.models import (
-    CheckpointTokenizer,
-    abstract_hf,
-    load_checkpoint_tokenizer,
-    load_hf,
-    make_mesh,
-    param_shardings,
-)
 from scalerl_jax.distributed import coordination
 from scalerl_jax.distributed.remote_generator import GeneratorPush, LinkService, ParamsInbox, RemoteLink, first_version
 from scalerl_jax.distributed.roles import Roles, assign_roles
@@ -55,6 +47,15 @@ from scalerl_jax.distributed.wiring import (
     connect_processes,
     start_transfer_server,
     trainer_transfer_addresses,
+)
+from scalerl_jax.metrics import MetricsWriter, format_progress
+from scalerl_jax.models import (
+    CheckpointTokenizer,
+    abstract_hf,
+    load_checkpoint_tokenizer,
+    load_hf,
+    make_mesh,
+    param_shardings,
 )
 from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, SamplingSettings
 from scalerl_jax.pipeline.group import Prompt

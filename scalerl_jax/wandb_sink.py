@@ -9,7 +9,8 @@ later with `wandb sync`), so nothing needs the network. The package is an option
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class WandbSink:

@@ -52,6 +52,6 @@ def main(mode: str, address: str, secret_hex: str, process: str, role: str) -> i
 if __name__ == "__main__":
     try:
         sys.exit(main(*sys.argv[1:]))
-    except Exception as err:  # report for the test, which asserts on it
+    except Exception as err:  # noqa: BLE001 - report for the test, which asserts on it
         print(f"ERROR {type(err).__name__}: {err}", flush=True)
         sys.exit(2)

@@ -31,7 +31,8 @@ jax.distributed.initialize(f"127.0.0.1:{PORT}", 2, PROCESS)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax._src import distributed  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from scalerl_jax.distributed import weight_push  # noqa: E402
 

@@ -16,8 +16,7 @@ import json
 import os
 import random
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-from tokenizers import trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 FAMILIES = ("llama3.1", "qwen2.5", "qwen3")
 BPE_VOCAB_SIZE = 600

@@ -13,6 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from family_checkpoints import EXPECTED, FAMILIES, make_family_checkpoint  # noqa: E402
+
 from scalerl_jax.data import prompts  # noqa: E402
 from scalerl_jax.models import dtype_name, load_checkpoint_tokenizer, load_hf, load_hf_config  # noqa: E402
 

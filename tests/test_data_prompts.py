@@ -4,10 +4,10 @@ import logging
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from scalerl_jax.data import prompts, synthetic
 from scalerl_jax.data.tokenizer import train_tokenizer
-from tokenizers import Tokenizer
 
 # A ChatML template in the style of Qwen2's tokenizer_config.json (system turn optional).
 CHATML = (

@@ -21,6 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import policy_fixtures  # noqa: E402
+
 from scalerl_jax import data as data_lib  # noqa: E402
 from scalerl_jax import evaluate  # noqa: E402
 

@@ -13,9 +13,9 @@ import tokenizers
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import policy_fixtures  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import policy_fixtures  # noqa: E402
 from scalerl_jax import export, policy_source, recipe, warm_start  # noqa: E402
 from scalerl_jax.config_validation import config_json  # noqa: E402
 from scalerl_jax.models import Transformer  # noqa: E402

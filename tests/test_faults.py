@@ -62,8 +62,8 @@ import pytest
 from scalerl_jax import fit as fit_cli
 from scalerl_jax import recipe, runner, sampling_setup
 from scalerl_jax.config_validation import ConfigError, flat_config, validate
-from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.metrics import MetricsWriter
+from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 

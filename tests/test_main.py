@@ -1,13 +1,13 @@
 """The main job end to end on the tiny config (a handful of steps), and its bad-input errors."""
 
 import json
+import math
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import math
 import time
 
 import jax

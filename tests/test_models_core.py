@@ -1,5 +1,7 @@
 """Model config, presets, RoPE, dtypes, chunked log-probs memory: checked against hand calculations."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,6 @@ def test_sequence_logprobs_rejects_bad_temperature():
 def test_model_config_is_frozen():
     config = get_preset("tiny-llama")
     assert isinstance(config, ModelConfig)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.hidden_size = 3
     assert config.replace(dtype="bfloat16").rope_scaling_dict == config.rope_scaling_dict

@@ -11,7 +11,8 @@ from scalerl_jax.config_validation import ConfigError, validate
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache, sequence_logprobs
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.logprobs import token_logprobs_from_logits
-from scalerl_jax.models.memory import activation_terms, main as memory_main
+from scalerl_jax.models.memory import activation_terms
+from scalerl_jax.models.memory import main as memory_main
 from scalerl_jax.models.transformer import fp32_logits
 
 # Exact float32 over D <= 512 with logits of size ~10: errors ~1e-6. A bf16 head misses by ~1e-2.

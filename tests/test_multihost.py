@@ -7,7 +7,6 @@ import time
 
 import numpy as np
 import pytest
-
 from multihost import TINY, full_log, logs, read_metrics, start, wait
 
 # Two processes x two CPU devices (p0d0, p0d1, p1d0, p1d1); trainer devices come first.

@@ -11,6 +11,8 @@ import threading
 import jax
 import numpy as np
 import pytest
+from test_pipeline_harness import CountingStep, ScriptedBatcher, make_pipeline
+from test_pipeline_real import GROUPS, MAX_NEW, SAMPLES, Setup, parity_reward, prompt_source
 
 from scalerl_jax.distributed.messages import eval_item_from_message, eval_item_to_message
 from scalerl_jax.distributed.remote_generator import LinkService
@@ -19,8 +21,6 @@ from scalerl_jax.pipeline.lag import make_schedule
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
 from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, Request
-from test_pipeline_harness import CountingStep, ScriptedBatcher, make_pipeline
-from test_pipeline_real import GROUPS, MAX_NEW, SAMPLES, Setup, parity_reward, prompt_source
 
 EVAL_PROMPTS = [[5, 9, 13], [7, 3, 3, 40, 2], [60, 61], [11, 12, 13, 14]]
 STOP = (1,)

@@ -3,8 +3,8 @@
 import pytest
 
 from scalerl_jax.pipeline.batching import build_train_batch
-from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.pipeline.generator import GeneratorStats
+from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, _Totals, step_metrics
 from scalerl_jax.pipeline.queue import BufferCounts, WaitTimes
 from scalerl_jax.sampler import Completion

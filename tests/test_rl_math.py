@@ -195,7 +195,7 @@ def jax_loss_and_grad(objective, aggregation, **clip):
     return _jitted_loss_and_grad(objective, aggregation, tuple(sorted(clip.items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_loss_and_grad(objective, aggregation, clip_items):
     def loss_fn(logp, blogp, adv, mask, group_ids, valid):
         return rl.policy_loss(

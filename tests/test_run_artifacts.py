@@ -17,13 +17,13 @@ def test_metrics_lines_and_resume_truncation(tmp_path):
     offset = writer.offset()
     writer.write(2, {"train/loss": float("nan")})
     writer.close()
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert lines == [{"step": 1, "train/loss": 0.5, "note": "x"}, {"step": 2, "train/loss": "nan"}]
     resumed = MetricsWriter(str(tmp_path), resume_offset=offset)  # step 2 is replayed after a resume
     resumed.write(2, {"train/loss": 0.25})
     resumed.close()
-    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-    assert [l["step"] for l in lines] == [1, 2] and lines[1]["train/loss"] == 0.25
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [row["step"] for row in lines] == [1, 2] and lines[1]["train/loss"] == 0.25
     assert os.listdir(tmp_path / "tb")
 
 

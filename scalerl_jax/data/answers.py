@@ -139,7 +139,7 @@ def load_reward_fn(spec: str) -> RewardFn:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         raise ValueError(f"reward_fn {spec!r}: module not found ({e})") from e
-    except Exception as e:  # the user's module failed while being imported
+    except Exception as e:  # noqa: BLE001 - the user's module failed while being imported
         raise ValueError(f"reward_fn {spec!r}: importing {module_name!r} raised {type(e).__name__}: {e}") from e
     function = getattr(module, function_name, None)
     if function is None:
@@ -156,7 +156,7 @@ def _custom_reward(reward_fn: RewardFn, completion: str, gold: str, problem: str
     (a string, None, a bool, NaN, inf) or an exception is an ``ERROR``."""
     try:
         value = reward_fn(completion, gold, problem)
-    except Exception as e:  # the user's function failed on this item: reported, not fatal
+    except Exception as e:  # noqa: BLE001 - the user's function failed on this item: reported, not fatal
         return ERROR, None, f"raised {type(e).__name__}: {str(e)[:200]}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         return ERROR, None, f"returned {value!r:.100} ({type(value).__name__}), not a finite number"

@@ -70,8 +70,7 @@ def _parquet_records(path: str):
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
-    for index, record in enumerate(table.to_pylist()):
-        yield index, record
+    yield from enumerate(table.to_pylist())
 
 
 def file_format_of(path: str) -> str:

@@ -31,7 +31,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 names with numpy for decoding)
 import msgpack
@@ -223,7 +224,7 @@ class Connection:
             try:
                 self._sock.sendall(header)
                 self._sock.sendall(payload)
-            except socket.timeout as err:
+            except TimeoutError as err:
                 raise self._lost(
                     f"{self.peer} did not take data for {float(self.send_timeout)} s while this "
                     f"process was {what} ({len(payload)} bytes)",
@@ -488,7 +489,7 @@ class Server:
                 self._listener.settimeout(remaining)
                 try:
                     sock, (host, port) = self._listener.accept()[:2]
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 handshake_timeout = min(self._handshake_timeout, max(remaining, 0.1))
                 try:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import secrets
 import threading
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -115,7 +116,7 @@ def _missing(client, arrivals: str, members: Sequence[int]) -> str:
     """'processes [..] did not arrive' from the arrival keys, or why that is unknown."""
     try:
         arrived = {int(key.rsplit("/", 1)[-1]) for key, _ in client.key_value_dir_get(arrivals)}
-    except Exception as err:  # the service itself may be failing: still raise the timeout
+    except Exception as err:  # noqa: BLE001 - the service itself may be failing: still raise the timeout
         return f"could not read who arrived ({err})"
     absent = [p for p in members if p not in arrived]
     return f"processes {absent} did not arrive" if absent else "all arrived late"

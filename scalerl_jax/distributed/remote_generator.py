@@ -19,7 +19,8 @@ generator, then wait for every acknowledgement.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from absl import logging
 

@@ -21,7 +21,7 @@ process it is all of these.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

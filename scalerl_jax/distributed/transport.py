@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scalerl_jax.distributed.remote_generator import GeneratorPush
 from scalerl_jax.distributed.roles import Roles

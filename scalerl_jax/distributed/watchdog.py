@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from absl import logging
 

@@ -47,7 +47,8 @@ import dataclasses
 import datetime
 import functools
 import threading
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -172,7 +173,7 @@ def _take_slice(leaf: jax.Array, bounds: Bounds) -> jax.Array:
     return leaf[_slices_of(bounds)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _replicated_slicer(mesh: Mesh) -> Callable[[jax.Array, Bounds], jax.Array]:
     """jit of `leaf[bounds]` with the result fully replicated over `mesh` (one per mesh, so cached compiles)."""
     return jax.jit(_take_slice, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
@@ -319,7 +320,7 @@ def _pull_into(connection: Any, uuid: int, structs: list[jax.ShapeDtypeStruct], 
         arrays = connection.pull(uuid, structs)
         jax.block_until_ready(arrays)
         result["arrays"] = arrays
-    except BaseException as error:  # handed to the caller's thread, which re-raises it
+    except BaseException as error:  # noqa: BLE001 - handed to the caller's thread, which re-raises it
         result["error"] = error
 
 

@@ -1,16 +1,6 @@
 """Flax NNX decoder (Llama 3 / Qwen2.5 / Qwen3), FP32 head, chunked log-probs, sharding, HF import/export."""
 
 from scalerl_jax.models.config import PRESETS, ModelConfig, get_preset
-from scalerl_jax.models.logprobs import sequence_logprobs
-from scalerl_jax.models.sharding import (
-    DEFAULT_RULES,
-    constrain,
-    logical_to_spec,
-    make_mesh,
-    param_shardings,
-    split_devices,
-    use_mesh_rules,
-)
 from scalerl_jax.models.hf import (
     abstract_hf,
     dtype_name,
@@ -21,6 +11,16 @@ from scalerl_jax.models.hf import (
     save_hf,
 )
 from scalerl_jax.models.hf_tokenizer import CheckpointTokenizer, load_checkpoint_tokenizer
+from scalerl_jax.models.logprobs import sequence_logprobs
+from scalerl_jax.models.sharding import (
+    DEFAULT_RULES,
+    constrain,
+    logical_to_spec,
+    make_mesh,
+    param_shardings,
+    split_devices,
+    use_mesh_rules,
+)
 from scalerl_jax.models.transformer import Transformer, init_kv_cache, init_transformer, remat_policy
 
 __all__ = [

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -108,7 +109,7 @@ class ModelConfig:
         """Query heads per KV head (GQA group size)."""
         return self.num_heads // self.num_kv_heads
 
-    def replace(self, **overrides: Any) -> "ModelConfig":
+    def replace(self, **overrides: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **overrides)
 

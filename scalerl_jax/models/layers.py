@@ -9,7 +9,8 @@ q `[embed, heads, head_dim]`, k/v `[embed, kv_heads, head_dim]`, o `[heads, head
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -422,7 +423,7 @@ class Attention(nnx.Module):
         return self._output(attended), cache
 
     def forward_paged(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: "PagedView"
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
     ) -> tuple[jax.Array, KVCache]:
         """Decode (x [S, 1, D], one token per slot) against the paged cache {'k', 'v'} [L, G, N, P, K, D].
 

@@ -8,7 +8,7 @@ the gradient does not keep all chunks' logits either.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

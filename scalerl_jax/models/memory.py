@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np

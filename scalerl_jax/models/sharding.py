@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np

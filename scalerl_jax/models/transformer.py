@@ -8,7 +8,8 @@ policy named by `config.remat_policy` when gradients are taken through `__call__
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -7,6 +7,7 @@ Only this package (and `main`) uses threads.
 """
 
 from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
+from scalerl_jax.pipeline.generator import Admission, GeneratorLink, GeneratorLoop, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import (
     PipelineSchedule,
@@ -16,7 +17,6 @@ from scalerl_jax.pipeline.lag import (
     default_capacity,
     make_schedule,
 )
-from scalerl_jax.pipeline.generator import Admission, GeneratorLink, GeneratorLoop, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, StepRecord
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate

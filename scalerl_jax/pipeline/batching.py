@@ -31,7 +31,7 @@ and then answered (a forced end of thinking, then a stop token) are not cut by l
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -34,7 +34,8 @@ import contextlib
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 

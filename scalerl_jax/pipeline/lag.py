@@ -39,7 +39,8 @@ Both schedules are pure bookkeeping (no threads, no clocks), shared by the threa
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 @dataclasses.dataclass(frozen=True)

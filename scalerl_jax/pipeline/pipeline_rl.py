@@ -43,7 +43,8 @@ import functools
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np

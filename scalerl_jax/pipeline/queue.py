@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from scalerl_jax.pipeline.lag import Schedule, Ticket
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from flax import nnx
 

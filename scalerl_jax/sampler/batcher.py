@@ -24,7 +24,8 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Any, Hashable, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import jax
 import numpy as np

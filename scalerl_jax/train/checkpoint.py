@@ -38,8 +38,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -267,7 +267,7 @@ class RunCheckpointer:
                     ),
                 )
                 self._manager.wait_until_finished()
-            except Exception as error:  # orbax/tensorstore raise ValueError, OSError, RuntimeError
+            except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise ValueError, OSError, RuntimeError
                 failure = error
         if failure is not None:
             logging.debug("checkpoint save failure", exc_info=failure)
@@ -292,7 +292,7 @@ class RunCheckpointer:
         try:
             with _orbax_muted():
                 record = self._manager.restore(step, args=ocp.args.Composite(**{INTEGRITY: ocp.args.JsonRestore()}))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
             raise _Unusable(f"integrity record unreadable ({_short_reason(error)})") from None
         record = record[INTEGRITY]
         if not isinstance(record, Mapping) or not {"leaf_sha256", "run_state_sha256", "config"} <= set(record):
@@ -316,7 +316,7 @@ class RunCheckpointer:
                         }
                     ),
                 )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
             raise _Unusable(f"unreadable ({_short_reason(error)})") from None
         train_state, run_state = restored[TRAIN_STATE], dict(restored[RUN_STATE])
         problem = verify_tree(train_state, record["leaf_sha256"])
