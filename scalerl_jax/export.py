@@ -106,7 +106,7 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, overwrite
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.export", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("run_dir", help="run directory (with config.json and checkpoints/)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("--out", required=True, help="output Hugging Face directory")

@@ -92,7 +92,7 @@ def plot_path_problem(path: str) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.fit", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.fit", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl) or .jsonl files")
     parser.add_argument("--names", help="comma-separated run names (default: directory names)")
     parser.add_argument(
@@ -213,7 +213,8 @@ def table_rows(reports: Sequence[RunReport]) -> list[list[str]]:
         if r.fit is None:
             rows.append([r.run.name, r.run.unit] + ["-"] * 10 + [f"NO FIT: {r.error}"])
             continue
-        f = r.fit
+        f, power = r.fit, r.power_law
+        assert power is not None, "fit_run fits the power law whenever the sigmoid fits"
         end = format_compute(f.fit_end) if f.fit_end is not None else "end"
         status = "; ".join(("ok" if f.reliable else "UNRELIABLE: " + "; ".join(f.warnings),) + r.notes)
         rows.append(
@@ -228,7 +229,7 @@ def table_rows(reports: Sequence[RunReport]) -> list[list[str]]:
                 f"[{format_compute(f.fit_start)}, {end}]",
                 f"{f.num_points} (-{f.num_before_start} before, -{f.num_after_end} after)",
                 _mae_text(r.extrapolation),
-                f"{r.power_law.a:.3f}",
+                f"{power.a:.3f}",
                 _mae_text(r.power_law_extrapolation),
                 status,
             ]
@@ -249,23 +250,23 @@ def format_table(rows: list[list[str]]) -> str:
 def crossing_lines(reports: Sequence[RunReport], extend: float) -> list[str]:
     """One line per crossing of two fitted curves (same unit) over the plotted compute range."""
     lines = []
-    fitted = [r for r in reports if r.fit is not None]
-    for first, second in itertools.combinations(fitted, 2):
-        if first.fit.unit != second.fit.unit:
-            lines.append(f"{first.run.name} and {second.run.name}: different units, not compared")
+    fitted = [(r.run, r.fit) for r in reports if r.fit is not None]
+    for (first, first_fit), (second, second_fit) in itertools.combinations(fitted, 2):
+        if first_fit.unit != second_fit.unit:
+            lines.append(f"{first.name} and {second.name}: different units, not compared")
             continue
-        c = np.concatenate([first.run.compute, second.run.compute])
+        c = np.concatenate([first.compute, second.compute])
         c_lo, c_hi = float(c[c > 0].min()), float(c.max()) * extend
-        points = crossing_computes(first.fit.predict, second.fit.predict, c_lo=c_lo, c_hi=c_hi)
+        points = crossing_computes(first_fit.predict, second_fit.predict, c_lo=c_lo, c_hi=c_hi)
         if not points:
             span = f"[{format_compute(c_lo)}, {format_compute(c_hi)}]"
-            lines.append(f"{first.run.name} and {second.run.name}: no crossing in {span}")
+            lines.append(f"{first.name} and {second.name}: no crossing in {span}")
         for point in points:
             after = point * LEADER_PROBE_FACTOR
-            leader, other = (first, second) if first.fit.predict(after) > second.fit.predict(after) else (second, first)
-            where = f"C = {format_compute(point)} {unit_label(first.fit.unit)}"
-            rate = float(first.fit.predict(point))
-            lines.append(f"{leader.run.name} overtakes {other.run.name} at {where} (pass rate {rate:.3f})")
+            leader, other = (first, second) if first_fit.predict(after) > second_fit.predict(after) else (second, first)
+            where = f"C = {format_compute(point)} {unit_label(first_fit.unit)}"
+            rate = float(first_fit.predict(point))
+            lines.append(f"{leader.name} overtakes {other.name} at {where} (pass rate {rate:.3f})")
     return lines
 
 

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
+
+# The modes wandb.init accepts (config_validation allows logging.wandb_mode offline, online, disabled).
+WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
 class WandbSink:
     """`write(step, metrics)` to one W&B run whose id is stable across resumes of a workdir."""
 
-    def __init__(self, *, project: str, mode: str, workdir: str, config: Mapping[str, Any]):
+    def __init__(self, *, project: str, mode: WandbMode, workdir: str, config: Mapping[str, Any]):
         try:
             import wandb
         except ImportError as e:

@@ -72,7 +72,9 @@ class SyntheticArithmetic(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        splits = synthetic.generate_splits(self.builder_config.task)
+        config = self.builder_config
+        assert isinstance(config, SyntheticArithmeticConfig), config
+        splits = synthetic.generate_splits(config.task)
         return {name: self._generate_examples(problems) for name, problems in splits.items()}
 
     def _generate_examples(self, problems):
@@ -126,9 +128,16 @@ class LocalFileConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
+def _local_config(builder: tfds.core.DatasetBuilder) -> LocalFileConfig:
+    """The builder's ``LocalFileConfig`` (tfds types ``builder_config`` as ``Any | None``)."""
+    config = builder.builder_config
+    assert isinstance(config, LocalFileConfig), config
+    return config
+
+
 def _local_splits(builder, path: str):
     """Reads, checks, de-duplicates and splits ``path`` per ``builder.builder_config``."""
-    config = builder.builder_config
+    config = _local_config(builder)
     field_map = {"problem": config.problem_field, "answer": config.answer_field}
     if config.difficulty_field is not None:
         field_map["difficulty"] = config.difficulty_field
@@ -168,7 +177,7 @@ class LocalMathFile(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        return _local_splits(self, self.builder_config.path)
+        return _local_splits(self, _local_config(self).path)
 
     def _generate_examples(self, rows):
         yield from _local_examples(rows)
@@ -193,7 +202,7 @@ class Polaris53k(tfds.core.GeneratorBasedBuilder):
         )
 
     def _split_generators(self, dl_manager):
-        return _local_splits(self, os.fspath(dl_manager.manual_dir / self.builder_config.path))
+        return _local_splits(self, os.fspath(dl_manager.manual_dir / _local_config(self).path))
 
     def _generate_examples(self, rows):
         yield from _local_examples(rows)
@@ -284,5 +293,6 @@ def _to_python(value):
 
 def read_split(builder: tfds.core.DatasetBuilder, split: str) -> list[dict]:
     """Every example of ``split`` as a dict of Python values, in the data source's index order."""
-    source = builder.as_data_source(split=split)
+    # tfds' wrapt-based logging decorator on as_data_source hides its real signature from pyright.
+    source = builder.as_data_source(split=split)  # pyright: ignore[reportCallIssue]
     return [{key: _to_python(value) for key, value in source[i].items()} for i in range(len(source))]

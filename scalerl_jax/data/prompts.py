@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.parser
 import jinja2.sandbox
 import numpy as np
 from absl import logging

@@ -40,6 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from typing import IO
 
 from absl import logging
 
@@ -78,18 +79,21 @@ class _Worker:
             bufsize=0,
             env=env,
         )
+        assert self.process.stdin is not None and self.process.stdout is not None  # both are PIPE
+        self._stdin: IO[bytes] = self.process.stdin
+        self._stdout: IO[bytes] = self.process.stdout
         self.started_at = time.monotonic()
         self.ready = False
         self._buffer = b""
 
     def fileno(self) -> int:
-        return self.process.stdout.fileno()
+        return self._stdout.fileno()
 
     def send(self, message: dict) -> bool:
         """Writes one request line; False if the worker is gone (broken pipe)."""
         try:
-            self.process.stdin.write((json.dumps(message) + "\n").encode("utf-8"))
-            self.process.stdin.flush()
+            self._stdin.write((json.dumps(message) + "\n").encode("utf-8"))
+            self._stdin.flush()
         except (BrokenPipeError, ValueError):
             return False
         return True
@@ -106,7 +110,7 @@ class _Worker:
     def stop(self, grace_s: float) -> None:
         """Closes stdin (the worker exits at end of input), then kills it after ``grace_s``."""
         try:
-            self.process.stdin.close()
+            self._stdin.close()
         except OSError:
             pass
         try:
@@ -114,13 +118,13 @@ class _Worker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        self.process.stdout.close()
+        self._stdout.close()
 
     def kill(self) -> None:
         self.process.kill()
         self.process.wait()
-        self.process.stdin.close()
-        self.process.stdout.close()
+        self._stdin.close()
+        self._stdout.close()
 
 
 def _stop_all(workers: list[_Worker]) -> None:
@@ -285,14 +289,14 @@ class VerifyPool:
         deadlines: dict[_Worker, float] = {}  # when the worker's current item times out
         selector = selectors.DefaultSelector()
         for worker in workers:
-            selector.register(worker, selectors.EVENT_READ)
+            selector.register(worker, selectors.EVENT_READ, data=worker)
 
         def replace(worker: _Worker) -> None:
             selector.unregister(worker)
             self._retire(worker)
             fresh = self._spawn()
             workers[workers.index(worker)] = fresh
-            selector.register(fresh, selectors.EVENT_READ)
+            selector.register(fresh, selectors.EVENT_READ, data=fresh)
 
         def take_back(worker: _Worker) -> int:
             """Ends ``worker``'s chunk: returns the item it was on; the rest wait again."""
@@ -318,7 +322,7 @@ class VerifyPool:
                 waits += [w.started_at + self._startup_timeout_s for w in workers if not w.ready]
                 wait_s = max(0.0, min(waits) - time.monotonic()) if waits else None
                 for key, _ in selector.select(wait_s):
-                    worker = key.fileobj
+                    worker: _Worker = key.data
                     messages = worker.read_messages()
                     if messages is None:
                         if worker in in_flight:
@@ -372,7 +376,9 @@ class VerifyPool:
             raise
         finally:
             selector.close()
-        return results
+        scored = [result for result in results if result is not None]
+        assert len(scored) == len(results), "every item is scored once none is pending or in flight"
+        return scored
 
     def close(self) -> None:
         """Stops idle workers now and busy ones when their call returns; later calls raise."""

@@ -26,6 +26,7 @@ def _load_answers():
     """``answers.py`` from this file's directory, without importing the scalerl_jax package."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "answers.py")
     spec = importlib.util.spec_from_file_location("_scalerl_answers", path)
+    assert spec is not None and spec.loader is not None, path  # a .py path always gets a source loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

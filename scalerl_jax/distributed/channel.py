@@ -31,8 +31,8 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and float8 names with numpy for decoding)
 import msgpack
@@ -86,7 +86,7 @@ def _encode_ndarray(array: np.ndarray) -> msgpack.ExtType:
             "that numpy can rebuild from their name (numeric, bool, ml_dtypes) travel"
         )
     little = np.ascontiguousarray(array, dtype=dtype.newbyteorder("<"))
-    raw = memoryview(little.reshape(-1).view(np.uint8))  # a byte view: no copy, any dtype
+    raw = little.reshape(-1).view(np.uint8).data  # a memoryview of the bytes: no copy, any dtype
     data = msgpack.packb([dtype.name, list(array.shape), raw])
     return msgpack.ExtType(_NDARRAY_EXT_CODE, data)
 
@@ -123,7 +123,8 @@ def encode(message: dict, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> byte
     bad_keys = [key for key in message if not isinstance(key, str)]
     if bad_keys:
         raise TypeError(f"channel message keys must be str, got {bad_keys!r}")
-    payload = msgpack.packb(message, default=_encode_default, use_bin_type=True)
+    # msgpack's pure-Python fallback types packb as bytes | None (None only when autoreset is off).
+    payload = cast(bytes, msgpack.packb(message, default=_encode_default, use_bin_type=True))
     limit = min(max_bytes, _MAX_FRAME_BYTES)
     if len(payload) > limit:
         raise MessageTooLarge(
@@ -364,7 +365,7 @@ def _expected(expect: int | Sequence[int]) -> tuple[int, frozenset[int] | None]:
     return len(processes), processes
 
 
-def _describe(processes: Sequence[int]) -> str:
+def _describe(processes: Iterable[int]) -> str:
     return ", ".join(f"process {p}" for p in sorted(processes)) or "none"
 
 
@@ -544,9 +545,9 @@ def connect(
     deadline = time.monotonic() + timeout
     delay = 0.05
     while True:
-        remaining = deadline - time.monotonic()
+        left_s = deadline - time.monotonic()
         try:
-            sock = socket.create_connection((host, port), timeout=max(min(remaining, 5.0), 0.05))
+            sock = socket.create_connection((host, port), timeout=max(min(left_s, 5.0), 0.05))
             break
         except OSError as err:
             if time.monotonic() + delay >= deadline:

@@ -122,6 +122,7 @@ def _slurm_peers(environ: Mapping[str, str]) -> tuple[str, int, int]:
             f"SCALERL_DISTRIBUTED=1 under SLURM (SLURM_JOB_ID set) but {', '.join(missing)} "
             f"missing: start the processes with srun"
         )
+    assert nodelist_var is not None  # else it is listed in missing
     job_id = _int_var(environ, "SLURM_JOB_ID", minimum=0)
     port = (
         _int_var(environ, "SCALERL_COORDINATOR_PORT", minimum=1, maximum=65535)
@@ -269,7 +270,9 @@ def configure_cpu_collectives(num_processes: int) -> bool:
     """
     import jax
 
-    if num_processes <= 1 or not platform_will_be_cpu(jax.config.jax_platforms or "", installed_accelerator_plugins()):
+    # jax.config's options are dynamic attributes, which its type stubs do not declare.
+    platforms = jax.config.jax_platforms or ""  # pyright: ignore[reportAttributeAccessIssue]
+    if num_processes <= 1 or not platform_will_be_cpu(platforms, installed_accelerator_plugins()):
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     return True

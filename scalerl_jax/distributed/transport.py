@@ -61,7 +61,9 @@ class LeaderTransport:
 
     def _offer_all(self, version: int, params: Any) -> None:
         """Collective on the trainer processes: the followers are told first."""
-        run = lambda: self._offer(TRAIN, version, params)
+        offer = self._offer
+        assert offer is not None, "routes with transfer generators need an offer"
+        run = lambda: offer(TRAIN, version, params)
         if self._group is not None:
             self._group.offer(version, TRAIN, run)
         else:

@@ -198,6 +198,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
             f"{config.family} checkpoints have one attention_bias for q/k/v/o; "
             f"got qkv_bias={config.qkv_bias}, o_bias={config.o_bias}"
         )
+    rope_scaling = config.rope_scaling_dict
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[config.family]],
         "model_type": config.family,
@@ -212,7 +213,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling is None else _llama3_scaling_to_hf(config.rope_scaling_dict),
+        "rope_scaling": None if rope_scaling is None else _llama3_scaling_to_hf(rope_scaling),
         "tie_word_embeddings": config.tie_word_embeddings,
         "initializer_range": config.initializer_range,
         "torch_dtype": dtype or config.dtype,

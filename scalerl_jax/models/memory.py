@@ -370,7 +370,7 @@ def recipe_decode_defaults() -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     defaults = recipe_decode_defaults()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--report", default="all", choices=("all", "train", "decode"))
     parser.add_argument("--preset", default="llama3.1-8b")
     parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor sizes")

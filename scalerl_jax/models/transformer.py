@@ -115,8 +115,10 @@ class Transformer(nnx.Module):
             apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
         x = self.embed(tokens)
         if self.config.scan_layers:
+            assert isinstance(self.layers, DecoderLayer)  # one stacked layer
             x, _ = _scan_layers(self.layers, lambda layer, h, _: (apply_layer(layer, h, positions), None), x, None)
         else:
+            assert not isinstance(self.layers, DecoderLayer)  # a list of layers
             for layer in self.layers:
                 x = apply_layer(layer, x, positions)
         return self.final_norm(x)
@@ -193,6 +195,7 @@ class Transformer(nnx.Module):
         final norm; the cache is carried through the loop."""
         x = self.embed(tokens)
         if self.config.scan_layers:
+            assert isinstance(self.layers, DecoderLayer)  # one stacked layer
             graphdef, stacked = nnx.split(self.layers)
 
             def step(carry: tuple[jax.Array, KVCache], xs: tuple[Any, jax.Array]):
@@ -203,13 +206,14 @@ class Transformer(nnx.Module):
             layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
             (x, cache), _ = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
         else:
+            assert not isinstance(self.layers, DecoderLayer)  # a list of layers
             for index, layer in enumerate(self.layers):
                 x, cache = apply(layer, x, cache, index)
         return self.final_norm(x), cache
 
 
 def _checkpointed(
-    apply_layer: Callable[..., jax.Array], policy: Callable[..., bool], *, prevent_cse: bool
+    apply_layer: Callable[..., jax.Array], policy: Callable[..., bool] | None, *, prevent_cse: bool
 ) -> Callable[..., jax.Array]:
     """`apply_layer(layer, x, pos)` under `jax.checkpoint` (the layer passed functionally as its state).
 

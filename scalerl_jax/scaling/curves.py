@@ -18,11 +18,16 @@ with ceiling A, D > 0 and alpha > 0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.optimize import brentq
 from scipy.special import expit
+
+# scipy's brentq has no annotations: pyright infers its types from the source (a float64 rtol, a
+# tuple return for full_output=True); called without full_output it returns the root, a float.
+_brentq = cast(Callable[..., float], brentq)
 
 
 def _as_compute(c: ArrayLike, *, allow_zero: bool) -> np.ndarray:
@@ -63,8 +68,8 @@ def power_law(c: ArrayLike, *, a: float, d: float, alpha: float) -> float | np.n
 
 
 def crossing_computes(
-    first: Callable[[np.ndarray], np.ndarray],
-    second: Callable[[np.ndarray], np.ndarray],
+    first: Callable[[float | np.ndarray], float | np.ndarray],
+    second: Callable[[float | np.ndarray], float | np.ndarray],
     *,
     c_lo: float,
     c_hi: float,
@@ -92,5 +97,5 @@ def crossing_computes(
         raise ValueError("crossing_computes: the two curves coincide on the whole range")
     roots = [float(c) for c, v in zip(scan, values, strict=True) if v == 0]
     for i in np.flatnonzero(values[:-1] * values[1:] < 0):
-        roots.append(float(brentq(gap, scan[i], scan[i + 1], xtol=xtol * scan[i], rtol=xtol)))
+        roots.append(float(_brentq(gap, scan[i], scan[i + 1], xtol=xtol * scan[i], rtol=xtol)))
     return tuple(sorted(roots))

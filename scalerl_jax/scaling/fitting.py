@@ -268,6 +268,7 @@ def grid_fit_rows(
                 pair_best = (float(polished.fun), float(polished.x))
             if best is None or pair_best[0] < best[0]:
                 best = (pair_best[0], grid.a_values[ia], float(np.exp(pair_best[1])), grid.c_mid_values[ij])
+        assert best is not None, "at least one (A, C_mid) pair is polished"
         results.append((best[1], best[2], best[3], best[0]))
     return results
 
@@ -466,8 +467,11 @@ class ExtrapolationError:
 class FittedCurve(Protocol):
     """What ``extrapolation_error`` needs of a fit (``SigmoidFit``, ``PowerLawFit``)."""
 
-    name: str
-    fit_end: float | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fit_end(self) -> float | None: ...
 
     def predict(self, c: ArrayLike) -> float | np.ndarray: ...
 

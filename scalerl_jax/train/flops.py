@@ -79,6 +79,7 @@ def devices_peak_flops_per_s(devices) -> float | None:
     """Summed peak dense bf16 FLOP/s of `devices` (e.g. the trainer's), the denominator of MFU;
     None when any device's kind is not in `PEAK_BF16_FLOPS_PER_S`."""
     peaks = [peak_bf16_flops_per_s(device.device_kind) for device in devices]
-    if not peaks or any(peak is None for peak in peaks):
+    known = [peak for peak in peaks if peak is not None]
+    if not peaks or len(known) != len(peaks):
         return None
-    return float(sum(peaks))
+    return float(sum(known))
