@@ -54,7 +54,7 @@ def step_seconds(config, tokens, repeats: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--batch", type=int, default=2)

@@ -41,7 +41,7 @@ from scalerl_jax.train import (
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--steps", type=int, default=16, help="train steps per run (a multiple of k)")
     parser.add_argument("--repeats", type=int, default=3)

@@ -63,7 +63,7 @@ def tokens_per_second(run, engine, params, requests, repeats: int) -> tuple[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--preset", default="tiny-llama")
     parser.add_argument("--num_requests", type=int, default=256)
     parser.add_argument("--num_slots", type=int, default=16)

@@ -26,7 +26,7 @@ from scalerl_jax.sampler import generate
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt_len", type=int, default=16)
     parser.add_argument("--max_new", type=int, default=64)
@@ -59,7 +59,9 @@ def main() -> None:
 
     def run_hf() -> np.ndarray:
         with torch.no_grad():
-            out = hf_model.generate(
+            # transformers types generate's self as a GenerativePreTrainedModel protocol that its own
+            # LlamaForCausalLM does not satisfy (hf_quantizer, encoder); the call is the documented one.
+            out = hf_model.generate(  # pyright: ignore[reportAttributeAccessIssue]
                 torch.tensor(prompts),
                 attention_mask=torch.ones_like(torch.tensor(prompts)),
                 max_new_tokens=args.max_new,

@@ -20,6 +20,8 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import TypeVar  # noqa: E402
 
 import numpy as np  # noqa: E402
 from scipy.optimize import OptimizeWarning, curve_fit  # noqa: E402
@@ -45,20 +47,26 @@ def naive_grid_fit(c: np.ndarray, y: np.ndarray, r0: float, a_values, c_mid_valu
             ssr = float(((model(c, b) - y) ** 2).sum())
             if ssr < best[0]:
                 best = (ssr, (a, b, c_mid, ssr))
-    return best[1]
+    _, params = best
+    assert params is not None, "no (A, C_mid) pair to fit"
+    return params
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """Median wall time of ``repeats`` calls of ``fn`` and the last call's result."""
+    times, results = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        result = fn()
+        results.append(fn())
         times.append(time.perf_counter() - start)
-    return statistics.median(times), result
+    return statistics.median(times), results[-1]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline-repeats", type=int, default=1)
     parser.add_argument("--num-points", type=int, default=50)

@@ -57,7 +57,8 @@ from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
 PEAK_HBM_TBS = (("H100 PCIe", 2.0), ("H200", 4.8), ("GH200", 4.0), ("H100", 3.35), ("B200", 8.0), ("A100", 2.0))
 
 
-def peak_tbs(device: jax.Device, override: float | None) -> float:
+# jax.Device aliases a class of jaxlib's compiled _jax module, which ships no type stubs.
+def peak_tbs(device: jax.Device, override: float | None) -> float:  # pyright: ignore[reportInvalidTypeForm]
     if override:
         return override
     kind = getattr(device, "device_kind", "")
@@ -176,7 +177,7 @@ def measure(args: argparse.Namespace, config, graphdef, params, slots: int, peak
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--preset", default="llama3.1-8b")
     parser.add_argument("--dtype", default=None, help="override the preset's dtype")
     parser.add_argument("--head_precision", default="bf16x3", help="the recipe's FP32-head algorithm")

@@ -37,6 +37,7 @@ from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardin
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.train import (
     OptimizerConfig,
+    TrainStep,
     TrainStepConfig,
     init_train_state,
     make_optimizer,
@@ -58,7 +59,7 @@ def init_params(config, mesh):
 
 def main():
     model = recipe.scalerl_8b().model
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--preset", default=model.preset)
     parser.add_argument("--layers", type=int, default=4, help="layers of the slice; 0 = the preset's")
     parser.add_argument("--dtype", default=model.dtype)
@@ -115,6 +116,7 @@ def main():
         mesh=mesh,
         state_shardings=shardings,
     )
+    assert isinstance(step, TrainStep)  # sort_by_length is off: one jitted program to lower
     batch = synthetic_train_batch(
         batch_size=batch_size,
         seq_len=args.seq_len,

@@ -87,7 +87,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--max_len", type=int, default=16384)
     parser.add_argument("--page_size", type=int, default=16)

@@ -44,7 +44,7 @@ def picked_logprobs(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=16_384, help="a slice of the 128k vocabulary")
     parser.add_argument("--rows", type=int, default=64)

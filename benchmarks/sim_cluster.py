@@ -28,7 +28,7 @@ from scalerl_jax.pipeline.sim import ClusterSpec, simulate
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--ks", default="1,2,4,8", help="comma-separated k values")
     parser.add_argument("--steps", type=int, default=40, help="trainer steps per simulated run")
     parser.add_argument("--seed", type=int, default=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -420,7 +421,7 @@ def _tokenizer_config(family: str, tokenizer: Tokenizer) -> dict:
 def _model(family: str, vocab_size: int, ids: dict[str, int]):
     import transformers  # tests that need it import it; the module stays importable without torch
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

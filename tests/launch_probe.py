@@ -54,7 +54,9 @@ def probe(argv):
             os.kill(os.getpid(), signal.SIGKILL)
         sys.exit(3)
     if failure:
-        distributed.global_state.client.blocking_key_value_get("probe/never_set", NEVER_SET_KEY_WAIT_MS)
+        client = distributed.global_state.client
+        assert client is not None  # _start initialized jax.distributed
+        client.blocking_key_value_get("probe/never_set", NEVER_SET_KEY_WAIT_MS)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import transformers
 from flax import nnx
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
@@ -83,6 +84,7 @@ def make_bigram_base(path: str, transitions: dict[int, tuple[int, ...]], *, logi
     sources = sorted(transitions)
     with torch.no_grad():
         for layer in model.model.layers:
+            assert isinstance(layer, LlamaDecoderLayer)  # ModuleList items are typed as Module
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embed = model.model.embed_tokens.weight.double().numpy()
@@ -98,7 +100,8 @@ def make_bigram_base(path: str, transitions: dict[int, tuple[int, ...]], *, logi
 def run_config(base_dir: str, **sampler):
     """The tiny recipe on `base_dir` (no warm start), small sampling budgets for fast tests."""
     config = recipe.tiny()
-    del config["warm_start"], config["synthetic"]
+    # The ml_collections stub (typings/) declares no __delitem__, which ConfigDict has.
+    del config["warm_start"], config["synthetic"]  # pyright: ignore[reportIndexIssue]
     config.model.checkpoint = base_dir
     config.data.prompt_template = PROMPT_TEMPLATE
     config.data.verify_workers = 1

@@ -16,6 +16,7 @@ from family_checkpoints import EXPECTED, FAMILIES, make_family_checkpoint  # noq
 
 from scalerl_jax.data import prompts  # noqa: E402
 from scalerl_jax.models import dtype_name, load_checkpoint_tokenizer, load_hf, load_hf_config  # noqa: E402
+from scalerl_jax.models.layers import DecoderLayer  # noqa: E402
 
 PROBLEMS = (
     "What is 12345 + 678?",
@@ -35,6 +36,7 @@ def checkpoints(tmp_path_factory):
 def _copy(src, dst, edit_file=None, edit=None):
     shutil.copytree(src, dst)
     if edit_file is not None:
+        assert edit is not None, "an edited file needs its edit"
         with open(os.path.join(dst, edit_file)) as f:
             content = json.load(f)
         edit(content)
@@ -238,6 +240,7 @@ def test_load_hf_accepts_dtype_likes(checkpoints, dtype, name):
     assert load_hf_config(checkpoints["qwen3"], dtype=dtype).dtype == name
     model = load_hf(checkpoints["qwen3"], dtype=dtype, fp32_head=False)
     assert model.config.dtype == name
+    assert isinstance(model.layers, DecoderLayer)  # scan_layers: one stacked layer
     assert model.layers.mlp.gate_proj.get_value().dtype == jnp.dtype(name)
 
 

@@ -60,7 +60,8 @@ def test_polaris_builds_with_disjoint_stable_heldout(tmp_path):
     train = builders.read_split(builder, "train")
     heldout = builders.read_split(builder, "heldout")
     assert len(heldout) == 10 and len(train) == 50
-    assert builder.info.metadata["duplicates_dropped"] == 1
+    metadata = builder.info.metadata
+    assert metadata is not None and metadata["duplicates_dropped"] == 1
     train_p, heldout_p = {r["problem"] for r in train}, {r["problem"] for r in heldout}
     assert not train_p & heldout_p
     assert train_p | heldout_p == {r["problem"] for r in records}
@@ -126,7 +127,9 @@ def test_local_parquet_with_field_mapping(tmp_path):
     heldout = builders.read_split(builder, "heldout")
     assert len(train) == 9 and len(heldout) == 3
     for row in train + heldout:
-        i = int(re.search(r"\d+", row["problem"]).group())
+        number = re.search(r"\d+", row["problem"])
+        assert number is not None
+        i = int(number.group())
         assert row["answer"] == str(i * i) and row["difficulty"] == ""
     bad = pa.table({"question": ["ok", "fine"], "final": ["1", None]})
     pq.write_table(bad, tmp_path / "bad.parquet")

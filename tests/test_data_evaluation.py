@@ -27,6 +27,10 @@ def _encode(text):
     return [ord(c) for c in text]
 
 
+def _no_scoring(completions, golds):
+    raise AssertionError("inputs that evaluate rejects are never scored")
+
+
 def test_pass_at_k_matches_binomial_formula():
     for n in (1, 4, 16):
         for c in range(n + 1):
@@ -102,6 +106,6 @@ def test_evaluate_rejects_mismatched_inputs():
         return []
 
     with pytest.raises(ValueError, match="golds"):
-        evaluate(sample_fn, [[1]], [], num_samples=1, decode=_decode, reward_fn=None)
+        evaluate(sample_fn, [[1]], [], num_samples=1, decode=_decode, reward_fn=_no_scoring)
     with pytest.raises(ValueError, match="returned 0 completions for 2"):
-        evaluate(sample_fn, [[1]], ["1"], num_samples=2, decode=_decode, reward_fn=None)
+        evaluate(sample_fn, [[1]], ["1"], num_samples=2, decode=_decode, reward_fn=_no_scoring)

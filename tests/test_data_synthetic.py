@@ -90,14 +90,14 @@ def test_tokenizer_round_trip_and_layout(tmp_path):
     tokenizer = train_tokenizer(corpus, 300, str(tmp_path))
     assert (tmp_path / "tokenizer.json").exists()
     assert [tokenizer.token_to_id(t) for t in ("<pad>", "<s>", "</s>")] == [0, 1, 2]
-    think_ids = [tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")]
-    assert None not in think_ids
+    think_open, think_close = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    assert think_open is not None and think_close is not None
     assert tokenizer.get_vocab_size() <= 302
     for p in problems[:20]:
         text = template.replace("{problem}", p.text) + p.solution
         ids = tokenizer.encode(text, add_special_tokens=False).ids
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
-        assert ids.count(think_ids[0]) == 1 and ids.count(think_ids[1]) == 1
+        assert ids.count(think_open) == 1 and ids.count(think_close) == 1
     # Digits are one token each: "1234" has four tokens.
     assert len(tokenizer.encode("1234", add_special_tokens=False).ids) == 4
     # Text outside the corpus still encodes (byte-level) and decodes exactly.

@@ -4,6 +4,8 @@ References: a float64 numpy softmax attention written here, the compiled executa
 analysis, and the same engine run with the window pinned to max_len (full-length attention).
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ def test_decode_chunk_scratch_is_a_small_fraction_of_the_cache(model):
     held = np.full((8,), 4096, np.int32)
     compiled = engine._generate_jit.lower(params, state, 4096, engine.pages.table, held).compile()
     memory = compiled.memory_analysis()
+    assert memory is not None  # the CPU backend reports it
     kv_bytes = cache_bytes(state.cache)
     assert memory.temp_size_in_bytes <= 0.10 * kv_bytes, (memory.temp_size_in_bytes, kv_bytes)
     assert memory.alias_size_in_bytes >= kv_bytes
@@ -99,7 +102,7 @@ def test_live_window_matches_full_length_attention(model):
     """Windows 16 -> 128 as sequences grow (one compile each) give the tokens and log-probs of
     attention over all max_len positions, greedy and sampled, with slots refilled mid-run."""
     graphdef, params = nnx.split(model)
-    common = dict(num_slots=3, max_len=128, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2)
+    common: dict[str, Any] = dict(num_slots=3, max_len=128, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2)
     windowed = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=16, **common))
     full = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=128, **common))
     lengths = (3, 20, 9, 40, 5)
@@ -120,7 +123,7 @@ def test_a_slot_without_pages_stops_the_chunk_instead_of_misreading(model):
     holds a 40-token prompt in slot 0: the device sees no pages for it, so every chunk stops before
     its first step (nothing is written or read outside the pages the host gave out)."""
     graphdef, params = nnx.split(model)
-    common = dict(num_slots=2, max_len=128, chunk_size=4, min_prefill_bucket=64, max_prefill_rows=1)
+    common: dict[str, Any] = dict(num_slots=2, max_len=128, chunk_size=4, min_prefill_bucket=64, max_prefill_rows=1)
     engine = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=16, **common))
     prompt = prompts_of([40], seed=4)[0]
     tokens = np.zeros((1, 64), np.int32)

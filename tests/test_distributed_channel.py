@@ -25,6 +25,13 @@ SECRET = bytes(range(32))
 GENERATOR = "process 1 (generator)"
 
 
+def _packb(value) -> bytes:
+    """msgpack.packb, whose pure-Python fallback is typed as returning bytes | None."""
+    payload = msgpack.packb(value)
+    assert isinstance(payload, bytes)
+    return payload
+
+
 def peer_env() -> dict:
     """The worktree's package first on the path (the venv may hold another checkout)."""
     return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
@@ -126,9 +133,9 @@ def test_size_limits_and_malformed_payloads():
     with pytest.raises(ValueError, match="malformed"):
         channel.decode(b"\xc1")  # a byte msgpack never uses
     with pytest.raises(ValueError, match="map with str keys"):
-        channel.decode(msgpack.packb([1, 2]))  # a list, not a map
+        channel.decode(_packb([1, 2]))  # a list, not a map
     with pytest.raises(ValueError, match="map with str keys"):
-        channel.decode(msgpack.packb({1: 2}))
+        channel.decode(_packb({1: 2}))
 
 
 # ----------------------------------------------------------------------------- processes

@@ -146,6 +146,7 @@ def test_slurm_variables():
 def test_slurm_keeps_every_gpu_whatever_the_local_id():
     # JAX's own detection would pass local_device_ids=[5] here: one GPU.
     kwargs = distributed_init_kwargs(dict(SLURM_10_NODES, SLURM_LOCALID="5"))
+    assert kwargs is not None
     assert kwargs["local_device_ids"] is None and kwargs["cluster_detection_method"] == "deactivate"
 
 

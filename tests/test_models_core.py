@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.models import ModelConfig, Transformer, get_preset, init_kv_cache, sequence_logprobs
-from scalerl_jax.models.layers import rope_inverse_frequencies
+from scalerl_jax.models.layers import DecoderLayer, rope_inverse_frequencies
 from scalerl_jax.models.logprobs import chunked_head_logprobs
 from scalerl_jax.models.transformer import remat_policy
 
@@ -68,6 +68,7 @@ def test_bf16_body_dtypes_and_fp32_head(preset, fp32_head, expected_head_dtype):
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     head = model.embed_tokens if config.tie_word_embeddings else model.lm_head
     assert head.get_value().dtype == expected_head_dtype
+    assert isinstance(model.layers, DecoderLayer)  # scan_layers: one stacked layer
     assert model.layers.mlp.gate_proj.get_value().dtype == jnp.bfloat16
     tokens = jax.ShapeDtypeStruct((2, 5), jnp.int32)
     build = lambda: Transformer(config, rngs=nnx.Rngs(0))  # noqa: E731
@@ -130,7 +131,10 @@ def test_chunked_logprobs_never_hold_full_logits(with_entropy):
             logp, entropy = chunked_head_logprobs(
                 lambda x: x @ w, h, t, temperature=0.9, chunk_size=chunk_size, with_entropy=with_entropy
             )
-            return jnp.sum(logp) + (jnp.sum(entropy) if with_entropy else 0.0)
+            if with_entropy:
+                assert entropy is not None
+                return jnp.sum(logp) + jnp.sum(entropy)
+            return jnp.sum(logp) + 0.0
 
         compiled = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(hidden, weight, targets).compile()
         analysis = compiled.memory_analysis()
@@ -154,5 +158,5 @@ def test_model_config_is_frozen():
     config = get_preset("tiny-llama")
     assert isinstance(config, ModelConfig)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.hidden_size = 3
+        config.hidden_size = 3  # pyright: ignore[reportAttributeAccessIssue]  (the frozen write under test)
     assert config.replace(dtype="bfloat16").rope_scaling_dict == config.rope_scaling_dict

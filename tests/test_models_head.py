@@ -51,7 +51,7 @@ def test_head_logprobs_match_fp64_numpy_on_cpu(head_precision):
 def test_bf16_operands_miss_the_fp32_tolerance():
     """The tolerance above can fail: the same head with bf16-rounded operands is off by far more."""
     hidden, weight, targets = _random_head()
-    rounded = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    rounded = lambda a: jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     logits = fp32_logits(rounded(hidden), rounded(weight), "highest")
     logp, _ = token_logprobs_from_logits(logits, jnp.asarray(targets), 1.0, with_entropy=False)
     assert np.abs(np.asarray(logp) - _picked64(hidden, weight, targets, 1.0)).max() > 10 * FP32_ATOL

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from flax import nnx  # noqa: E402
 
 from scalerl_jax.models import hf, init_kv_cache, sequence_logprobs  # noqa: E402
+from scalerl_jax.models.layers import DecoderLayer  # noqa: E402
 from scalerl_jax.models.logprobs import chunked_head_logprobs  # noqa: E402
 
 VOCAB = 256
@@ -272,6 +273,7 @@ def test_load_hf_onto_mesh_shards_each_param(checkpoints):
 
     mesh = make_mesh((1, 4, 2))
     model = hf.load_hf(path, dtype="float32", mesh=mesh)
+    assert isinstance(model.layers, DecoderLayer)  # scan_layers: one stacked layer
     q = model.layers.attn.q_proj[...]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     shard_shapes = {s.data.shape for s in q.addressable_shards}

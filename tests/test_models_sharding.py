@@ -23,6 +23,7 @@ from scalerl_jax.models import (
     split_devices,
     use_mesh_rules,
 )
+from scalerl_jax.models.layers import DecoderLayer
 from scalerl_jax.models.sharding import constrain
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in tests/conftest.py)")
@@ -105,6 +106,7 @@ def test_sharded_forward_and_grads_equal_single_device(reference, mesh_shape):
 def test_init_transformer_directly_on_mesh():
     mesh = make_mesh((1, 4, 2))
     model = init_transformer(get_preset("tiny-llama"), seed=0, mesh=mesh)
+    assert isinstance(model.layers, DecoderLayer)  # scan_layers: one stacked layer
     gate = model.layers.mlp.gate_proj[...]
     assert {s.data.shape for s in gate.addressable_shards} == {(2, 16, 64)}  # [L, 64/4, 128/2]
 
@@ -113,7 +115,9 @@ def test_kv_cache_created_on_its_sharding():
     mesh = make_mesh((1, 4, 2))
     cache = init_kv_cache(get_preset("tiny-llama"), batch=4, max_len=8, mesh=mesh)
     # layers, batch (data*fsdp = 4), length, kv_heads (tensor = 2), head_dim
-    assert _padded(cache["k"].sharding.spec, 5) == (None, ("data", "fsdp"), None, "tensor", None)
+    sharding = cache["k"].sharding
+    assert isinstance(sharding, jax.sharding.NamedSharding)
+    assert _padded(sharding.spec, 5) == (None, ("data", "fsdp"), None, "tensor", None)
     assert {s.data.shape for s in cache["v"].addressable_shards} == {(2, 1, 8, 1, 16)}
 
 

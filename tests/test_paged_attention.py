@@ -111,9 +111,12 @@ def test_layer_index_traced_in_a_scan_selects_each_layer():
     k_pages, v_pages, page_table = paged_layout(rng, num_layers=num_layers, num_kv_heads=num_kv_heads)
     q = rng.standard_normal((len(LENGTHS), num_heads, HEAD_DIM)).astype(np.float32)
 
+    arrays = [jnp.asarray(x) for x in (q, k_pages, v_pages, page_table, LENGTHS)]
+
     def per_layer(_, layer):
+        q, k_pages, v_pages, page_table, lengths = arrays
         return None, paged_decode_attention(
-            q, k_pages, v_pages, layer, page_table, LENGTHS, pages_per_block=PAGES_PER_BLOCK, interpret=True
+            q, k_pages, v_pages, layer, page_table, lengths, pages_per_block=PAGES_PER_BLOCK, interpret=True
         )
 
     _, outs = jax.jit(lambda: jax.lax.scan(per_layer, None, jnp.arange(num_layers)))()
@@ -129,7 +132,14 @@ def test_block_sizes_agree_with_reference(pages_per_block):
     k_pages, v_pages, page_table = paged_layout(rng, num_layers=1, num_kv_heads=1)
     q = rng.standard_normal((len(LENGTHS), 2, HEAD_DIM)).astype(np.float32)
     out = paged_decode_attention(
-        q, k_pages, v_pages, 0, page_table, LENGTHS, pages_per_block=pages_per_block, interpret=True
+        jnp.asarray(q),
+        jnp.asarray(k_pages),
+        jnp.asarray(v_pages),
+        0,
+        jnp.asarray(page_table),
+        jnp.asarray(LENGTHS),
+        pages_per_block=pages_per_block,
+        interpret=True,
     )
     expected = reference_attention(q, k_pages, v_pages, 0, page_table, LENGTHS)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=TOLERANCE[jnp.float32], rtol=0)
@@ -187,16 +197,22 @@ def test_lowers_to_one_triton_call_on_the_whole_pool(num_heads, num_kv_heads, he
     assert pool_uses == calls
 
 
+def _problems(**shape: int) -> str:
+    problems = triton_shape_problems(**shape)
+    assert problems is not None, shape
+    return problems
+
+
 def test_shape_limits_of_the_triton_kernel():
     assert paged_attention_supported("gpu", head_dim=128, page_size=16, pages_per_block=8)
     assert not paged_attention_supported("cpu", head_dim=128, page_size=16, pages_per_block=8)
     assert not paged_attention_supported("tpu", head_dim=128, page_size=16, pages_per_block=8)
     assert triton_shape_problems(head_dim=128, page_size=16, pages_per_block=8) is None
-    assert "head_dim=80" in triton_shape_problems(head_dim=80, page_size=16, pages_per_block=8)
-    assert "head_dim=8" in triton_shape_problems(head_dim=8, page_size=16, pages_per_block=8)
-    assert "page_size=12" in triton_shape_problems(head_dim=64, page_size=12, pages_per_block=8)
-    assert "pages_per_block=3" in triton_shape_problems(head_dim=64, page_size=16, pages_per_block=3)
-    assert "page_size*pages_per_block=8" in triton_shape_problems(head_dim=64, page_size=4, pages_per_block=2)
+    assert "head_dim=80" in _problems(head_dim=80, page_size=16, pages_per_block=8)
+    assert "head_dim=8" in _problems(head_dim=8, page_size=16, pages_per_block=8)
+    assert "page_size=12" in _problems(head_dim=64, page_size=12, pages_per_block=8)
+    assert "pages_per_block=3" in _problems(head_dim=64, page_size=16, pages_per_block=3)
+    assert "page_size*pages_per_block=8" in _problems(head_dim=64, page_size=4, pages_per_block=2)
 
 
 def test_bad_shapes_raise_naming_the_argument():

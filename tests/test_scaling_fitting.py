@@ -78,7 +78,9 @@ def test_grid_search_matches_brute_force_reference():
             k = int(np.argmin(ssr))
             if ssr[k] < best[0]:
                 best = (ssr[k], (a, b_values[k], c_mid))
-    ref_ssr, (ref_a, ref_b, ref_c_mid) = best
+    ref_ssr, ref_params = best
+    assert ref_params is not None
+    ref_a, ref_b, ref_c_mid = ref_params
 
     fit = fit_sigmoid(
         c,

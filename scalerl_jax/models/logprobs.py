@@ -9,6 +9,7 @@ the gradient does not keep all chunks' logits either.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,39 @@ def chunked_head_logprobs(
     return unchunk(logp), None if entropy is None else unchunk(entropy)
 
 
+@overload
+def sequence_logprobs(
+    model: Transformer,
+    tokens: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    return_entropy: Literal[False] = False,
+) -> jax.Array: ...
+
+
+@overload
+def sequence_logprobs(
+    model: Transformer,
+    tokens: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    return_entropy: Literal[True],
+) -> tuple[jax.Array, jax.Array]: ...
+
+
+@overload
+def sequence_logprobs(
+    model: Transformer,
+    tokens: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    return_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]: ...
+
+
 def sequence_logprobs(
     model: Transformer,
     tokens: jax.Array,
@@ -93,4 +127,7 @@ def sequence_logprobs(
         with_entropy=return_entropy,
     )
     shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
-    return (shift(logp), shift(entropy)) if return_entropy else shift(logp)
+    if return_entropy:
+        assert entropy is not None  # chunked_head_logprobs computed it
+        return shift(logp), shift(entropy)
+    return shift(logp)

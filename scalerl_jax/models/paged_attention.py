@@ -180,7 +180,7 @@ def paged_decode_attention(
     q: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    layer: jax.Array,
+    layer: jax.Array | int,
     page_table: jax.Array,
     lengths: jax.Array,
     *,
