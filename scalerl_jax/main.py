@@ -86,7 +86,7 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    from scalerl_jax.runner import RUN_ERRORS, run  # heavy imports after the config is known to be good
+    from scalerl_jax.run import RUN_ERRORS, run  # heavy imports after the config is known to be good
 
     started = time.time()
     try:

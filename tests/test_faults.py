@@ -23,7 +23,7 @@ Fit CLI (python -m scalerl_jax.fit)
   F2 numeric flags out of range or non-finite: argparse error naming the flag and the allowed range
   F3 --fit-end not above --fit-start: argparse error
   F4 malformed metrics rows (NUL padding, a JSON array): error naming the file and line
-Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.runner, scalerl_jax.main)
+Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.run, scalerl_jax.main)
   V1 NaN / inf / out-of-range values (28 cases: lr, eps, betas, temperature, eps_low, workers, ...): named
   V2 several problems at once: one ConfigError listing every one
   R1 resume with config.json deleted or malformed and a changed config: refused from the checkpoint's
@@ -60,10 +60,12 @@ import optax
 import pytest
 
 from scalerl_jax import fit as fit_cli
-from scalerl_jax import recipe, runner, sampling_setup
+from scalerl_jax import recipe, sampling_setup
+from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import ConfigError, flat_config, validate
 from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.models import load_checkpoint_tokenizer
+from scalerl_jax.run.build import load_task
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 
@@ -454,7 +456,7 @@ def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
 
 
 # ----------------------------------------------------------------------------------------------
-# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.runner)
+# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.run)
 # ----------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
@@ -530,7 +532,7 @@ def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerpr
     changed = recipe.tiny()
     changed.rl.objective = "dapo"
     with pytest.raises(ConfigError, match=r"`rl.objective` \('cispo' -> 'dapo'\)"):
-        runner.run(changed, str(tmp_path))
+        run_lib.run(changed, str(tmp_path))
     assert not (tmp_path / "warm_start").exists()  # refused before any work
     if config_json_text is not None:
         assert (tmp_path / "config.json").read_text() == config_json_text  # not overwritten
@@ -539,7 +541,7 @@ def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerpr
 def test_r2_checkpoints_with_no_record_of_their_config_are_not_resumed_blind(tmp_path):
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # e.g. copied from elsewhere without config.json
     with pytest.raises(CheckpointError, match="(?s)no readable config record.*step 3"):
-        runner.run(recipe.tiny(), str(tmp_path))
+        run_lib.run(recipe.tiny(), str(tmp_path))
 
 
 def test_r3_all_prompts_too_long_names_the_key(tmp_path):
@@ -563,7 +565,7 @@ def test_r3_all_prompts_too_long_names_the_key(tmp_path):
     tokens = load_checkpoint_tokenizer(checkpoint)
     encoder = sampling_setup.make_prompt_encoder(config, tokens, checkpoint)
     with pytest.raises(ConfigError, match=r"`data.max_prompt_tokens` = 8: all 4 training prompts are longer"):
-        runner.load_task(config, str(tmp_path / "run"), encoder)
+        load_task(config, str(tmp_path / "run"), encoder)
 
 
 def test_r4_interruption_on_a_tokenizer_without_the_think_end_tag_names_the_keys(tmp_path):
@@ -628,5 +630,5 @@ def test_r8_a_bad_custom_reward_is_named_at_start_up(tmp_path):
     config = recipe.tiny()
     config.data.reward_fn = "custom_rewards:no_such_function"
     with pytest.raises(ConfigError, match=r"`data.reward_fn` = 'custom_rewards:no_such_function'"):
-        runner.run(config, str(tmp_path))
+        run_lib.run(config, str(tmp_path))
     assert not (tmp_path / "warm_start").exists()
