@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -33,14 +34,8 @@ from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, sampling_settings
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
-from scalerl_jax.sampler import ContinuousBatcher, Engine
-from scalerl_jax.sampling_setup import (
-    check_think_end,
-    interrupts,
-    make_engine_config,
-    make_prompt_encoder,
-    max_sequence_length,
-)
+from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
+from scalerl_jax.sampling_setup import check_think_end, make_prompt_encoder
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
@@ -240,7 +235,7 @@ def build_engine(
     config: ml_collections.ConfigDict, policy: AbstractPolicy, tokens: CheckpointTokenizer, mesh: jax.sharding.Mesh
 ) -> Engine:
     """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
-    return Engine(policy.graphdef, policy.model_config, make_engine_config(config, tokens), mesh=mesh)
+    return Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tokens), mesh=mesh)
 
 
 def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any, version: int) -> ContinuousBatcher:
@@ -259,45 +254,24 @@ def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any
     return batcher
 
 
-def build_pipeline_config(
-    config: ml_collections.ConfigDict,
-    tokens: CheckpointTokenizer,
-    model_config: ModelConfig | None,
-    trainer_devices: Sequence[jax.Device],
-    start_step: int,
+def pipeline_config(
+    config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, trainer: Trainer, roles: Roles, start_step: int
 ) -> PipelineConfig:
-    """Schedule, batch shape, sampling, stopping and the MFU denominators of the pipeline
-    (`model_config` None: no FLOP counts, as on a generator process)."""
-    return PipelineConfig(
-        max_new_tokens=config.sampler.max_new_tokens,
-        max_seq_len=max_sequence_length(config),
-        schedule=config.schedule.kind,
-        k=config.schedule.k,
-        prompts_per_step=config.batch.prompts_per_step,
-        samples_per_prompt=config.batch.generations_per_prompt,
-        num_steps=max(0, config.num_steps - start_step),
-        capacity=config.schedule.queue_groups or None,
-        zero_variance=(
-            "refill" if config.rl.refill_zero_variance else "drop" if config.rl.zero_variance_filter else "none"
-        ),
-        temperature=config.sampler.temperature,
+    """The leader's pipeline: the run config's schedule and batch, with the MFU denominators of
+    its model on the trainer devices."""
+    devices = list(roles.trainer_devices)
+    return PipelineConfig.from_config(
+        config,
         stop_tokens=tokens.stop_ids,
-        interrupt=interrupts(config),
-        min_length_bucket=min(32, max_sequence_length(config)),
-        seed=config.seed,
-        first_version=start_step,
-        length_buckets_per_octave=config.batch.length_buckets_per_octave,
-        sort_by_length=config.batch.sort_by_length,
-        microbatches=config.batch.microbatches,
-        mask_truncated=config.rl.mask_truncated_completions,
-        train_step_flops=None if model_config is None else functools.partial(train_step_flops, model_config),
-        peak_flops_per_s=devices_peak_flops_per_s(list(trainer_devices)) if trainer_devices else None,
+        start_step=start_step,
+        train_step_flops=functools.partial(train_step_flops, trainer.model_config),
+        peak_flops_per_s=devices_peak_flops_per_s(devices) if devices else None,
     )
 
 
 def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
     """What every generator's requests share (the same on every process)."""
-    return sampling_settings(build_pipeline_config(config, tokens, None, (), 0))
+    return sampling_settings(PipelineConfig.from_config(config, stop_tokens=tokens.stop_ids, start_step=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,18 +291,20 @@ def make_reward_fn(
     length_shaping = config.rl.length_control == "length_penalty"
 
     def reward_fn(prompt: Prompt, completions: Sequence[Any]) -> list[float]:
+        index = prompt.key
+        assert isinstance(index, int)  # the run's prompt source keys prompts by their index in the task
         texts = [tokens.tokenizer.decode(list(c.tokens)) for c in completions]
-        problems = [task.train_problems[prompt.key]] * len(texts)
-        golds = [task.train_golds[prompt.key]] * len(texts)
+        problems = [task.train_problems[index]] * len(texts)
+        golds = [task.train_golds[index]] * len(texts)
         scored = data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
         rewards = np.asarray(scored.rewards, np.float32)
         if length_shaping:
-            lengths = np.asarray([len(c.tokens) for c in completions], np.float32)
+            lengths = jnp.asarray([len(c.tokens) for c in completions], jnp.float32)
             penalty = np.asarray(
                 length_penalty(lengths, l_max=config.rl.length_penalty_max, l_cache=config.rl.length_penalty_cache)
             )
             rewards = rewards + np.where(scored.correct, penalty, 0.0)
-        pool.record(prompt.key, int(scored.correct.sum()), len(completions))
+        pool.record(index, int(scored.correct.sum()), len(completions))
         return rewards.tolist()
 
     return reward_fn
@@ -368,7 +344,10 @@ def build_transfer(
     if roles.is_trainer:
         assert trainer_mesh is not None  # a trainer process has trainer devices
         senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
-        offer = lambda purpose, ident, params: senders[purpose].offer(params, ident)
+
+        def offer(purpose: str, ident: int, params: Any) -> None:
+            senders[purpose].offer(params, ident)
+
     pull = None
     if needs_pull:
         addresses = trainer_transfer_addresses(roles, timeout_s=config.distributed.connect_timeout_s)

@@ -42,11 +42,11 @@ from scalerl_jax.run.build import (
     Trainer,
     build_batcher,
     build_engine,
-    build_pipeline_config,
     build_trainer,
     generator_sampling,
     load_task,
     make_reward_fn,
+    pipeline_config,
 )
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.evaluation import SAMPLES_FILE, Evaluator
@@ -152,7 +152,7 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
         return Prompt(index, tuple(task.train_prompts[index]))
 
     pipeline = Pipeline(
-        build_pipeline_config(config, source.tokens, trainer.model_config, ctx.roles.trainer_devices, start_step),
+        pipeline_config(config, source.tokens, trainer, ctx.roles, start_step),
         batcher=batcher,
         prompt_source=prompt_source,
         reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
@@ -291,6 +291,8 @@ def run_generator(ctx: RunContext) -> None:
     engine = build_engine(config, ctx.policy, ctx.source.tokens, ctx.meshes.generator)
     params_connection = links.leader["params"]
     pull = ctx.transfer.pull
+    if pull is None:
+        raise RuntimeError(f"generator process {ctx.roles.process} has no weight-transfer route from the trainers")
     params, version = first_version(params_connection, pull=pull, timeout_s=timeout_s)
     batcher = build_batcher(config, engine, params, version)
     stop = threading.Event()

@@ -134,7 +134,7 @@ class StepReporter:
         config, rs = self._config, self._run_state
         version = record.version + 1
         self.state = record.train_state
-        metrics = dict(record.metrics)
+        metrics: dict[str, Any] = dict(record.metrics)
         finite = bool(metrics.get("train/finite", 1.0))
         rs.nonfinite_steps += int(not finite)
         rewards = np.concatenate([g.rewards for g in record.groups])
