@@ -19,28 +19,37 @@ from typing import Any
 import ml_collections
 
 from scalerl_jax import recipe
-from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS
+from scalerl_jax.data.answers import ANSWER_FORMATS
+from scalerl_jax.data.builders import DATASETS
+from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
+from scalerl_jax.pipeline.lag import SCHEDULES
+from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
+from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
+from scalerl_jax.train.step import NAN_POLICIES
+from scalerl_jax.wandb_sink import WANDB_MODES
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
 # sections whose keys the user names (extra evaluation sets).
 OPTIONAL_SECTIONS = ("warm_start", "synthetic")
 OPEN_SECTIONS = ("eval.extra",)
 
+# Each choice list is the constant of the module that interprets the key.
 CHOICES = {
-    "rl.objective": ("cispo", "dapo", "grpo", "gspo"),
-    "rl.aggregation": ("prompt", "sample", "token"),
-    "rl.advantage_normalization": ("batch", "prompt", "none"),
-    "rl.length_control": ("interruption", "length_penalty", "none"),
-    "schedule.kind": ("pipeline", "ppo_off_policy"),
-    "data.dataset": ("polaris_53k", "synthetic", "jsonl"),
-    "data.answer_format": ("think", "plain"),
-    "model.dtype": ("float32", "bfloat16"),
+    "rl.objective": OBJECTIVES,
+    "rl.aggregation": AGGREGATIONS,
+    "rl.advantage_normalization": NORMALIZATIONS,
+    "rl.length_control": LENGTH_CONTROLS,
+    "schedule.kind": SCHEDULES,
+    "data.dataset": DATASETS,
+    "data.answer_format": ANSWER_FORMATS,
+    "model.dtype": RUN_DTYPES,
     "model.head_precision": HEAD_PRECISIONS,
     "model.attention_impl": ATTENTION_IMPLS,
+    "model.remat_policy": REMAT_POLICIES,
     "sampler.decode_kernel": DECODE_KERNELS,
-    "nan_policy": ("skip", "stop"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
+    "nan_policy": NAN_POLICIES,
+    "logging.wandb_mode": WANDB_MODES,
 }
 BOOLS = (
     "model.fp32_head",
@@ -57,7 +66,6 @@ BOOLS = (
 STRINGS = (
     "model.preset",
     "model.checkpoint",
-    "model.remat_policy",
     "data.path",
     "data.data_dir",
     "data.problem_field",

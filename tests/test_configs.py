@@ -125,6 +125,39 @@ def test_bad_choice_is_named():
         validate(config, check_files=False)
 
 
+# key -> (a value outside its choices, the choices written by hand from the modules that interpret it)
+BAD_CHOICES = {
+    "rl.objective": ("ppo", ("cispo", "dapo", "grpo", "gspo")),
+    "rl.advantage_normalization": ("group", ("batch", "prompt", "none")),
+    "rl.length_control": ("truncate", ("interruption", "length_penalty", "none")),
+    "schedule.kind": ("sync", ("pipeline", "ppo_off_policy")),
+    "data.dataset": ("gsm8k", ("polaris_53k", "synthetic", "jsonl")),
+    "data.answer_format": ("xml", ("think", "plain")),
+    "model.dtype": ("float16", ("float32", "bfloat16")),
+    "model.remat_policy": ("everything", ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")),
+    "nan_policy": ("ignore", ("skip", "stop")),
+    "logging.wandb_mode": ("cloud", ("offline", "online", "disabled")),
+}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_CHOICES))
+def test_a_value_outside_the_choices_is_named_with_them(key):
+    bad, allowed = BAD_CHOICES[key]
+    config = recipe.tiny()
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = bad
+    with pytest.raises(ConfigError) as error:
+        validate(config, check_files=False)
+    assert str(error.value) == f"config key `{key}` = {bad!r}; expected one of {allowed!r}"
+
+
+def test_every_remat_policy_validates():
+    for policy in ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn"):
+        config = recipe.tiny()
+        config.model.remat_policy = policy
+        validate(config, check_files=False)
+
+
 def test_batch_that_does_not_divide_trainers_is_named():
     config = recipe.scalerl_8b()
     config.batch.microbatches = 16  # 768 rows / 16 = 48 rows per microbatch

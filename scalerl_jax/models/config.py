@@ -8,6 +8,8 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+# The dtypes a run trains in (`model.dtype`): float16 would need loss scaling, which the train step lacks.
+RUN_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
