@@ -121,7 +121,6 @@ FINITE = Bound()
 NUMBERS: dict[str, Bound] = {
     "seed": NON_NEGATIVE_INT,
     "num_steps": COUNT,
-    "log_every": COUNT,
     "model.logprob_chunk": COUNT,
     "data.heldout_size": COUNT,
     "data.heldout_seed": NON_NEGATIVE_INT,
@@ -355,7 +354,8 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
 
 # Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, how the
 # sampler holds and reads its KV cache (not what it samples) and how the trainer lays out a batch
-# into microbatches (not what it computes).
+# into microbatches (not what it computes). `log_every` was a key no code read, since removed: a
+# workdir whose saved config still has it resumes.
 RESUMABLE_CHANGES = (
     "num_steps",
     "eval.every",

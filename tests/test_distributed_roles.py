@@ -44,7 +44,8 @@ def test_trainer_spanning_both_processes_has_a_follower_that_also_generates():
 def test_generators_spanning_both_processes():
     roles = [assign_roles(devices(2, 2), 0.75, p, 2) for p in range(2)]
     assert roles[0].generator_processes == (0, 1) and roles[0].trainer_processes == (0,)
-    assert roles[0].is_leader and roles[0].is_generator and roles[0].trainer_is_local
+    assert roles[0].is_leader and roles[0].is_generator
+    assert [d.id for d in roles[0].trainer_devices] == [0]  # the trainer is all on process 0
     routes = plan_routes(roles[0])
     assert routes.transfer_generators == (1,)  # process 0's generator is fed in place
 

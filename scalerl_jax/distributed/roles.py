@@ -74,11 +74,6 @@ class Roles:
         process = self.process if process is None else process
         return [d for d in self.generator_devices if d.process_index == process]
 
-    @property
-    def trainer_is_local(self) -> bool:
-        """Every trainer device belongs to this process (params can be resharded in place)."""
-        return all(d.process_index == self.process for d in self.trainer_devices)
-
     def describe(self) -> str:
         kinds = [
             name

@@ -106,11 +106,6 @@ class ModelConfig:
         """`rope_scaling` as a plain dict (it is stored as a sorted tuple of pairs to stay hashable)."""
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     def replace(self, **overrides: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **overrides)
