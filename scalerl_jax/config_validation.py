@@ -23,6 +23,7 @@ from scalerl_jax.data.answers import ANSWER_FORMATS
 from scalerl_jax.data.builders import DATASETS
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
+from scalerl_jax.models.sharding import split_devices
 from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
@@ -323,14 +324,13 @@ def check_paths(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
-    """Splits devices into generator and trainer sets and checks the batch divides the trainers.
+    """Counts the run's generator and trainer devices (`models.split_devices`) and checks that each
+    microbatch's rows divide over the trainers.
 
     Returns (generator_devices, trainer_devices). With one device, both roles share it.
     """
-    if num_devices == 1:
-        return 1, 1
-    generators = max(1, min(num_devices - 1, round(num_devices * config.mesh.generator_fraction)))
-    trainers = num_devices - generators
+    generator_devices, trainer_devices = split_devices(range(num_devices), config.mesh.generator_fraction)
+    generators, trainers = len(generator_devices), len(trainer_devices)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
     rows_per_microbatch = rows // config.batch.microbatches
     if rows_per_microbatch % trainers:

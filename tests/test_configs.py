@@ -104,6 +104,14 @@ def test_paper_split_is_64_generators_16_trainers():
     assert check_devices(recipe.scalerl_8b(), 80) == (64, 16)
 
 
+def test_device_counts_of_small_splits():
+    # tiny: generator_fraction 0.5, one microbatch of 128 rows (hand values from recipe.tiny).
+    assert check_devices(recipe.tiny(), 1) == (1, 1)  # one device: both roles share it
+    assert check_devices(recipe.tiny(), 2) == (1, 1)
+    assert check_devices(recipe.tiny(), 3) == (2, 1)  # round(1.5) = 2 generators
+    assert check_devices(recipe.tiny(), 4) == (2, 2)
+
+
 def test_unknown_key_is_named():
     config = recipe.scalerl_8b()
     config.rl.objectve = "cispo"

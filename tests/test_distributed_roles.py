@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scalerl_jax.distributed.roles import assign_roles
 from scalerl_jax.distributed.trainer_group import local_rows, process_rows
 from scalerl_jax.distributed.transport import plan_routes
+from scalerl_jax.models import split_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,37 @@ class FakeDevice:
 
 def devices(processes: int, per_process: int) -> list[FakeDevice]:
     return [FakeDevice(p * 100 + i, p) for p in range(processes) for i in range(per_process)]
+
+
+# (devices, generator_fraction) -> (generator ids, trainer ids), worked out by hand: round(n x f)
+# generators clipped to [1, n - 1], taken from the end; Python rounds 2.5 to 2.
+SPLITS = {
+    (80, 0.8): (list(range(16, 80)), list(range(16))),  # the paper's 64 generators, 16 trainers
+    (5, 0.5): ([3, 4], [0, 1, 2]),
+    (4, 0.25): ([3], [0, 1, 2]),
+    (4, 0.01): ([3], [0, 1, 2]),  # round to 0, but each side keeps one device
+    (4, 0.99): ([1, 2, 3], [0]),  # round to 4, but the trainer keeps one
+    (1, 0.5): ([0], [0]),  # one device: both roles share it
+}
+
+
+@pytest.mark.parametrize("num_devices,fraction", sorted(SPLITS))
+def test_split_puts_trainers_first_and_generators_last(num_devices, fraction):
+    assert split_devices(range(num_devices), fraction) == SPLITS[num_devices, fraction]
+
+
+def test_split_refuses_a_fraction_outside_the_open_unit_interval():
+    for fraction in (0.0, 1.0):
+        with pytest.raises(ValueError, match=f"generator_fraction={fraction}"):
+            split_devices(range(4), fraction)
+
+
+def test_roles_follow_the_split():
+    # 3 processes x 2 devices at 0.5: devices 0, 1, 100 train; 101, 200, 201 generate (hand split).
+    roles = assign_roles(devices(3, 2), 0.5, 1, 3)
+    assert [d.id for d in roles.trainer_devices] == [0, 1, 100]
+    assert [d.id for d in roles.generator_devices] == [101, 200, 201]
+    assert roles.trainer_processes == (0, 1) and roles.generator_processes == (1, 2) and roles.leader == 0
 
 
 def test_trainer_on_one_process_generator_on_the_other():
