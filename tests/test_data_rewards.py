@@ -186,6 +186,27 @@ def test_last_boxed_brace_matching():
     assert extract_answer("<think></think>1") == (None, rewards.NO_BOX)
 
 
+def test_reward_config_from_the_tiny_and_8b_configs():
+    from scalerl_jax import recipe
+
+    # Hand-read from recipe.tiny(): synthetic task, +1 / -1, think format ending at </think>.
+    assert RewardConfig.from_config(recipe.tiny()) == RewardConfig(
+        kind="exact", correct_reward=1.0, incorrect_reward=-1.0, think_end="</think>", answer_format="think"
+    )
+    config = recipe.scalerl_8b()
+    config.data.answer_format = "plain"
+    config.data.reward_fn = "tests.custom_rewards:contains_gold"
+    config.data.reward_incorrect = 0.0
+    assert RewardConfig.from_config(config) == RewardConfig(
+        kind="math",
+        correct_reward=1.0,
+        incorrect_reward=0.0,
+        think_end="</think>",
+        answer_format="plain",
+        reward_fn="tests.custom_rewards:contains_gold",
+    )
+
+
 def test_exact_kind():
     config = RewardConfig(kind="exact")
     scored = rewards.score_completions(
