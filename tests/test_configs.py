@@ -20,6 +20,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 def load_config_file(name: str, arg: str | None = None):
     spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name))
+    assert spec is not None and spec.loader is not None, name
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg) if arg is not None else module.get_config()

@@ -153,7 +153,7 @@ def test_pool_from_many_threads_and_close():
         for gold, pred in [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]
     ]
     expected = ["equal", "fast_not_equal", "equal", "equal"]
-    results = [None] * 4
+    results: list[list[str] | None] = [None] * 4
 
     def score(i):
         results[i] = [r.status for r in pool.score(items, **THINK)]
@@ -219,8 +219,8 @@ def test_exact_kind():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="2 completions but 1 golds"):
         rewards.score_completions(["a", "b"], ["1"], RewardConfig())
-    with pytest.raises(ValueError, match="item 0"):
-        rewards.score_completions([b"bytes"], ["1"], RewardConfig(kind="exact"))
+    with pytest.raises(ValueError, match="item 0"):  # bytes on purpose: the check for non-strings
+        rewards.score_completions([b"bytes"], ["1"], RewardConfig(kind="exact"))  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="1 problems for 2 completions"):
         rewards.score_completions(["a", "b"], ["1", "2"], RewardConfig(), problems=["p"])
     with pytest.raises(ValueError, match="RewardConfig.kind"):

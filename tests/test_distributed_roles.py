@@ -1,11 +1,12 @@
 """Roles of each process for a device split, the routes params take, and each process's batch rows."""
 
 import dataclasses
+from typing import cast
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from scalerl_jax.distributed.roles import assign_roles
 from scalerl_jax.distributed.trainer_group import local_rows, process_rows
@@ -116,12 +117,17 @@ class FakeSharding:
         return {device: (rows, slice(None)) for device, rows in self._assignment}
 
 
+def fake_sharding(assignment) -> Sharding:
+    """A `FakeSharding` typed as the `Sharding` it stands in for (process_rows reads only its map)."""
+    return cast(Sharding, FakeSharding(assignment))
+
+
 def test_process_rows_across_processes_in_order_and_without_repeats():
     a, b, c = FakeDevice(0, 0), FakeDevice(100, 1), FakeDevice(101, 1)
-    sharding = FakeSharding([(c, slice(4, 6)), (a, slice(0, 2)), (b, slice(2, 4))])
+    sharding = fake_sharding([(c, slice(4, 6)), (a, slice(0, 2)), (b, slice(2, 4))])
     assert process_rows(sharding, (6, 3), 0) == [slice(0, 2)]
     assert process_rows(sharding, (6, 3), 1) == [slice(2, 4), slice(4, 6)]
     batch = {"x": np.arange(18).reshape(6, 3)}
     np.testing.assert_array_equal(local_rows(batch, sharding, 1)["x"], np.arange(6, 18).reshape(4, 3))
-    replicated = FakeSharding([(b, slice(None)), (c, slice(None))])
+    replicated = fake_sharding([(b, slice(None)), (c, slice(None))])
     assert process_rows(replicated, (6, 3), 1) == [slice(0, 6)]

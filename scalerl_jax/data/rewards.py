@@ -180,7 +180,11 @@ def score_completions(
     )
     outcomes = [r.status for r in results]
     correct = np.array(
-        [r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward > 0) for r in results], dtype=bool
+        [
+            r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward is not None and r.reward > 0)
+            for r in results
+        ],
+        dtype=bool,
     )
     rewards = np.array(
         [
