@@ -12,6 +12,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+WANDB_MODES = ("offline", "online", "disabled")  # `wandb.init(mode=...)` values a run may pass
+
 
 class WandbSink:
     """`write(step, metrics)` to one W&B run whose id is stable across resumes of a workdir."""

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+LENGTH_CONTROLS = ("interruption", "length_penalty", "none")  # `rl.length_control`: forced interruption, Eq. 9, neither
+
 
 def length_penalty(lengths: jax.Array, *, l_max: float, l_cache: float) -> jax.Array:
     """float32 penalty in [-1, 0] per completion length (same shape as ``lengths``).

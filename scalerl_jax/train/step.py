@@ -65,6 +65,8 @@ BATCH_SPEC: dict[str, tuple[int, str]] = {
     "sample_valid": (1, "bool"),  # False: padding row or dropped (zero-variance) row
 }
 
+NAN_POLICIES = ("skip", "stop")  # `nan_policy`: keep the old state (`skip_nonfinite`), or the run loop raises
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainStepConfig:
