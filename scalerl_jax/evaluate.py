@@ -41,7 +41,6 @@ from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import (
     check_think_end,
     make_prompt_encoder,
-    make_reward_config,
     make_sample_fn,
 )
 
@@ -172,7 +171,7 @@ def evaluate_policy(
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tok), mesh=mesh)
     batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
-    reward_config = make_reward_config(config)
+    reward_config = data_lib.RewardConfig.from_config(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
     )

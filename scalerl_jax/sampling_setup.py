@@ -58,18 +58,6 @@ def make_prompt_encoder(
     )
 
 
-def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:
-    """The verifier: exact match on the synthetic task, math-verify (or `data.reward_fn`) otherwise."""
-    return data_lib.RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math",
-        correct_reward=config.data.reward_correct,
-        incorrect_reward=config.data.reward_incorrect,
-        answer_format=config.data.answer_format,
-        think_end=config.sampler.think_end,
-        reward_fn=config.data.reward_fn or None,
-    )
-
-
 def make_sample_fn(
     batcher: ContinuousBatcher, config: ml_collections.ConfigDict, stop_ids: Sequence[int], *, seed_offset: int = 0
 ) -> Callable[[list[list[int]]], list[Completion]]:

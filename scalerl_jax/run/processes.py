@@ -52,7 +52,6 @@ from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.evaluation import SAMPLES_FILE, Evaluator
 from scalerl_jax.run.reporting import MetricsSink, RunState, StepReporter, restore, resume_run_state
 from scalerl_jax.sampler import ContinuousBatcher
-from scalerl_jax.sampling_setup import make_reward_config
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.threads import FirstError
 from scalerl_jax.train.checkpoint import RunCheckpointer
@@ -130,7 +129,7 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
     if remote is not None:
         remote.announce(start_step)  # the offer was made with the local one
 
-    reward_config = make_reward_config(config)
+    reward_config = data_lib.RewardConfig.from_config(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
     )
