@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from scalerl_jax.batch_layout import validate_batch
 from scalerl_jax.pipeline.batching import build_train_batch, cut_by_length, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion
-from scalerl_jax.train.step import validate_batch
 
 
 def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False, finish_reason="stop"):

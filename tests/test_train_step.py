@@ -1,9 +1,9 @@
 """The jitted train step against a float64 numpy computation of the ScaleRL loss.
 
 Reference: the per-token log-probs come from one full-batch, unchunked forward of the model
-(`_reference_logp`: log_softmax(model(tokens) / temperature) gathered at the next token, written
+(`reference_logp` in the `model_parts` fixture: log_softmax(model(tokens) / temperature) gathered at the next token, written
 here). Advantages, aggregation weights, loss and dL/dlogp are computed in float64 numpy from
-the formulas of the paper / DESIGN.md (written again below, independently of scalerl_jax.rl), and
+the formulas of the ScaleRL paper (written again below, independently of scalerl_jax.rl), and
 the reference parameter gradient is the VJP of that single full-batch log-prob function with the
 numpy dL/dlogp as cotangent. The train step instead deals rows into microbatches, scans, uses the
 chunked `sequence_logprobs` and the rl module; both must agree for every aggregation.
@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
+from scalerl_jax.batch_layout import validate_batch
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
@@ -25,7 +26,6 @@ from scalerl_jax.train import (
     init_train_state,
     make_optimizer,
     make_train_step,
-    validate_batch,
 )
 from scalerl_jax.train.optimizer import learning_rate_schedule
 

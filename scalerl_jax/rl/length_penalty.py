@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 
-def length_penalty(lengths: jax.Array, *, l_max: float, l_cache: float) -> jax.Array:
+def length_penalty(lengths: ArrayLike, *, l_max: float, l_cache: float) -> jax.Array:
     """float32 penalty in [-1, 0] per completion length (same shape as ``lengths``).
 
     Raises ValueError unless ``l_cache > 0`` and ``l_max >= l_cache``.
