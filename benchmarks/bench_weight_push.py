@@ -77,6 +77,7 @@ def worker(args):
 
     from scalerl_jax.distributed import weight_push
     from scalerl_jax.models import init_transformer, make_mesh, param_shardings
+    from scalerl_jax.models.reshard import push_local
     from scalerl_jax.models.transformer import Transformer
 
     client = distributed.global_state.client
@@ -121,7 +122,7 @@ def worker(args):
         local_targets = param_shardings(abstract, make_mesh((1, 1, 2), devices=local[1][2:]))
         result["local_s"] = {}
         for name, push in (
-            ("push_local", weight_push.push_local),
+            ("push_local", push_local),
             ("jax.device_put", lambda p, t: jax.device_put(p, t, may_alias=False)),
         ):
             result["local_s"][name] = []
