@@ -59,9 +59,9 @@ def _run_optax(config, params, grads_per_step):
 def test_schedule_warmup_then_constant():
     # lr(t) = 5e-7 * min(1, (t+1)/100): t=0 -> 5e-9, t=49 -> 2.5e-7, t=99 and later -> 5e-7.
     schedule = warmup_constant_schedule(5e-7, 100)
-    got = [float(schedule(jnp.asarray(t))) for t in (0, 49, 99, 100, 5000)]
+    got = [float(np.asarray(schedule(jnp.asarray(t)))) for t in (0, 49, 99, 100, 5000)]
     np.testing.assert_allclose(got, [5e-9, 2.5e-7, 5e-7, 5e-7, 5e-7], rtol=1e-6)
-    assert float(warmup_constant_schedule(1e-3, 0)(jnp.asarray(0))) == pytest.approx(1e-3)
+    assert float(np.asarray(warmup_constant_schedule(1e-3, 0)(jnp.asarray(0)))) == pytest.approx(1e-3)
 
 
 def test_adamw_matches_numpy_during_and_after_warmup():
