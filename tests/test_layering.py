@@ -12,13 +12,14 @@ PACKAGE = pathlib.Path(scalerl_jax.__file__).parent
 # `rl/` and `scaling/` are pure math; `models/` knows nothing of RL; `sampler/` nothing of
 # processes; only the composition root (`run/`) and the entry points see everything.
 ALLOWED = {
+    "batch_layout": set(),  # the train batch's layout: the contract between pipeline/ and train/
     "rl": set(),
     "scaling": set(),
     "models": set(),
     "sampler": {"models"},
-    "train": {"models", "rl"},
+    "train": {"batch_layout", "models", "rl"},
     "data": {"rl"},
-    "pipeline": {"data", "sampler", "rl"},
+    "pipeline": {"batch_layout", "data", "rl", "sampler"},
     "distributed": {"models", "pipeline", "sampler"},
 }
 # Single files allowed one more arrow, and why: the memory planner's command line takes its

@@ -65,7 +65,6 @@ from scalerl_jax.models.reshard import (
     devices_per_slice,
     local_shards,
     overlap,
-    push_local,  # noqa: F401 - re-exported until sampler/batcher.py and runner.py import it from models.reshard
     slices_of,
     take_slice,
 )

@@ -196,34 +196,13 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
     model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
-    o = config.optimizer
-    optimizer_config = OptimizerConfig(
-        learning_rate=o.lr,
-        warmup_steps=o.warmup_steps,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm or None,
-    )
+    optimizer_config = OptimizerConfig.from_config(config)
     optimizer = make_optimizer(optimizer_config)
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
     step_fn = make_train_step(
         graphdef,
         optimizer,
-        TrainStepConfig(
-            objective=config.rl.objective,
-            aggregation=config.rl.aggregation,
-            advantage_normalization=config.rl.advantage_normalization,
-            eps_low=config.rl.eps_low,
-            eps_high=config.rl.eps_high,
-            eps_max=config.rl.eps_max,
-            num_microbatches=config.batch.microbatches,
-            temperature=config.sampler.temperature,
-            logprob_chunk_size=config.model.logprob_chunk,
-            skip_nonfinite=config.nan_policy == "skip",
-            sort_by_length=config.batch.sort_by_length,
-        ),
+        TrainStepConfig.from_config(config),
         mesh=mesh,
         state_shardings=state_shardings,
         learning_rate_schedule=learning_rate_schedule(optimizer_config),

@@ -30,10 +30,10 @@ from scalerl_jax.distributed.remote_generator import (
 )
 from scalerl_jax.distributed.trainer_group import TrainerGroup, TrainerOps, follow, report_restored
 from scalerl_jax.distributed.transport import TRAIN, LeaderTransport, plan_routes
-from scalerl_jax.distributed.weight_push import push_local
 from scalerl_jax.distributed.wiring import ProcessLinks
 from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.models import param_shardings
+from scalerl_jax.models.reshard import push_local
 from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineResult

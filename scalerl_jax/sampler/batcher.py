@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from scalerl_jax.distributed.weight_push import push_local
+from scalerl_jax.models.reshard import push_local
 from scalerl_jax.sampler.engine import ChunkResult, Engine, SlotSettings, host_settings, prefill_bucket, row_bucket
 
 
@@ -204,7 +204,7 @@ class ContinuousBatcher:
     def update_params(self, params: Any, version: int, *, copy: bool = True) -> float:
         """Copy `params` onto the generator's shardings; adopted at the next chunk boundary.
 
-        Copies by default, device to device (`distributed.weight_push.push_local`: never through
+        Copies by default, device to device (`models.reshard.push_local`: never through
         the host, never aliasing the caller's buffers, which a train step may donate);
         `copy=False` takes over params that are already this generator's own buffers on its
         shardings (e.g. just received by weight transfer). Returns and records the push time in
