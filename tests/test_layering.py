@@ -14,12 +14,13 @@ PACKAGE = pathlib.Path(scalerl_jax.__file__).parent
 ALLOWED = {
     "batch_layout": set(),  # the train batch's layout: the contract between pipeline/ and train/
     "rl": set(),
+    "threads": set(),  # the first failure among cooperating threads
     "scaling": set(),
     "models": set(),
     "sampler": {"models"},
     "train": {"batch_layout", "models", "rl"},
     "data": {"rl"},
-    "pipeline": {"batch_layout", "data", "rl", "sampler"},
+    "pipeline": {"batch_layout", "data", "rl", "sampler", "threads"},
     "distributed": {"models", "pipeline", "sampler"},
 }
 # Single files allowed one more arrow, and why: the memory planner's command line takes its

@@ -61,6 +61,7 @@ from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.sampler.batcher import Batcher, Completion
 from scalerl_jax.sampler.engine import interrupts, max_sequence_length
+from scalerl_jax.threads import FirstError
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
@@ -338,8 +339,7 @@ class Pipeline:
         self._stop = threading.Event()  # every loop: leave now
         self._stop_requested = threading.Event()  # trainer: leave after the current step
         self._stop_reason = ""
-        self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
+        self._errors = FirstError()
         self._started = False
 
     # ------------------------------------------------------------------ control
@@ -360,7 +360,7 @@ class Pipeline:
             loops.append(("generator", functools.partial(self._generator_loop, self.batcher)))
         loops += [(name, functools.partial(serve, self.link, self._stop)) for name, serve in self._remote_generators]
         threads = [
-            threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}", daemon=True)
+            threading.Thread(target=self._guarded(name, loop), name=f"pipeline-{name}", daemon=True)
             for name, loop in loops
         ]
         previous_handlers = self._install_signal_handlers()
@@ -387,8 +387,7 @@ class Pipeline:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
         stuck = [thread.name for thread in threads if thread.is_alive()]
-        if self._error is not None:
-            raise self._error
+        self._errors.raise_first()
         if stuck:
             raise RuntimeError(f"pipeline threads {stuck} did not stop within {self.config.join_timeout_s} s")
         return PipelineResult(
@@ -419,23 +418,20 @@ class Pipeline:
             previous[signum] = signal.signal(signum, handler)
         return previous
 
-    def _guard(self, name: str, loop: Callable[[], None]) -> None:
-        """Run a loop; record the first exception; always stop the other loop."""
-        try:
-            loop()
-        except PipelineStopped:
-            pass
-        except BaseException as error:  # noqa: BLE001 - re-raised by run() in the main thread
-            with self._error_lock:
-                if self._error is None:
-                    self._error = error
-                    self._stop_reason = "error"
-                    logging.error("pipeline %s thread failed: %r", name, error)
-                else:
-                    logging.error("pipeline %s thread also failed: %r", name, error)
-        finally:
+    def _guarded(self, name: str, loop: Callable[[], None]) -> Callable[[], None]:
+        """`loop` as a thread target: the first exception of any loop is kept for `run()` to
+        re-raise (a stop is not one); however it ends, the other loops are stopped."""
+
+        def failed(_: BaseException) -> None:
+            self._stop_reason = "error"
+
+        def stop_all() -> None:
             self._stop.set()
             self.link.close()
+
+        return self._errors.guarded(
+            f"pipeline {name}", loop, expected=(PipelineStopped,), on_error=failed, on_exit=stop_all
+        )
 
     # ------------------------------------------------------------------ generator
     def _generator_loop(self, batcher: Batcher) -> None:
