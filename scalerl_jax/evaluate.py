@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (``--config`` and ``--config.KEY=VALUE`` are read by ml_collections)."""
     parser = argparse.ArgumentParser(
         prog="python -m scalerl_jax.evaluate",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
         "Hugging Face directory (default configs/scalerl_8b.py)",
     )

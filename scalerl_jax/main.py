@@ -81,6 +81,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config, workdir = _CONFIG.value, _WORKDIR.value
+    assert workdir is not None  # a required flag: absl refuses the command line without it
     try:
         start(config)
     except ConfigError as e:

@@ -103,6 +103,7 @@ def test_m1_offset_past_end_of_file_cuts_without_padding(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(full[: len(full) - 30])  # the last 30 bytes never hit disk
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[4])
     report = writer.resume_report
+    assert report is not None
     writer.write(4, {"train/loss": 4.5})  # the lost step is replayed
     writer.close()
     data = metrics_bytes(tmp_path)
@@ -121,6 +122,7 @@ def test_m2_half_written_row_before_offset_is_cut_and_reported(tmp_path):
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[2])
     assert writer.offset() == offsets[1]
     report = writer.resume_report
+    assert report is not None
     writer.close()
     assert metrics_bytes(tmp_path) == expected_rows(range(2))
     assert (report.kept_rows, report.damaged_bytes, report.lost_bytes) == (
@@ -137,6 +139,7 @@ def test_m3_zero_filled_tail_is_cut_before_the_nuls(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(zeroed)
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[3])
     report = writer.resume_report
+    assert report is not None
     writer.close()
     assert metrics_bytes(tmp_path) == expected_rows(range(2))
     assert report.kept_rows == 2 and report.damaged_bytes == len(data) - offsets[1]
@@ -147,6 +150,7 @@ def test_m4_rows_after_the_checkpoint_are_dropped_and_kept_once(tmp_path):
     offsets = write_rows(tmp_path, range(6))
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[2])  # checkpoint after step 2
     report = writer.resume_report
+    assert report is not None
     for step in (3, 4, 5):  # replayed
         writer.write(step, {"train/loss": 0.5 + step})
     writer.close()
@@ -175,6 +179,7 @@ def lock_holder(workdir):
     )
     try:
         selector = selectors.DefaultSelector()
+        assert process.stdout is not None and process.stderr is not None  # both piped above
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout=WAIT_S):
             raise AssertionError(f"lock holder did not start within {WAIT_S} s")
@@ -274,6 +279,7 @@ def test_c1_c2_damaged_newest_falls_back_to_previous(tmp_path, damage):
         damage(path)
     checkpointer = RunCheckpointer(str(tmp_path), keep=5)
     result = checkpointer.restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 2)
     assert [s.step for s in result.skipped] == [3] and result.skipped[0].reason
 
@@ -284,6 +290,7 @@ def test_c3_substituted_array_data_fails_the_checksum(tmp_path):
     shutil.rmtree(ckpt / "2" / "train_state")
     shutil.copytree(ckpt / "1" / "train_state", ckpt / "2" / "train_state")  # readable, finite, wrong
     result = RunCheckpointer(str(tmp_path), keep=5).restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2 and "checksum" in result.skipped[0].reason
 
@@ -304,6 +311,7 @@ def test_c4_every_checkpoint_damaged_is_an_error_naming_each_step(tmp_path):
 def test_c5_non_finite_params_are_refused(tmp_path):
     save_steps(tmp_path, (1, 2), nan_steps=(2,)).close()
     result = RunCheckpointer(str(tmp_path), keep=5).restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2 and re.search(r"non-finite.*params.*w", result.skipped[0].reason)
 
@@ -317,6 +325,7 @@ def test_c6_missing_integrity_record_is_refused_and_saved_config_falls_back(tmp_
     reopened = RunCheckpointer(str(tmp_path), keep=5)
     assert reopened.saved_config() == {**CONFIG, "num_steps": 1}
     result = reopened.restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2
     assert RunCheckpointer(str(tmp_path / "empty"), keep=1).restore_latest(train_state(0)[0]) is None
@@ -359,6 +368,7 @@ def test_c7_disk_full_is_one_clear_error_and_the_previous_checkpoint_survives(tm
         assert "No space left on device" in message and "step 1" in message
         assert len(capfd.readouterr().err.splitlines()) < 20  # no traceback spew
         result = RunCheckpointer(str(mount), keep=5).restore_latest(small)
+        assert result is not None
         assert_state_is_step(result, 1)
         assert result.skipped == ()
 

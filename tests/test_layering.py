@@ -47,7 +47,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         relative = path.relative_to(PACKAGE).parts
-        part = relative[0] if len(relative) > 1 else relative[0].removesuffix(".py")
+        part = relative[0].removesuffix(".py")  # a subpackage's name, or a top-level module's
         allowed_here = FILE_EXCEPTIONS.get("/".join(relative), set())
         graph.setdefault(part, set()).update(imported_parts(path) - {part} - allowed_here)
     return graph

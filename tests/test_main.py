@@ -231,7 +231,9 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     resumed = run_main(killed, *flags(PPO))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    resumed_from = int(re.search(r"resumed from checkpoint step (\d+)", resumed.stderr).group(1))
+    found = re.search(r"resumed from checkpoint step (\d+)", resumed.stderr)
+    assert found is not None, resumed.stderr[-4000:]
+    resumed_from = int(found.group(1))
     assert 4 <= resumed_from < 8  # at least one step ran after the resume
 
     expected, got = read_metrics(full), read_metrics(killed)

@@ -31,8 +31,12 @@ def test_the_first_error_is_raised_in_the_joining_thread_and_later_ones_are_not(
         first_failed.wait(timeout=10)
         raise KeyError("second")
 
+    def first_exits():
+        exits.append("a")
+        first_failed.set()
+
     targets = [
-        errors.guarded("a", first, on_error=reported.append, on_exit=lambda: (exits.append("a"), first_failed.set())),
+        errors.guarded("a", first, on_error=reported.append, on_exit=first_exits),
         errors.guarded("b", second, on_error=reported.append, on_exit=lambda: exits.append("b")),
     ]
     run_threads(targets)

@@ -319,13 +319,15 @@ def build_transfer(
     def targets(processes: Sequence[int]) -> dict[int, Any]:
         return {g: param_shardings(abstract_params, generator_mesh(config, roles, g)) for g in processes}
 
-    offer = None
+    offer: Callable[[str, int, Any], None] | None = None
     if roles.is_trainer:
         assert trainer_mesh is not None  # a trainer process has trainer devices
         senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
 
-        def offer(purpose: str, ident: int, params: Any) -> None:
+        def offer_to_senders(purpose: str, ident: int, params: Any) -> None:
             senders[purpose].offer(params, ident)
+
+        offer = offer_to_senders
 
     pull = None
     if needs_pull:
