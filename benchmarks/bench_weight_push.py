@@ -31,7 +31,7 @@ TIMEOUT_MS = 300_000
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--hidden", type=int, default=512)
@@ -77,9 +77,11 @@ def worker(args):
 
     from scalerl_jax.distributed import weight_push
     from scalerl_jax.models import init_transformer, make_mesh, param_shardings
+    from scalerl_jax.models.reshard import push_local
     from scalerl_jax.models.transformer import Transformer
 
     client = distributed.global_state.client
+    assert client is not None, "jax.distributed.initialize did not start a client"
     config = model_config(args)
     local = [[d for d in jax.devices() if d.process_index == p] for p in (0, 1)]
     trainer_processes = (0, 1) if args.trainer_span else (1,)
@@ -121,7 +123,7 @@ def worker(args):
         local_targets = param_shardings(abstract, make_mesh((1, 1, 2), devices=local[1][2:]))
         result["local_s"] = {}
         for name, push in (
-            ("push_local", weight_push.push_local),
+            ("push_local", push_local),
             ("jax.device_put", lambda p, t: jax.device_put(p, t, may_alias=False)),
         ):
             result["local_s"][name] = []

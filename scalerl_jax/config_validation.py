@@ -19,28 +19,38 @@ from typing import Any
 import ml_collections
 
 from scalerl_jax import recipe
-from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS
+from scalerl_jax.data.answers import ANSWER_FORMATS
+from scalerl_jax.data.builders import DATASETS
+from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
+from scalerl_jax.models.sharding import split_devices
+from scalerl_jax.pipeline.lag import SCHEDULES
+from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
+from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
+from scalerl_jax.train.step import NAN_POLICIES
+from scalerl_jax.wandb_sink import WANDB_MODES
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
 # sections whose keys the user names (extra evaluation sets).
 OPTIONAL_SECTIONS = ("warm_start", "synthetic")
 OPEN_SECTIONS = ("eval.extra",)
 
+# Each choice list is the constant of the module that interprets the key.
 CHOICES = {
-    "rl.objective": ("cispo", "dapo", "grpo", "gspo"),
-    "rl.aggregation": ("prompt", "sample", "token"),
-    "rl.advantage_normalization": ("batch", "prompt", "none"),
-    "rl.length_control": ("interruption", "length_penalty", "none"),
-    "schedule.kind": ("pipeline", "ppo_off_policy"),
-    "data.dataset": ("polaris_53k", "synthetic", "jsonl"),
-    "data.answer_format": ("think", "plain"),
-    "model.dtype": ("float32", "bfloat16"),
+    "rl.objective": OBJECTIVES,
+    "rl.aggregation": AGGREGATIONS,
+    "rl.advantage_normalization": NORMALIZATIONS,
+    "rl.length_control": LENGTH_CONTROLS,
+    "schedule.kind": SCHEDULES,
+    "data.dataset": DATASETS,
+    "data.answer_format": ANSWER_FORMATS,
+    "model.dtype": RUN_DTYPES,
     "model.head_precision": HEAD_PRECISIONS,
     "model.attention_impl": ATTENTION_IMPLS,
+    "model.remat_policy": REMAT_POLICIES,
     "sampler.decode_kernel": DECODE_KERNELS,
-    "nan_policy": ("skip", "stop"),
-    "logging.wandb_mode": ("offline", "online", "disabled"),
+    "nan_policy": NAN_POLICIES,
+    "logging.wandb_mode": WANDB_MODES,
 }
 BOOLS = (
     "model.fp32_head",
@@ -57,7 +67,6 @@ BOOLS = (
 STRINGS = (
     "model.preset",
     "model.checkpoint",
-    "model.remat_policy",
     "data.path",
     "data.data_dir",
     "data.problem_field",
@@ -113,7 +122,6 @@ FINITE = Bound()
 NUMBERS: dict[str, Bound] = {
     "seed": NON_NEGATIVE_INT,
     "num_steps": COUNT,
-    "log_every": COUNT,
     "model.logprob_chunk": COUNT,
     "data.heldout_size": COUNT,
     "data.heldout_seed": NON_NEGATIVE_INT,
@@ -316,14 +324,13 @@ def check_paths(config: ml_collections.ConfigDict) -> list[str]:
 
 
 def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
-    """Splits devices into generator and trainer sets and checks the batch divides the trainers.
+    """Counts the run's generator and trainer devices (`models.split_devices`) and checks that each
+    microbatch's rows divide over the trainers.
 
     Returns (generator_devices, trainer_devices). With one device, both roles share it.
     """
-    if num_devices == 1:
-        return 1, 1
-    generators = max(1, min(num_devices - 1, round(num_devices * config.mesh.generator_fraction)))
-    trainers = num_devices - generators
+    generator_devices, trainer_devices = split_devices(range(num_devices), config.mesh.generator_fraction)
+    generators, trainers = len(generator_devices), len(trainer_devices)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
     rows_per_microbatch = rows // config.batch.microbatches
     if rows_per_microbatch % trainers:
@@ -347,7 +354,8 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
 
 # Keys a resumed run may change: how long it runs, how often it evaluates, saves and logs, how the
 # sampler holds and reads its KV cache (not what it samples) and how the trainer lays out a batch
-# into microbatches (not what it computes).
+# into microbatches (not what it computes). `log_every` was a key no code read, since removed: a
+# workdir whose saved config still has it resumes.
 RESUMABLE_CHANGES = (
     "num_steps",
     "eval.every",

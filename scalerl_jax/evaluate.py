@@ -37,12 +37,10 @@ from scalerl_jax import policy_source, recipe
 from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
-from scalerl_jax.sampler import ContinuousBatcher, Engine
+from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import (
     check_think_end,
-    make_engine_config,
     make_prompt_encoder,
-    make_reward_config,
     make_sample_fn,
 )
 
@@ -171,9 +169,9 @@ def evaluate_policy(
     kept = encoded.source_indices
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
-    engine = Engine(policy.graphdef, policy.model_config, make_engine_config(config, tok), mesh=mesh)
+    engine = Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tok), mesh=mesh)
     batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
-    reward_config = make_reward_config(config)
+    reward_config = data_lib.RewardConfig.from_config(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
     )
@@ -256,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (``--config`` and ``--config.KEY=VALUE`` are read by ml_collections)."""
     parser = argparse.ArgumentParser(
         prog="python -m scalerl_jax.evaluate",
-        description=__doc__.split("\n\n")[0],
+        description=(__doc__ or "").split("\n\n")[0],
         epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
         "Hugging Face directory (default configs/scalerl_8b.py)",
     )

@@ -81,12 +81,13 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config, workdir = _CONFIG.value, _WORKDIR.value
+    assert workdir is not None  # a required flag: absl refuses the command line without it
     try:
         start(config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    from scalerl_jax.runner import RUN_ERRORS, run  # heavy imports after the config is known to be good
+    from scalerl_jax.run import RUN_ERRORS, run  # heavy imports after the config is known to be good
 
     started = time.time()
     try:

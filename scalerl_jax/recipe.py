@@ -24,7 +24,6 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.num_steps = 10_000
-    c.log_every = 1
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "llama3.1-8b"

@@ -1,8 +1,9 @@
 """What a run config says about prompts, sampling and scoring, for training and evaluation alike.
 
 The training run (`runner.py`) and the evaluate CLI (`evaluate.py`) build their prompt encoder,
-sampler engine, requests and verifier here, from the same config keys and the checkpoint's own
-tokenizer (`models.load_checkpoint_tokenizer`), so a policy is evaluated exactly as it was trained.
+requests and verifier here, and their sampler engine with `EngineConfig.from_config`, from the
+same config keys and the checkpoint's own tokenizer (`models.load_checkpoint_tokenizer`), so a
+policy is evaluated exactly as it was trained.
 
 One key, `data.answer_format`, drives both the sampler's length control and the reward's answer
 extraction: 'think' (forced interruption applies when `rl.length_control` is 'interruption'; the
@@ -20,19 +21,8 @@ import ml_collections
 from scalerl_jax import data as data_lib
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
-from scalerl_jax.sampler import (
-    Completion,
-    ContinuousBatcher,
-    EngineConfig,
-    InterruptionConfig,
-    Request,
-    interruption_from_tokenizer,
-)
-
-
-def interrupts(config: ml_collections.ConfigDict) -> bool:
-    """Forced interruption applies only to the think format (a plain answer has no think phase)."""
-    return config.rl.length_control == "interruption" and config.data.answer_format == "think"
+from scalerl_jax.sampler import Completion, ContinuousBatcher, Request
+from scalerl_jax.sampler.engine import interrupts
 
 
 def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str) -> None:
@@ -65,56 +55,6 @@ def make_prompt_encoder(
             chat_template=tokens.chat_template if config.data.use_chat_template else None,
         ),
         special_tokens=tokens.special_tokens,
-    )
-
-
-def make_interruption(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> InterruptionConfig | None:
-    """The forced-interruption phrase and budgets of `sampler`, or None when the recipe does not interrupt."""
-    if not interrupts(config):
-        return None
-    s = config.sampler
-    return interruption_from_tokenizer(
-        tokens.tokenizer,
-        phrase=s.interruption_phrase,
-        end_think=s.think_end,
-        think_budget_min=s.think_budget_min,
-        think_budget_max=s.think_budget_max,
-        answer_budget=s.answer_budget,
-    )
-
-
-def max_sequence_length(config: ml_collections.ConfigDict) -> int:
-    """KV cache length per slot and the longest train row: prompt budget + completion budget."""
-    return config.data.max_prompt_tokens + config.sampler.max_new_tokens
-
-
-def make_engine_config(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> EngineConfig:
-    """The sampler engine of `sampler`: slots, cache length, sampling knobs, stop ids, interruption,
-    KV pages and the decode attention kernel."""
-    s = config.sampler
-    return EngineConfig(
-        num_slots=s.num_slots,
-        max_len=max_sequence_length(config),
-        chunk_size=s.chunk_steps,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_stop_tokens=len(tokens.stop_ids),
-        interruption=make_interruption(config, tokens),
-        page_size=s.page_size,
-        num_pages=s.num_pages,
-        decode_kernel=s.decode_kernel,
-    )
-
-
-def make_reward_config(config: ml_collections.ConfigDict) -> data_lib.RewardConfig:
-    """The verifier: exact match on the synthetic task, math-verify (or `data.reward_fn`) otherwise."""
-    return data_lib.RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math",
-        correct_reward=config.data.reward_correct,
-        incorrect_reward=config.data.reward_incorrect,
-        answer_format=config.data.answer_format,
-        think_end=config.sampler.think_end,
-        reward_fn=config.data.reward_fn or None,
     )
 
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 # The modes wandb.init accepts (config_validation allows logging.wandb_mode offline, online, disabled).
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
+WANDB_MODES = ("offline", "online", "disabled")  # `wandb.init(mode=...)` values a run may pass
+
 
 class WandbSink:
     """`write(step, metrics)` to one W&B run whose id is stable across resumes of a workdir."""

@@ -20,6 +20,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 def load_config_file(name: str, arg: str | None = None):
     spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name))
+    assert spec is not None and spec.loader is not None, name
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg) if arg is not None else module.get_config()
@@ -104,6 +105,14 @@ def test_paper_split_is_64_generators_16_trainers():
     assert check_devices(recipe.scalerl_8b(), 80) == (64, 16)
 
 
+def test_device_counts_of_small_splits():
+    # tiny: generator_fraction 0.5, one microbatch of 128 rows (hand values from recipe.tiny).
+    assert check_devices(recipe.tiny(), 1) == (1, 1)  # one device: both roles share it
+    assert check_devices(recipe.tiny(), 2) == (1, 1)
+    assert check_devices(recipe.tiny(), 3) == (2, 1)  # round(1.5) = 2 generators
+    assert check_devices(recipe.tiny(), 4) == (2, 2)
+
+
 def test_unknown_key_is_named():
     config = recipe.scalerl_8b()
     config.rl.objectve = "cispo"
@@ -122,6 +131,39 @@ def test_bad_choice_is_named():
     config = recipe.scalerl_8b()
     config.rl.aggregation = "mean"
     with pytest.raises(ConfigError, match="rl.aggregation"):
+        validate(config, check_files=False)
+
+
+# key -> (a value outside its choices, the choices written by hand from the modules that interpret it)
+BAD_CHOICES = {
+    "rl.objective": ("ppo", ("cispo", "dapo", "grpo", "gspo")),
+    "rl.advantage_normalization": ("group", ("batch", "prompt", "none")),
+    "rl.length_control": ("truncate", ("interruption", "length_penalty", "none")),
+    "schedule.kind": ("sync", ("pipeline", "ppo_off_policy")),
+    "data.dataset": ("gsm8k", ("polaris_53k", "synthetic", "jsonl")),
+    "data.answer_format": ("xml", ("think", "plain")),
+    "model.dtype": ("float16", ("float32", "bfloat16")),
+    "model.remat_policy": ("everything", ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")),
+    "nan_policy": ("ignore", ("skip", "stop")),
+    "logging.wandb_mode": ("cloud", ("offline", "online", "disabled")),
+}
+
+
+@pytest.mark.parametrize("key", sorted(BAD_CHOICES))
+def test_a_value_outside_the_choices_is_named_with_them(key):
+    bad, allowed = BAD_CHOICES[key]
+    config = recipe.tiny()
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = bad
+    with pytest.raises(ConfigError) as error:
+        validate(config, check_files=False)
+    assert str(error.value) == f"config key `{key}` = {bad!r}; expected one of {allowed!r}"
+
+
+def test_every_remat_policy_validates():
+    for policy in ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn"):
+        config = recipe.tiny()
+        config.model.remat_policy = policy
         validate(config, check_files=False)
 
 

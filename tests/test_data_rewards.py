@@ -153,7 +153,7 @@ def test_pool_from_many_threads_and_close():
         for gold, pred in [("\\frac{1}{2}", "0.5"), ("3", "4"), ("x+1", "1+x"), ("2", "\\sqrt{4}")]
     ]
     expected = ["equal", "fast_not_equal", "equal", "equal"]
-    results = [None] * 4
+    results: list[list[str] | None] = [None] * 4
 
     def score(i):
         results[i] = [r.status for r in pool.score(items, **THINK)]
@@ -186,6 +186,27 @@ def test_last_boxed_brace_matching():
     assert extract_answer("<think></think>1") == (None, rewards.NO_BOX)
 
 
+def test_reward_config_from_the_tiny_and_8b_configs():
+    from scalerl_jax import recipe
+
+    # Hand-read from recipe.tiny(): synthetic task, +1 / -1, think format ending at </think>.
+    assert RewardConfig.from_config(recipe.tiny()) == RewardConfig(
+        kind="exact", correct_reward=1.0, incorrect_reward=-1.0, think_end="</think>", answer_format="think"
+    )
+    config = recipe.scalerl_8b()
+    config.data.answer_format = "plain"
+    config.data.reward_fn = "tests.custom_rewards:contains_gold"
+    config.data.reward_incorrect = 0.0
+    assert RewardConfig.from_config(config) == RewardConfig(
+        kind="math",
+        correct_reward=1.0,
+        incorrect_reward=0.0,
+        think_end="</think>",
+        answer_format="plain",
+        reward_fn="tests.custom_rewards:contains_gold",
+    )
+
+
 def test_exact_kind():
     config = RewardConfig(kind="exact")
     scored = rewards.score_completions(
@@ -198,8 +219,8 @@ def test_exact_kind():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="2 completions but 1 golds"):
         rewards.score_completions(["a", "b"], ["1"], RewardConfig())
-    with pytest.raises(ValueError, match="item 0"):
-        rewards.score_completions([b"bytes"], ["1"], RewardConfig(kind="exact"))
+    with pytest.raises(ValueError, match="item 0"):  # bytes on purpose: the check for non-strings
+        rewards.score_completions([b"bytes"], ["1"], RewardConfig(kind="exact"))  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="1 problems for 2 completions"):
         rewards.score_completions(["a", "b"], ["1", "2"], RewardConfig(), problems=["p"])
     with pytest.raises(ValueError, match="RewardConfig.kind"):

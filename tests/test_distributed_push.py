@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from scalerl_jax.distributed import weight_push
 from scalerl_jax.distributed.weight_push import plan, transfer_uuid, unique_slices
+from scalerl_jax.models.reshard import push_local
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO_ROOT, "tests", "distributed_push_worker.py")
@@ -180,7 +181,7 @@ def test_push_local_reshards_device_to_device_without_aliasing():
         "s": NamedSharding(generator_mesh, P()),
     }
     with host_round_trip_guards():
-        pushed = weight_push.push_local(params, targets)
+        pushed = push_local(params, targets)
     for leaf in jax.tree.leaves(params):
         leaf.delete()  # the trainer's next step donates these
     assert all(pushed[name].sharding == targets[name] for name in targets)
@@ -198,7 +199,7 @@ def test_push_local_onto_the_same_devices_and_layout_copies():
     sharding = NamedSharding(trainer_mesh, P("x", None))
     params = [sharded(source, sharding)]
     with host_round_trip_guards():
-        (pushed,) = weight_push.push_local(params, [sharding])
+        (pushed,) = push_local(params, [sharding])
     params[0].delete()
     assert pushed.sharding == sharding
     np.testing.assert_array_equal(np.asarray(pushed), source)

@@ -23,7 +23,7 @@ Fit CLI (python -m scalerl_jax.fit)
   F2 numeric flags out of range or non-finite: argparse error naming the flag and the allowed range
   F3 --fit-end not above --fit-start: argparse error
   F4 malformed metrics rows (NUL padding, a JSON array): error naming the file and line
-Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.runner, scalerl_jax.main)
+Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.run, scalerl_jax.main)
   V1 NaN / inf / out-of-range values (28 cases: lr, eps, betas, temperature, eps_low, workers, ...): named
   V2 several problems at once: one ConfigError listing every one
   R1 resume with config.json deleted or malformed and a changed config: refused from the checkpoint's
@@ -60,10 +60,12 @@ import optax
 import pytest
 
 from scalerl_jax import fit as fit_cli
-from scalerl_jax import recipe, runner, sampling_setup
+from scalerl_jax import recipe, sampling_setup
+from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import ConfigError, flat_config, validate
 from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.models import load_checkpoint_tokenizer
+from scalerl_jax.run.build import load_task
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 
@@ -101,6 +103,7 @@ def test_m1_offset_past_end_of_file_cuts_without_padding(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(full[: len(full) - 30])  # the last 30 bytes never hit disk
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[4])
     report = writer.resume_report
+    assert report is not None
     writer.write(4, {"train/loss": 4.5})  # the lost step is replayed
     writer.close()
     data = metrics_bytes(tmp_path)
@@ -119,6 +122,7 @@ def test_m2_half_written_row_before_offset_is_cut_and_reported(tmp_path):
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[2])
     assert writer.offset() == offsets[1]
     report = writer.resume_report
+    assert report is not None
     writer.close()
     assert metrics_bytes(tmp_path) == expected_rows(range(2))
     assert (report.kept_rows, report.damaged_bytes, report.lost_bytes) == (
@@ -135,6 +139,7 @@ def test_m3_zero_filled_tail_is_cut_before_the_nuls(tmp_path):
     (tmp_path / "metrics.jsonl").write_bytes(zeroed)
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[3])
     report = writer.resume_report
+    assert report is not None
     writer.close()
     assert metrics_bytes(tmp_path) == expected_rows(range(2))
     assert report.kept_rows == 2 and report.damaged_bytes == len(data) - offsets[1]
@@ -145,6 +150,7 @@ def test_m4_rows_after_the_checkpoint_are_dropped_and_kept_once(tmp_path):
     offsets = write_rows(tmp_path, range(6))
     writer = MetricsWriter(str(tmp_path), resume_offset=offsets[2])  # checkpoint after step 2
     report = writer.resume_report
+    assert report is not None
     for step in (3, 4, 5):  # replayed
         writer.write(step, {"train/loss": 0.5 + step})
     writer.close()
@@ -173,6 +179,7 @@ def lock_holder(workdir):
     )
     try:
         selector = selectors.DefaultSelector()
+        assert process.stdout is not None and process.stderr is not None  # both piped above
         selector.register(process.stdout, selectors.EVENT_READ)
         if not selector.select(timeout=WAIT_S):
             raise AssertionError(f"lock holder did not start within {WAIT_S} s")
@@ -272,6 +279,7 @@ def test_c1_c2_damaged_newest_falls_back_to_previous(tmp_path, damage):
         damage(path)
     checkpointer = RunCheckpointer(str(tmp_path), keep=5)
     result = checkpointer.restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 2)
     assert [s.step for s in result.skipped] == [3] and result.skipped[0].reason
 
@@ -282,6 +290,7 @@ def test_c3_substituted_array_data_fails_the_checksum(tmp_path):
     shutil.rmtree(ckpt / "2" / "train_state")
     shutil.copytree(ckpt / "1" / "train_state", ckpt / "2" / "train_state")  # readable, finite, wrong
     result = RunCheckpointer(str(tmp_path), keep=5).restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2 and "checksum" in result.skipped[0].reason
 
@@ -302,6 +311,7 @@ def test_c4_every_checkpoint_damaged_is_an_error_naming_each_step(tmp_path):
 def test_c5_non_finite_params_are_refused(tmp_path):
     save_steps(tmp_path, (1, 2), nan_steps=(2,)).close()
     result = RunCheckpointer(str(tmp_path), keep=5).restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2 and re.search(r"non-finite.*params.*w", result.skipped[0].reason)
 
@@ -315,6 +325,7 @@ def test_c6_missing_integrity_record_is_refused_and_saved_config_falls_back(tmp_
     reopened = RunCheckpointer(str(tmp_path), keep=5)
     assert reopened.saved_config() == {**CONFIG, "num_steps": 1}
     result = reopened.restore_latest(train_state(0)[0])
+    assert result is not None
     assert_state_is_step(result, 1)
     assert result.skipped[0].step == 2
     assert RunCheckpointer(str(tmp_path / "empty"), keep=1).restore_latest(train_state(0)[0]) is None
@@ -357,6 +368,7 @@ def test_c7_disk_full_is_one_clear_error_and_the_previous_checkpoint_survives(tm
         assert "No space left on device" in message and "step 1" in message
         assert len(capfd.readouterr().err.splitlines()) < 20  # no traceback spew
         result = RunCheckpointer(str(mount), keep=5).restore_latest(small)
+        assert result is not None
         assert_state_is_step(result, 1)
         assert result.skipped == ()
 
@@ -454,7 +466,7 @@ def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
 
 
 # ----------------------------------------------------------------------------------------------
-# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.runner)
+# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.run)
 # ----------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
@@ -530,7 +542,7 @@ def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerpr
     changed = recipe.tiny()
     changed.rl.objective = "dapo"
     with pytest.raises(ConfigError, match=r"`rl.objective` \('cispo' -> 'dapo'\)"):
-        runner.run(changed, str(tmp_path))
+        run_lib.run(changed, str(tmp_path))
     assert not (tmp_path / "warm_start").exists()  # refused before any work
     if config_json_text is not None:
         assert (tmp_path / "config.json").read_text() == config_json_text  # not overwritten
@@ -539,7 +551,7 @@ def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerpr
 def test_r2_checkpoints_with_no_record_of_their_config_are_not_resumed_blind(tmp_path):
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # e.g. copied from elsewhere without config.json
     with pytest.raises(CheckpointError, match="(?s)no readable config record.*step 3"):
-        runner.run(recipe.tiny(), str(tmp_path))
+        run_lib.run(recipe.tiny(), str(tmp_path))
 
 
 def test_r3_all_prompts_too_long_names_the_key(tmp_path):
@@ -563,7 +575,7 @@ def test_r3_all_prompts_too_long_names_the_key(tmp_path):
     tokens = load_checkpoint_tokenizer(checkpoint)
     encoder = sampling_setup.make_prompt_encoder(config, tokens, checkpoint)
     with pytest.raises(ConfigError, match=r"`data.max_prompt_tokens` = 8: all 4 training prompts are longer"):
-        runner.load_task(config, str(tmp_path / "run"), encoder)
+        load_task(config, str(tmp_path / "run"), encoder)
 
 
 def test_r4_interruption_on_a_tokenizer_without_the_think_end_tag_names_the_keys(tmp_path):
@@ -628,5 +640,5 @@ def test_r8_a_bad_custom_reward_is_named_at_start_up(tmp_path):
     config = recipe.tiny()
     config.data.reward_fn = "custom_rewards:no_such_function"
     with pytest.raises(ConfigError, match=r"`data.reward_fn` = 'custom_rewards:no_such_function'"):
-        runner.run(config, str(tmp_path))
+        run_lib.run(config, str(tmp_path))
     assert not (tmp_path / "warm_start").exists()

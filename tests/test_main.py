@@ -14,8 +14,10 @@ import jax
 import numpy as np
 import pytest
 
-from scalerl_jax import recipe, runner
+from scalerl_jax import recipe
+from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import validate
+from scalerl_jax.run import build as run_build
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 SMALL = {
@@ -229,7 +231,9 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 
     resumed = run_main(killed, *flags(PPO))
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    resumed_from = int(re.search(r"resumed from checkpoint step (\d+)", resumed.stderr).group(1))
+    found = re.search(r"resumed from checkpoint step (\d+)", resumed.stderr)
+    assert found is not None, resumed.stderr[-4000:]
+    resumed_from = int(found.group(1))
     assert 4 <= resumed_from < 8  # at least one step ran after the resume
 
     expected, got = read_metrics(full), read_metrics(killed)
@@ -246,7 +250,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 @pytest.fixture(autouse=True)
 def signal_handlers_are_restored():
-    """An in-process run (runner.run) hands back the caller's SIGINT / SIGTERM handlers, so Ctrl-C
+    """An in-process run (scalerl_jax.run.run) hands back the caller's SIGINT / SIGTERM handlers, so Ctrl-C
     keeps working in the caller afterwards (the pipeline installs its own while it runs)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
@@ -255,7 +259,7 @@ def signal_handlers_are_restored():
 
 def poison_second_step(monkeypatch):
     """Makes the run's train step see NaN rewards at its second call (so a NaN loss at step 2)."""
-    real_make_train_step = runner.make_train_step
+    real_make_train_step = run_build.make_train_step
 
     def make_poisoned(*args, **kwargs):
         step = real_make_train_step(*args, **kwargs)
@@ -270,7 +274,7 @@ def poison_second_step(monkeypatch):
         poisoned.batch_sharding = step.batch_sharding  # where the run places batches
         return poisoned
 
-    monkeypatch.setattr(runner, "make_train_step", make_poisoned)
+    monkeypatch.setattr(run_build, "make_train_step", make_poisoned)
 
 
 def small_tiny_config(**overrides):
@@ -285,7 +289,7 @@ def small_tiny_config(**overrides):
 
 def test_nan_loss_is_skipped_and_counted(tmp_path, monkeypatch):
     poison_second_step(monkeypatch)
-    runner.run(small_tiny_config(nan_policy="skip"), str(tmp_path))
+    run_lib.run(small_tiny_config(nan_policy="skip"), str(tmp_path))
     rows = {r["step"]: r for r in read_metrics(tmp_path)}
     assert sorted(rows) == [0, 1, 2, 3]
     assert rows[2]["train/finite"] == 0 and rows[2]["train/update_applied"] == 0
@@ -297,7 +301,7 @@ def test_nan_loss_is_skipped_and_counted(tmp_path, monkeypatch):
 def test_nan_loss_stops_the_run_naming_the_step(tmp_path, monkeypatch):
     poison_second_step(monkeypatch)
     with pytest.raises(FloatingPointError, match="at step 2"):
-        runner.run(small_tiny_config(nan_policy="stop"), str(tmp_path))
+        run_lib.run(small_tiny_config(nan_policy="stop"), str(tmp_path))
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[-1]["train/finite"] == 0
     assert not os.path.exists(tmp_path / "checkpoints" / "2")  # the bad state is never saved

@@ -117,8 +117,9 @@ def test_main_runs_the_8b_recipe_on_a_shipped_checkpoint(tmp_path, family):
 
 
 def test_extra_eval_sets_are_loaded_under_their_names(tmp_path):
-    from scalerl_jax import recipe, runner, sampling_setup
+    from scalerl_jax import recipe, sampling_setup
     from scalerl_jax.models import load_checkpoint_tokenizer
+    from scalerl_jax.run.build import load_task
 
     checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
     data, aime = tmp_path / "problems.jsonl", tmp_path / "aime.jsonl"
@@ -134,9 +135,7 @@ def test_extra_eval_sets_are_loaded_under_their_names(tmp_path):
     )
     config.eval.extra = {"aime24": str(aime)}
     tokens = load_checkpoint_tokenizer(checkpoint)
-    task = runner.load_task(
-        config, str(tmp_path / "run"), sampling_setup.make_prompt_encoder(config, tokens, checkpoint)
-    )
+    task = load_task(config, str(tmp_path / "run"), sampling_setup.make_prompt_encoder(config, tokens, checkpoint))
     assert [s.name for s in task.eval_sets] == ["eval", "eval_aime24"]  # metric prefixes
     extra = task.eval_sets[1]
     assert extra.golds == [a for _, a in PROBLEMS[:3]] and extra.problems == [p for p, _ in PROBLEMS[:3]]

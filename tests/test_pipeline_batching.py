@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
+from scalerl_jax.batch_layout import validate_batch
 from scalerl_jax.pipeline.batching import build_train_batch, cut_by_length, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion
-from scalerl_jax.train.step import validate_batch
 
 
 def completion(tokens, logprobs, sampled, versions, *, interrupted=False, truncated=False, finish_reason="stop"):
@@ -32,22 +32,22 @@ def two_groups():
         0,
         Prompt("a", (5, 6)),
         admit_version=3,
-        rewards=[1.0, -1.0],
-        completions=[
+        rewards=np.array([1.0, -1.0], np.float32),
+        completions=(
             completion([7, 8], [-0.5, -0.25], [True, True], [3, 4]),
             completion([9, 10, 11], [-1.0, 0.0, -2.0], [True, False, True], [4, 4, 5], interrupted=True),
-        ],
+        ),
     )
     # group 1: prompt [1], both rewards equal -> zero variance.
     g1 = Group(
         1,
         Prompt("b", (1,)),
         admit_version=4,
-        rewards=[-1.0, -1.0],
-        completions=[
+        rewards=np.array([-1.0, -1.0], np.float32),
+        completions=(
             completion([2], [-0.125], [True], [4]),
             completion([3, 4, 5, 6], [-1.0, -1.0, -1.0, -1.0], [True] * 4, [5, 5, 5, 6], truncated=True),
-        ],
+        ),
     )
     return [g0, g1]
 
@@ -113,12 +113,12 @@ def mixed_endings_group():
         0,
         Prompt("p", (5,)),
         admit_version=0,
-        rewards=[0.0, 1.0, 0.5],
-        completions=[
+        rewards=np.array([0.0, 1.0, 0.5], np.float32),
+        completions=(
             completion([1, 2, 3], [-0.5, -0.5, -0.5], [True] * 3, [0] * 3, truncated=True, finish_reason="length"),
             completion([4, 9, 6], [-0.25, 0.0, -0.75], [True, False, True], [0] * 3, interrupted=True),
             completion([7, 8], [-1.0, -2.0], [True, True], [0, 0]),
-        ],
+        ),
     )
 
 
@@ -156,11 +156,13 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="do not fit rows=3"):
         build_train_batch(two_groups(), rows=3, length_buckets=(8,))
     with pytest.raises(ValueError, match="group 9: 1 rewards for 2 completions"):
-        Group(9, Prompt("c", (1,)), 0, rewards=[1.0], completions=two_groups()[0].completions)
+        Group(9, Prompt("c", (1,)), 0, rewards=np.array([1.0], np.float32), completions=two_groups()[0].completions)
     bad = completion([1, 2], [-1.0], [True, True], [0, 0])
     with pytest.raises(ValueError, match="group 2 completion 0: tokens/logprobs/sampled"):
         build_train_batch(
-            [Group(2, Prompt("d", (1,)), 0, rewards=[0.0], completions=[bad])], rows=1, length_buckets=(8,)
+            [Group(2, Prompt("d", (1,)), 0, rewards=np.array([0.0], np.float32), completions=(bad,))],
+            rows=1,
+            length_buckets=(8,),
         )
 
 

@@ -16,7 +16,7 @@ from test_pipeline_real import GROUPS, MAX_NEW, SAMPLES, Setup, parity_reward, p
 
 from scalerl_jax.distributed.messages import eval_item_from_message, eval_item_to_message
 from scalerl_jax.distributed.remote_generator import LinkService
-from scalerl_jax.pipeline.generator import EvalItem, GeneratorCounters, LocalLink
+from scalerl_jax.pipeline.generator import EvalItem, GeneratorCounters, LocalLink, evaluation_seed
 from scalerl_jax.pipeline.lag import make_schedule
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
 from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
@@ -24,6 +24,7 @@ from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, Request
 
 EVAL_PROMPTS = [[5, 9, 13], [7, 3, 3, 40, 2], [60, 61], [11, 12, 13, 14]]
 STOP = (1,)
+RUN_SEED = 12
 
 
 @pytest.fixture(scope="module")
@@ -57,27 +58,30 @@ class RecordingBatcher(ContinuousBatcher):
         return completions
 
 
-def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at):
+def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at, before_step_report=None):
     """A pipeline whose on_start / on_step evaluate EVAL_PROMPTS at the versions in `evaluate_at`,
-    keeping each version's params (a copy on the generator's device) and completions."""
+    keeping each version's params (a copy on the generator's device) and completions;
+    `before_step_report(pipeline)` runs first in each on_step."""
     batcher_params = jax.device_put(setup.copy_params(), jax.devices()[0])
     batcher = RecordingBatcher(setup.engine, batcher_params, seed=0)
     _, state = setup.fresh()
     evaluations, records, scorer_threads = {}, [], []
     pipeline = None
 
-    def evaluate(version, state):
+    def evaluate(version, state, sample_eval):
         params = jax.device_put(jax.tree.map(lambda x: x.copy(), state.params), jax.devices()[0])
-        evaluations[version] = (params, pipeline.sample_eval(version, EVAL_PROMPTS, version << 20))
+        evaluations[version] = (params, sample_eval(version, EVAL_PROMPTS))
 
     def reward(prompt, completions):
         scorer_threads.append(threading.current_thread().name)
         return parity_reward(prompt, completions)
 
-    def on_step(record):
+    def on_step(record, sample_eval):
+        if before_step_report is not None:
+            before_step_report(pipeline)
         records.append(record)
         if record.version + 1 in evaluate_at:
-            evaluate(record.version + 1, record.train_state)
+            evaluate(record.version + 1, record.train_state, sample_eval)
 
     pipeline = Pipeline(
         PipelineConfig(
@@ -99,13 +103,14 @@ def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at):
         train_step=setup.step,
         train_state=state,
         on_step=on_step,
-        on_start=(lambda: evaluate(0, state)) if 0 in evaluate_at else None,
+        on_start=(lambda sample_eval: evaluate(0, state, sample_eval)) if 0 in evaluate_at else None,
     )
     return pipeline, batcher, evaluations, records, scorer_threads
 
 
-def reference_samples(setup, params, seed_offset):
-    """EVAL_PROMPTS sampled alone on a fresh batcher (own engine) with the same request seeds."""
+def reference_samples(setup, params, version):
+    """EVAL_PROMPTS sampled alone on a fresh batcher (own engine) with the evaluation streams of
+    `version` (run seed 0)."""
     batcher = ContinuousBatcher(setup.reference_engine, params, seed=0)
     for i, prompt in enumerate(EVAL_PROMPTS):
         batcher.add_request(
@@ -113,7 +118,7 @@ def reference_samples(setup, params, seed_offset):
                 request_id=i,
                 prompt_tokens=prompt,
                 max_new_tokens=MAX_NEW,
-                seed=seed_offset + i,
+                seed=evaluation_seed(0, version, i),
                 temperature=1.0,
                 stop_tokens=STOP,
                 interrupt=True,
@@ -140,7 +145,7 @@ def test_evaluation_shares_the_generator_batcher_and_matches_a_direct_run(setup)
     assert max(batcher.training_beside_eval) > 0
     assert batcher.chunk_threads == {"pipeline-generator"}
     for version, (params, completions) in evaluations.items():
-        assert_same_samples(completions, reference_samples(setup, params, version << 20), version)
+        assert_same_samples(completions, reference_samples(setup, params, version), version)
     # The params did change between the evaluated versions (the comparison has teeth).
     first, last = evaluations[0][1], evaluations[4][1]
     assert [c.tokens for c in first] != [c.tokens for c in last]
@@ -160,7 +165,7 @@ def test_ppo_evaluation_of_a_version_the_schedule_does_not_push(setup):
     )
     pipeline.run()
     for version, (params, completions) in evaluations.items():
-        assert_same_samples(completions, reference_samples(setup, params, version << 20), version)
+        assert_same_samples(completions, reference_samples(setup, params, version), version)
     for record in records:
         phase_start = record.version - record.version % 2
         assert {v for g in record.groups for c in g.completions for v in c.versions} == {phase_start}
@@ -170,15 +175,13 @@ def test_ppo_evaluation_of_a_version_the_schedule_does_not_push(setup):
 
 def test_stop_requested_during_an_evaluation_lets_it_finish(setup):
     pipeline, _, evaluations, records, _ = evaluating_pipeline(
-        setup, schedule="pipeline", k=1, num_steps=10, evaluate_at={1}
+        setup,
+        schedule="pipeline",
+        k=1,
+        num_steps=10,
+        evaluate_at={1},
+        before_step_report=lambda pipeline: pipeline.request_stop(),
     )
-    on_step = pipeline.on_step
-
-    def stop_then_evaluate(record):
-        pipeline.request_stop()
-        on_step(record)
-
-    pipeline.on_step = stop_then_evaluate
     result = pipeline.run()
     assert result.stop_reason == "stop_requested" and result.version == 1
     assert len(evaluations[1][1]) == len(EVAL_PROMPTS)
@@ -247,6 +250,7 @@ def local_link():
         samples_per_prompt=1,
         zero_variance="none",
         counters=GeneratorCounters(),
+        run_seed=RUN_SEED,
     )
 
 
@@ -259,12 +263,13 @@ def run_in_thread(fn, *args):
 
 def test_link_gives_evaluation_requests_only_to_a_generator_at_their_version():
     link = local_link()
-    thread, out = run_in_thread(link.evaluate, 3, [[5, 6], [7]], 100)
+    thread, out = run_in_thread(link.evaluate, 3, [[5, 6], [7]])
     while not link._eval_queue:  # the evaluation is queued
         pass
     assert link.take_evaluations(2, limit=8) == []  # a generator still on version 2 waits
     items = link.take_evaluations(3, limit=1) + link.take_evaluations(4, limit=8)
-    assert items == [EvalItem(0, 0, (5, 6), 100, 3), EvalItem(0, 1, (7,), 101, 3)]
+    seeds = [evaluation_seed(RUN_SEED, 3, 0), evaluation_seed(RUN_SEED, 3, 1)]
+    assert items == [EvalItem(0, 0, (5, 6), seeds[0], 3), EvalItem(0, 1, (7,), seeds[1], 3)]
     assert [eval_item_from_message(eval_item_to_message(item)) for item in items] == items
     link.finish_evaluations([completion(items[1].request_id, [3, 3])])
     assert thread.is_alive()  # half the job is back
@@ -275,7 +280,7 @@ def test_link_gives_evaluation_requests_only_to_a_generator_at_their_version():
 
 def test_a_newer_version_inside_an_evaluation_is_an_error():
     link = local_link()
-    run_in_thread(link.evaluate, 3, [[5]], 0)
+    run_in_thread(link.evaluate, 3, [[5]])
     while not link._eval_queue:
         pass
     (item,) = link.take_evaluations(3, limit=1)
@@ -289,7 +294,7 @@ def test_closing_the_link_wakes_a_waiting_evaluation():
 
     def evaluate():
         try:
-            link.evaluate(0, [[5]], 0)
+            link.evaluate(0, [[5]])
         except PipelineStopped as error:
             errors.append(error)
 
@@ -307,12 +312,12 @@ class FakeConnection:
 def test_link_service_serves_evaluation_requests_with_the_leader_prompts():
     link = local_link()
     service = LinkService(FakeConnection(), timeout_s=1.0)
-    thread, out = run_in_thread(link.evaluate, 0, [[5, 6]], 7)
+    thread, out = run_in_thread(link.evaluate, 0, [[5, 6]])
     while not link._eval_queue:
         pass
     reply = service._answer(link, {"op": "take_evaluations", "version": 0, "limit": 4})
     (item,) = [eval_item_from_message(m) for m in reply["items"]]
-    assert item == EvalItem(0, 0, (5, 6), 7, 0)
+    assert item == EvalItem(0, 0, (5, 6), evaluation_seed(RUN_SEED, 0, 0), 0)
     sent = {
         "request_id": list(item.request_id),
         "tokens": np.asarray([2], np.int32),

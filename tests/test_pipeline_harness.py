@@ -54,9 +54,10 @@ class ScriptedBatcher:
     def add_request(self, request):
         self.queue.append(request)
 
-    def update_params(self, params, version):
+    def update_params(self, params, version, *, copy=True):
         with self._lock:
             self._pending = (params, version)
+        return 0.0
 
     def run_chunk(self):
         with self._lock:
@@ -128,9 +129,17 @@ def boom_in_step():
     raise RuntimeError("injected train-step failure")
 
 
-def make_pipeline(batcher, step, reward_fn=None, **overrides):
+def make_pipeline(batcher, step, reward_fn=None, on_step=None, **overrides):
+    """A pipeline over `batcher` and `step`; its steps' records are appended to the list returned
+    beside it, then passed to `on_step(record)` if given."""
     counter = iter(range(10**6))
     records = []
+
+    def record_step(record, sample_eval):
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+
     settings = dict(
         max_new_tokens=8,
         max_seq_len=32,
@@ -151,7 +160,7 @@ def make_pipeline(batcher, step, reward_fn=None, **overrides):
         train_step=step,
         train_state=0,
         push_params=lambda state, version: batcher.update_params(state, version),
-        on_step=records.append,
+        on_step=record_step,
     )
     return pipeline, records
 
@@ -260,8 +269,7 @@ def test_exception_in_reward_fn_and_in_on_step():
     def on_step(record):
         raise KeyError("bad metric")
 
-    pipeline, _ = make_pipeline(ScriptedBatcher(2), CountingStep())
-    pipeline.on_step = on_step
+    pipeline, _ = make_pipeline(ScriptedBatcher(2), CountingStep(), on_step=on_step)
     with pytest.raises(KeyError, match="bad metric"):
         pipeline.run()
     assert no_pipeline_threads_left()
@@ -297,8 +305,13 @@ def test_signal_stops_after_the_current_step(signum):
 
 def test_request_stop_from_on_step():
     batcher = ScriptedBatcher(4)
-    pipeline, records = make_pipeline(batcher, CountingStep(), k=3, num_steps=50)
-    pipeline.on_step = lambda record: (records.append(record), record.version == 4 and pipeline.request_stop())
+    pipeline = None
+
+    def stop_at_version_4(record):
+        if record.version == 4:
+            pipeline.request_stop()
+
+    pipeline, records = make_pipeline(batcher, CountingStep(), k=3, num_steps=50, on_step=stop_at_version_4)
     result = pipeline.run()
     assert result.stop_reason == "stop_requested" and result.steps == 5
     assert_accounting(result, records)

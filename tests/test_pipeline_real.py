@@ -119,7 +119,7 @@ def run(
         reward_fn=parity_reward,
         train_step=gated_step,
         train_state=state,
-        on_step=records.append,
+        on_step=lambda record, sample_eval: records.append(record),
     )
     return pipeline, records
 

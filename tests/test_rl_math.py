@@ -1,8 +1,8 @@
 """Tests of scalerl_jax.rl against float64 numpy references written here and hand calculations.
 
 The references below are deliberately written as plain loops over rows, prompts and tokens, straight
-from the formulas in DESIGN.md / the ScaleRL paper, and never call the package. Gradients w.r.t.
-logp are derived analytically in numpy (and those derivations are themselves checked by central
+from the formulas of the ScaleRL paper (arXiv 2510.13786) and the objectives' own papers, and never
+call the package. Gradients w.r.t. logp are derived analytically in numpy (and those derivations are themselves checked by central
 finite differences of the numpy loss).
 """
 
@@ -264,17 +264,17 @@ def test_reference_gradient_matches_finite_differences(objective):
     adv = ref_advantages(batch["rewards"], batch["group_ids"], batch["row_valid"], "batch")
     logp = batch["logp"].astype(np.float64)
     h = 1e-6
-    if objective == "cispo":
-        clip = dict(clip, cispo_weight_logp=logp)
+    weight_logp = logp if objective == "cispo" else None  # cispo's weight held at the base point
     for aggregation in AGGREGATIONS:
         args = (batch["blogp"], adv, batch["mask"], batch["group_ids"], objective, aggregation)
-        _, grad, _, _ = ref_loss_grad(logp, *args, **clip)
+        loss_at = lambda lp: ref_loss_grad(lp, *args, **clip, cispo_weight_logp=weight_logp)
+        _, grad, _, _ = loss_at(logp)
         numeric = np.zeros_like(logp)
         for b, t in zip(*np.nonzero(batch["mask"])):
             plus, minus = logp.copy(), logp.copy()
             plus[b, t] += h
             minus[b, t] -= h
-            numeric[b, t] = (ref_loss_grad(plus, *args, **clip)[0] - ref_loss_grad(minus, *args, **clip)[0]) / (2 * h)
+            numeric[b, t] = (loss_at(plus)[0] - loss_at(minus)[0]) / (2 * h)
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-9)
 
 
@@ -575,10 +575,27 @@ def test_all_zero_variance_batch_gives_zero_loss_and_gradient():
             assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+def test_row_scales_give_the_reference_weights():
+    """w = m * s, with s from the rows' token counts alone (row_scales), equals the numpy weights for
+    the matrix batch's masks (an empty valid row, a padding row, a zero-variance prompt left out)."""
+    batch = matrix_batch("cispo")
+    valid = batch["row_valid"] & ref_zero_variance(batch["rewards"], batch["group_ids"], batch["row_valid"])
+    mask = batch["mask"] * valid[:, None]
+    for aggregation in AGGREGATIONS:
+        scales = np.asarray(rl.row_scales(mask.sum(1), batch["group_ids"], aggregation=aggregation))
+        want = ref_weights(mask.astype(np.float64), batch["group_ids"], aggregation)
+        np.testing.assert_allclose(mask * scales[:, None], want, rtol=1e-6, err_msg=aggregation)
+        assert np.all(np.isfinite(scales)), aggregation  # empty rows and prompts divide by nothing
+
+
 def test_microbatches_along_batch_sum_to_full_batch_loss():
-    """sum over microbatches of sum(w[mb] * terms(mb)), with w from the whole batch, equals the
-    numpy reference full-batch loss and gradient (gspo's sequence ratio uses each row only)."""
+    """The train step's decomposition: advantages and row scales over the whole batch, then
+    policy_sums per microbatch (rows in any order, each microbatch cut to its own length as in the
+    sorted layout), combined by combine_policy_sums, give the numpy reference full-batch loss,
+    gradient, clip fraction and mean ratio (gspo's sequence ratio uses each row only)."""
     aggregation = "prompt"  # the one whose weights couple rows across microbatches most
+    # rows 1, 3, 5, 6 have no loss token from column 3 on: their microbatch is cut to 3 columns.
+    microbatches = ((np.array([1, 3, 5, 6]), 3), (np.array([0, 2, 4, 7]), 6))
     for objective in OBJECTIVES:
         clip = CLIP[objective]
         batch = matrix_batch(objective, seed=4)
@@ -586,30 +603,36 @@ def test_microbatches_along_batch_sum_to_full_batch_loss():
         adv = np.asarray(
             rl.compute_advantages(batch["rewards"], batch["group_ids"], normalization="batch", valid=valid)
         )
-        weights = rl.aggregation_weights(batch["mask"], batch["group_ids"], aggregation=aggregation, valid=valid)
+        mask = batch["mask"] * valid[:, None]
+        assert not mask[microbatches[0][0], microbatches[0][1] :].any()
+        scales = np.asarray(rl.row_scales(mask.sum(1), batch["group_ids"], aggregation=aggregation))
 
         def microbatched_loss(logp):
-            total = 0.0
-            for rows in (slice(0, 3), slice(3, 8)):
-                terms, _ = rl.per_token_policy_terms(
-                    logp[rows], batch["blogp"][rows], adv[rows], batch["mask"][rows], objective=objective, **clip
+            total = rl.PolicySums.zeros()
+            for rows, length in microbatches:
+                sums = rl.policy_sums(
+                    logp[rows, :length],
+                    batch["blogp"][rows, :length],
+                    adv[rows],
+                    mask[rows, :length],
+                    scales[rows],
+                    objective=objective,
+                    **clip,
                 )
-                total = total + jnp.sum(weights[rows] * terms)
-            return total
+                total = rl.combine_policy_sums(total, sums)
+            return total.loss, total
 
-        loss, grad = jax.jit(jax.value_and_grad(microbatched_loss))(batch["logp"])
-        ref_loss, ref_grad, _, _ = ref_loss_grad(
-            batch["logp"],
-            batch["blogp"],
-            adv,
-            batch["mask"] * valid[:, None],
-            batch["group_ids"],
-            objective,
-            aggregation,
-            **clip,
+        (loss, sums), grad = jax.jit(jax.value_and_grad(microbatched_loss, has_aux=True))(batch["logp"])
+        ref_loss, ref_grad, ref_clip, ref_ratio = ref_loss_grad(
+            batch["logp"], batch["blogp"], adv, mask, batch["group_ids"], objective, aggregation, **clip
         )
         np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-8)
+        metrics = rl.policy_metrics(sums, *rl.count_sequences_and_prompts(mask.sum(1), batch["group_ids"]))
+        assert float(metrics["clip_frac"]) == pytest.approx(ref_clip, abs=1e-6), objective
+        assert float(metrics["ratio_mean"]) == pytest.approx(ref_ratio, rel=1e-5), objective
+        # rows 0-5 have loss tokens (row 6 is empty, row 7 padding), in prompts 3, 0 and 6.
+        assert int(metrics["num_sequences"]) == 6 and int(metrics["num_prompts"]) == 3
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)

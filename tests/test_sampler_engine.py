@@ -5,12 +5,15 @@ sequence at a time) for every new token, or, for the in-flight param swap, decod
 at a time with a plain KV cache whose early entries come from the old params.
 """
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from scalerl_jax import recipe
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, InterruptionConfig, Request, generate
 from scalerl_jax.sampler.engine import host_settings, interruption_from_tokenizer
@@ -430,3 +433,36 @@ def test_interruption_from_tokenizer_encodes_phrase_and_end_think():
     assert config.phrase_ids == (1, 2, 3, 4, 5) and config.end_think_ids == (5,)
     with pytest.raises(ValueError, match="think budget range"):
         InterruptionConfig((1,), (5,), 0, 3, 4)
+
+
+class PhraseTokenizer:
+    """`tokenizers.Tokenizer.encode` over a fixed table of whole strings."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        return types.SimpleNamespace(ids=list(self.table[text]))
+
+
+def test_engine_config_from_the_8b_recipe():
+    config = recipe.scalerl_8b()
+    s = config.sampler
+    tokens = types.SimpleNamespace(
+        stop_ids=(2, 5, 9), tokenizer=PhraseTokenizer({s.interruption_phrase: (40, 41, 42), s.think_end: (42,)})
+    )
+    assert EngineConfig.from_config(config, tokens) == EngineConfig(
+        num_slots=256,
+        max_len=2048 + 14336,
+        chunk_size=64,
+        top_k=0,
+        top_p=1.0,
+        max_stop_tokens=3,
+        interruption=InterruptionConfig((40, 41, 42), (42,), 10240, 12288, 2048),
+        page_size=16,
+        num_pages=0,
+        decode_kernel="auto",
+    )
+    config.data.answer_format = "plain"  # no think phase, nothing to interrupt
+    assert EngineConfig.from_config(config, tokens).interruption is None

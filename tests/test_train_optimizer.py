@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scalerl_jax import recipe
 from scalerl_jax.train.optimizer import (
     OptimizerConfig,
     init_optimizer_state,
@@ -58,9 +59,9 @@ def _run_optax(config, params, grads_per_step):
 def test_schedule_warmup_then_constant():
     # lr(t) = 5e-7 * min(1, (t+1)/100): t=0 -> 5e-9, t=49 -> 2.5e-7, t=99 and later -> 5e-7.
     schedule = warmup_constant_schedule(5e-7, 100)
-    got = [float(schedule(jnp.asarray(t))) for t in (0, 49, 99, 100, 5000)]
+    got = [float(np.asarray(schedule(jnp.asarray(t)))) for t in (0, 49, 99, 100, 5000)]
     np.testing.assert_allclose(got, [5e-9, 2.5e-7, 5e-7, 5e-7, 5e-7], rtol=1e-6)
-    assert float(warmup_constant_schedule(1e-3, 0)(jnp.asarray(0))) == pytest.approx(1e-3)
+    assert float(np.asarray(warmup_constant_schedule(1e-3, 0)(jnp.asarray(0)))) == pytest.approx(1e-3)
 
 
 def test_adamw_matches_numpy_during_and_after_warmup():
@@ -131,3 +132,12 @@ def test_mixed_dtype_params_share_no_buffer_with_master():
     np.testing.assert_allclose(np.asarray(new_state.master["head"]), 0.5 - 1e-3 * (-1 + 0.01 * 0.5), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(new_state.master["body"]), 1.0 - 1e-3 * (1 + 0.01), rtol=1e-6)
     assert new_params["body"].dtype == jnp.bfloat16 and new_params["head"].dtype == jnp.float32
+
+
+def test_from_config_reads_the_optimizer_section():
+    """configs/tiny.py's optimizer section, written out: lr 5e-5 after 5 warmup steps, eps 1e-8,
+    the recipe's betas and weight decay, global-norm clip 1.0; the recipe's clip 0 means none."""
+    assert OptimizerConfig.from_config(recipe.tiny()) == OptimizerConfig(
+        learning_rate=5e-5, warmup_steps=5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_grad_norm=1.0
+    )
+    assert OptimizerConfig.from_config(recipe.scalerl_8b()).max_grad_norm is None

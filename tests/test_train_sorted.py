@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from scalerl_jax.batch_layout import sorted_batch_key, split_sorted_batch
 from scalerl_jax.models import Transformer, get_preset, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch, octave_buckets, padding_fraction, plan_sorted_microbatches
 from scalerl_jax.pipeline.group import Group, Prompt
@@ -30,8 +31,6 @@ from scalerl_jax.train import (
     init_train_state,
     make_optimizer,
     make_train_step,
-    sorted_batch_key,
-    split_sorted_batch,
 )
 
 VOCAB = 64

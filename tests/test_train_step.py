@@ -1,9 +1,9 @@
 """The jitted train step against a float64 numpy computation of the ScaleRL loss.
 
 Reference: the per-token log-probs come from one full-batch, unchunked forward of the model
-(`_reference_logp`: log_softmax(model(tokens) / temperature) gathered at the next token, written
+(`reference_logp` in the `model_parts` fixture: log_softmax(model(tokens) / temperature) gathered at the next token, written
 here). Advantages, aggregation weights, loss and dL/dlogp are computed in float64 numpy from
-the formulas of the paper / DESIGN.md (written again below, independently of scalerl_jax.rl), and
+the formulas of the ScaleRL paper (written again below, independently of scalerl_jax.rl), and
 the reference parameter gradient is the VJP of that single full-batch log-prob function with the
 numpy dL/dlogp as cotangent. The train step instead deals rows into microbatches, scans, uses the
 chunked `sequence_logprobs` and the rl module; both must agree for every aggregation.
@@ -16,6 +16,8 @@ import optax
 import pytest
 from flax import nnx
 
+from scalerl_jax import recipe
+from scalerl_jax.batch_layout import validate_batch
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
@@ -25,7 +27,6 @@ from scalerl_jax.train import (
     init_train_state,
     make_optimizer,
     make_train_step,
-    validate_batch,
 )
 from scalerl_jax.train.optimizer import learning_rate_schedule
 
@@ -452,6 +453,28 @@ def test_bad_batch_names_the_key():
         TrainStepConfig(num_microbatches=0)
     with pytest.raises(ValueError, match="aggregation"):
         TrainStepConfig(aggregation="tokens")
+
+
+def test_step_config_from_the_run_config():
+    """configs/tiny.py's run config, written out: CISPO with prompt aggregation and batch
+    normalization, the recipe's clip settings, one microbatch in the sorted layout, temperature 1,
+    log-prob chunks of 64, and nan_policy 'skip' (skip_nonfinite); 'stop' turns skip_nonfinite off."""
+    config = recipe.tiny()
+    assert TrainStepConfig.from_config(config) == TrainStepConfig(
+        objective="cispo",
+        aggregation="prompt",
+        advantage_normalization="batch",
+        eps_low=0.2,
+        eps_high=0.28,
+        eps_max=4.0,
+        num_microbatches=1,
+        temperature=1.0,
+        logprob_chunk_size=64,
+        skip_nonfinite=True,
+        sort_by_length=True,
+    )
+    config.nan_policy = "stop"
+    assert not TrainStepConfig.from_config(config).skip_nonfinite
 
 
 @pytest.mark.slow

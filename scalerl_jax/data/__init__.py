@@ -3,7 +3,7 @@
 Works on strings and token ids only; imports nothing from models, sampler or pipeline.
 """
 
-from scalerl_jax.data.batching import FILTER_MODES, AssembledBatch, BatchAssembler, Group, zero_variance_filter
+from scalerl_jax.data.batching import zero_variance_filter
 from scalerl_jax.data.builders import POLARIS_FILENAME, build_local_file, build_polaris, build_synthetic, read_split
 from scalerl_jax.data.evaluation import EvalResult, evaluate, pass_at_k
 from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
@@ -43,7 +43,6 @@ from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, train_tokenizer
 from scalerl_jax.data.verify_pool import ItemResult, VerifyPool
 
 __all__ = [
-    "FILTER_MODES",
     "POLARIS_FILENAME",
     "DEFAULT_TEMPLATE",
     "SYNTHETIC_TEMPLATE",
@@ -51,11 +50,8 @@ __all__ = [
     "THINK_START",
     "TOKENIZER_LAYOUT",
     "ArithmeticProblem",
-    "AssembledBatch",
-    "BatchAssembler",
     "EncodedPrompts",
     "EvalResult",
-    "Group",
     "Level",
     "PoolExhaustedError",
     "PromptEncoder",

@@ -25,6 +25,7 @@ from scalerl_jax.data import synthetic
 
 FILE_FORMAT = "array_record"
 POLARIS_FILENAME = "polaris-data-53K.jsonl"
+DATASETS = ("polaris_53k", "synthetic", "jsonl")  # `data.dataset`: build_polaris, build_synthetic, build_local_file
 _VERSION = tfds.core.Version("1.0.0")
 
 

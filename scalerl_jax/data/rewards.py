@@ -26,6 +26,7 @@ import dataclasses
 import threading
 from collections.abc import Sequence
 
+import ml_collections
 import numpy as np
 
 from scalerl_jax.data import answers, verify_pool
@@ -108,6 +109,20 @@ class RewardConfig:
             except ValueError as e:
                 raise ValueError(f"RewardConfig.{e}") from None
 
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
+        """The run config's verifier: exact match on the synthetic task (`data.dataset`), math-verify
+        otherwise, or `data.reward_fn` when set; rewards `data.reward_correct` / `data.reward_incorrect`,
+        answers extracted per `data.answer_format` after `sampler.think_end`."""
+        return cls(
+            kind="exact" if config.data.dataset == "synthetic" else "math",
+            correct_reward=config.data.reward_correct,
+            incorrect_reward=config.data.reward_incorrect,
+            answer_format=config.data.answer_format,
+            think_end=config.sampler.think_end,
+            reward_fn=config.data.reward_fn or None,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoredBatch:
@@ -165,7 +180,11 @@ def score_completions(
     )
     outcomes = [r.status for r in results]
     correct = np.array(
-        [r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward > 0) for r in results], dtype=bool
+        [
+            r.status in CORRECT_OUTCOMES or (r.status == CUSTOM and r.reward is not None and r.reward > 0)
+            for r in results
+        ],
+        dtype=bool,
     )
     rewards = np.array(
         [

@@ -34,7 +34,7 @@ from scalerl_jax.distributed.messages import (
 )
 from scalerl_jax.pipeline.generator import Admission, EvalItem, GeneratorCounters, GeneratorStats, LocalLink
 from scalerl_jax.pipeline.queue import PipelineStopped
-from scalerl_jax.sampler.batcher import Completion
+from scalerl_jax.sampler.batcher import Batcher, Completion
 
 if TYPE_CHECKING:
     from scalerl_jax.distributed.channel import Connection
@@ -166,7 +166,7 @@ class ParamsInbox:
     under transfer id `version`); `batcher` adopts them at its next chunk boundary.
     """
 
-    def __init__(self, connection: Connection, *, pull: Callable[[int], Any], batcher: Any, timeout_s: float):
+    def __init__(self, connection: Connection, *, pull: Callable[[int], Any], batcher: Batcher, timeout_s: float):
         self._connection, self._pull, self._batcher = connection, pull, batcher
         self._timeout_s = timeout_s
 

@@ -1,8 +1,8 @@
 """Who does what in a run over one or more processes.
 
-The devices of all processes (`jax.devices()`, ordered by process) are split into a trainer set
-(the first devices) and a generator set (the last `mesh.generator_fraction` of them, at least one
-each). Trainer devices come first so that process 0 is always a trainer process: it leads, and
+The devices of all processes (`jax.devices()`, ordered by process) are split by
+`models.split_devices` into a trainer set (the first devices) and a generator set (the last
+`mesh.generator_fraction` of them, at least one each). Trainer devices come first so that process 0 is always a trainer process: it leads, and
 orbax's writes from process 0 (JSON items; host arrays when the trainer is one process) are the
 leader's. From that split, per process:
 - a *generator process* holds generator devices and runs its own engine on a local mesh of them
@@ -74,11 +74,6 @@ class Roles:
         process = self.process if process is None else process
         return [d for d in self.generator_devices if d.process_index == process]
 
-    @property
-    def trainer_is_local(self) -> bool:
-        """Every trainer device belongs to this process (params can be resharded in place)."""
-        return all(d.process_index == self.process for d in self.trainer_devices)
-
     def describe(self) -> str:
         kinds = [
             name
@@ -97,17 +92,12 @@ class Roles:
 
 
 def assign_roles(devices: Sequence[jax.Device], generator_fraction: float, process: int, num_processes: int) -> Roles:
-    """Roles of `process` when `devices` (all processes', in order) are split: trainer devices first,
-    then round(n * `generator_fraction`) generator devices (`models.split_devices`' count).
+    """Roles of `process` when `devices` (all processes', in order) are split by `models.split_devices`:
+    trainer devices first, then round(n * `generator_fraction`) generator devices.
 
     Raises ValueError when some process would hold no device of either set (it could do nothing).
     """
-    devices = list(devices)
-    num_generator = len(split_devices(devices, generator_fraction)[0])
-    if len(devices) == 1:
-        generator_devices = trainer_devices = devices
-    else:
-        trainer_devices, generator_devices = devices[:-num_generator], devices[-num_generator:]
+    generator_devices, trainer_devices = split_devices(devices, generator_fraction)
     roles = Roles(process, num_processes, tuple(generator_devices), tuple(trainer_devices))
     idle = sorted(set(range(num_processes)) - set(roles.generator_processes) - set(roles.trainer_processes))
     if idle:

@@ -8,7 +8,9 @@ Transport: `jax.experimental.transfer` servers (one per process). A sender offer
 arrays under an integer uuid (`await_pull`); a receiver pulls that list by uuid from the sender's
 address with the exact shapes, dtypes and shardings to place them on. A pull whose sharding does
 not match the offered layout silently returns garbled data, so only single-device arrays are
-shipped: one per distinct slice a generator needs, assembled on the receiver.
+shipped: one per distinct slice a generator needs, assembled on the receiver. The slice geometry,
+the local cut and the assembly are `models.reshard`'s, shared with the single-process
+`models.reshard.push_local`.
 
 Both sides compute the same `plan` on their own (it is a pure function of the generator's target
 shardings, the param shapes, the generator process id and the trainer process ids), so no
@@ -54,28 +56,24 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
-Bounds = tuple[tuple[int, int], ...]  # per dimension (start, stop): hashable form of a slice tuple
+from scalerl_jax.models.reshard import (
+    Bounds,
+    Device,
+    assemble,
+    bounds_of,
+    cut_locally,
+    devices_per_slice,
+    local_shards,
+    overlap,
+    slices_of,
+    take_slice,
+)
 
 _VERSION_BITS, _PROCESS_BITS = 32, 16
 
 
-def _bounds_of(index: tuple[slice, ...], shape: Sequence[int]) -> Bounds:
-    """(start, stop) per dimension of a `devices_indices_map` index (None bounds made explicit)."""
-    bounds = []
-    for dim_slice, size in zip(index, shape):
-        start, stop, step = dim_slice.indices(size)
-        if step != 1:
-            raise ValueError(f"strided shard index {dim_slice} (step {step}) is not supported")
-        bounds.append((start, stop))
-    return tuple(bounds)
-
-
-def _slices_of(bounds: Bounds) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in bounds)
-
-
 def _sorted_unique_bounds(sharding: Sharding, shape: Sequence[int]) -> list[Bounds]:
-    return sorted({_bounds_of(index, shape) for index in sharding.devices_indices_map(tuple(shape)).values()})
+    return sorted({bounds_of(index, shape) for index in sharding.devices_indices_map(tuple(shape)).values()})
 
 
 def unique_slices(sharding: Sharding, shape: Sequence[int]) -> list[tuple[slice, ...]]:
@@ -85,7 +83,7 @@ def unique_slices(sharding: Sharding, shape: Sequence[int]) -> list[tuple[slice,
     dimension, so every process computes the same order. A replicated sharding needs one slice,
     the full array; a scalar needs the empty tuple.
     """
-    return [_slices_of(bounds) for bounds in _sorted_unique_bounds(sharding, shape)]
+    return [slices_of(bounds) for bounds in _sorted_unique_bounds(sharding, shape)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +130,7 @@ def plan(
         for bounds in _sorted_unique_bounds(sharding, shape):
             owner = min(rotation, key=lambda p: planned_bytes[p])  # first minimum in rotation order
             planned_bytes[owner] += _slice_nbytes(bounds, dtype)
-            transfers.append(SliceTransfer(leaf, _slices_of(bounds), owner))
+            transfers.append(SliceTransfer(leaf, slices_of(bounds), owner))
     return transfers
 
 
@@ -169,41 +167,10 @@ def _flatten_shardings(shardings: Any) -> tuple[list[Sharding], Any]:
     return leaves, treedef
 
 
-def _take_slice(leaf: jax.Array, bounds: Bounds) -> jax.Array:
-    return leaf[_slices_of(bounds)]
-
-
 @functools.cache
 def _replicated_slicer(mesh: Mesh) -> Callable[[jax.Array, Bounds], jax.Array]:
     """jit of `leaf[bounds]` with the result fully replicated over `mesh` (one per mesh, so cached compiles)."""
-    return jax.jit(_take_slice, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
-
-
-def _devices_per_slice(sharding: Sharding, shape: tuple[int, ...]) -> dict[Bounds, list[jax.Device]]:
-    """{slice bounds: the devices (sorted by id) whose shard of an array of `shape` is that slice}."""
-    index_map = sharding.devices_indices_map(shape)
-    by_bounds: dict[Bounds, list[jax.Device]] = {}
-    for device in sorted(index_map, key=lambda d: d.id):
-        by_bounds.setdefault(_bounds_of(index_map[device], shape), []).append(device)
-    return by_bounds
-
-
-def _assemble(
-    shape: tuple[int, ...],
-    sharding: Sharding,
-    slice_devices: dict[Bounds, list[jax.Device]],
-    fresh_slices: Mapping[Bounds, jax.Array],
-) -> jax.Array:
-    """A `sharding`-laid array from one fresh single-device array per distinct slice.
-
-    Each fresh array is used as is on its own device (it is a new buffer nobody else holds) and
-    copied device to device onto every other device whose shard is the same slice.
-    """
-    shards = []
-    for bounds, devices in slice_devices.items():
-        fresh = fresh_slices[bounds]
-        shards.extend(fresh if fresh.devices() == {device} else jax.device_put(fresh, device) for device in devices)
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return jax.jit(take_slice, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 class ParamsSender:
@@ -291,7 +258,7 @@ class ParamsSender:
             array, owners = flat_params[leaf], owners_of[key]
             if all(_holds_every_overlap(array, bounds, owner) for owner in owners):
                 if self._process in owners:  # no collective needed: cut from this process's own shards
-                    local_copies[key] = _cut_locally(_local_shards(array), bounds, landing=None)
+                    local_copies[key] = cut_locally(local_shards(array), bounds, landing=None)
             else:
                 replicated = self._replicate(array, bounds)
                 if self._process in owners:
@@ -359,7 +326,7 @@ class ParamsReceiver:
         self._addresses = dict(trainer_addresses)
         self._plan = plan(self._shardings, self._shapes, self._dtypes, self._process, sorted(self._addresses))
         self._slice_devices = [
-            _devices_per_slice(sharding, shape) for sharding, shape in zip(self._shardings, self._shapes)
+            devices_per_slice(sharding, shape) for sharding, shape in zip(self._shardings, self._shapes)
         ]
         self._connections: dict[int, Any] = {}
 
@@ -372,7 +339,7 @@ class ParamsReceiver:
             self._connections[owner] = self._server.connect(self._addresses[owner])
         return self._connections[owner]
 
-    def _landing_device(self, transfer: SliceTransfer) -> jax.Device:
+    def _landing_device(self, transfer: SliceTransfer) -> Device:
         """Where a pulled slice arrives: the first device (by id) whose shard is that slice."""
         return self._slice_devices[transfer.leaf][transfer.bounds][0]
 
@@ -427,7 +394,7 @@ class ParamsReceiver:
         for transfer, array in pulled:
             by_leaf.setdefault(transfer.leaf, {})[transfer.bounds] = array
         leaves = [
-            _assemble(shape, sharding, slice_devices, by_leaf[leaf])
+            assemble(shape, sharding, slice_devices, by_leaf[leaf])
             for leaf, (shape, sharding, slice_devices) in enumerate(
                 zip(self._shapes, self._shardings, self._slice_devices)
             )
@@ -435,118 +402,11 @@ class ParamsReceiver:
         return self._treedef.unflatten(leaves)
 
 
-def push_local(params: Any, target_shardings: Any) -> Any:
-    """Single-process push: a copy of `params` resharded onto `target_shardings`, device to device.
-
-    Per leaf and distinct target slice T: for each distinct source shard S that overlaps T, the
-    overlap `T ∩ S` is cut on S's device (a jit there, or S itself when S lies inside T), copied to
-    the first target device holding T, and the pieces are placed into T there (one jit); then T is
-    copied to the other target devices holding it. Only the overlapping bytes move, nothing is
-    replicated over the trainer devices, and the result never shares buffers with `params` (the
-    next train step donates them).
-
-    Not `jax.device_put(params, target_shardings)`: when a target slice is no source shard (rows
-    to columns, replicated to split), jax 0.10.2 reshards through `x._value`, a host round trip
-    of the whole array, whatever the backend. Every device of both sides must be addressable here.
-    """
-    leaves, treedef = jax.tree.flatten(params)
-    try:
-        shardings = treedef.flatten_up_to(target_shardings)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"push_local: target shardings do not have the tree structure of the params: {error}"
-        ) from error
-    return treedef.unflatten(
-        [_push_leaf_local(leaf, sharding, position) for position, (leaf, sharding) in enumerate(zip(leaves, shardings))]
-    )
-
-
-def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
-    """The intersection of two boxes, or None when empty (scalars: the empty box overlaps itself)."""
-    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
-    return box if all(start < stop for start, stop in box) else None
-
-
-def _relative(box: Bounds, origin: Bounds) -> Bounds:
-    return tuple((start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
-
-
-_cut = jax.jit(_take_slice, static_argnums=1)  # runs where its single-device input lives
-
-
-def _place_pieces_fn(
-    shape: tuple[int, ...], dtype: Any, offsets: tuple[tuple[int, ...], ...], *pieces: jax.Array
-) -> jax.Array:
-    out = jax.numpy.zeros(shape, dtype)
-    for offset, piece in zip(offsets, pieces):
-        out = jax.lax.dynamic_update_slice(out, piece, offset)
-    return out
-
-
-_place_pieces = jax.jit(_place_pieces_fn, static_argnums=(0, 1, 2))
-
-
-def _local_shards(array: jax.Array) -> dict[Bounds, list[jax.Array]]:
-    """{bounds: this process's single-device shards of `array` holding exactly that slice}."""
-    shards: dict[Bounds, list[jax.Array]] = {}
-    for shard in array.addressable_shards:
-        shards.setdefault(_bounds_of(shard.index, array.shape), []).append(shard.data)
-    return shards
-
-
 def _holds_every_overlap(array: jax.Array, bounds: Bounds, process: int) -> bool:
     """Whether `process` holds, for every distinct shard of `array` overlapping `bounds`, a copy."""
     holders: dict[Bounds, set[int]] = {}
     for device, index in array.sharding.devices_indices_map(tuple(array.shape)).items():
-        holders.setdefault(_bounds_of(index, array.shape), set()).add(device.process_index)
+        holders.setdefault(bounds_of(index, array.shape), set()).add(device.process_index)
     return all(
-        process in processes
-        for shard_bounds, processes in holders.items()
-        if _overlap(bounds, shard_bounds) is not None
+        process in processes for shard_bounds, processes in holders.items() if overlap(bounds, shard_bounds) is not None
     )
-
-
-def _cut_locally(
-    local_shards: Mapping[Bounds, list[jax.Array]], bounds: Bounds, landing: jax.Device | None
-) -> jax.Array:
-    """A new single-device array `leaf[bounds]` on `landing`, from local shards only (no collective).
-
-    For each distinct shard S overlapping the slice T, the overlap is cut on S's device (S itself
-    when it lies inside T), copied to `landing` (None: the device of the first overlapping shard)
-    and the pieces are placed into T there (one jit). Never aliases a shard's buffer.
-    """
-    pieces, offsets = [], []
-    for shard_bounds, copies in local_shards.items():
-        box = _overlap(bounds, shard_bounds)
-        if box is None:
-            continue
-        if landing is None:
-            (landing,) = copies[0].devices()
-        source = next((c for c in copies if c.devices() == {landing}), copies[0])
-        if box == shard_bounds:  # the whole shard: a copy, never an alias of the trainer's buffer
-            piece = jax.device_put(source, landing, may_alias=False)
-        else:
-            piece = jax.device_put(_cut(source, _relative(box, shard_bounds)), landing)
-        pieces.append(piece)
-        offsets.append(tuple(start for start, _ in _relative(box, bounds)))
-    if not pieces:
-        raise ValueError(f"no local shard overlaps slice {_slices_of(bounds)}")
-    if len(pieces) == 1:
-        return pieces[0]
-    size = tuple(stop - start for start, stop in bounds)
-    return _place_pieces(size, pieces[0].dtype, tuple(offsets), *pieces)
-
-
-def _push_leaf_local(leaf: jax.Array, target: Sharding, position: int) -> jax.Array:
-    if not (leaf.is_fully_addressable and target.is_fully_addressable):
-        raise ValueError(
-            f"push_local on process {jax.process_index()}: params leaf {position} or its target spans "
-            f"devices of other processes; use ParamsSender/ParamsReceiver"
-        )
-    shape = tuple(leaf.shape)
-    slice_devices = _devices_per_slice(target, shape)
-    local_shards = _local_shards(leaf)
-    fresh_slices = {
-        bounds: _cut_locally(local_shards, bounds, landing=devices[0]) for bounds, devices in slice_devices.items()
-    }
-    return _assemble(shape, target, slice_devices, fresh_slices)

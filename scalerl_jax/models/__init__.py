@@ -1,4 +1,5 @@
-"""Flax NNX decoder (Llama 3 / Qwen2.5 / Qwen3), FP32 head, chunked log-probs, sharding, HF import/export."""
+"""Flax NNX decoder (Llama 3 / Qwen2.5 / Qwen3), FP32 head, chunked log-probs, sharding and local
+reshard, HF import/export."""
 
 from scalerl_jax.models.config import PRESETS, ModelConfig, get_preset
 from scalerl_jax.models.hf import (
@@ -12,6 +13,7 @@ from scalerl_jax.models.hf import (
 )
 from scalerl_jax.models.hf_tokenizer import CheckpointTokenizer, load_checkpoint_tokenizer
 from scalerl_jax.models.logprobs import sequence_logprobs
+from scalerl_jax.models.reshard import push_local
 from scalerl_jax.models.sharding import (
     DEFAULT_RULES,
     constrain,
@@ -43,6 +45,7 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "param_shardings",
+    "push_local",
     "remat_policy",
     "save_hf",
     "sequence_logprobs",

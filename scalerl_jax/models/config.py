@@ -8,6 +8,8 @@ from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+# The dtypes a run trains in (`model.dtype`): float16 would need loss scaling, which the train step lacks.
+RUN_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
@@ -103,11 +105,6 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, float] | None:
         """`rope_scaling` as a plain dict (it is stored as a sorted tuple of pairs to stay hashable)."""
         return None if self.rope_scaling is None else dict(self.rope_scaling)
-
-    @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
 
     def replace(self, **overrides: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""

@@ -187,12 +187,14 @@ def make_mesh(
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), tuple(axis_names))
 
 
-def split_devices(
-    devices: Sequence[jax.Device], generator_fraction: float
-) -> tuple[list[jax.Device], list[jax.Device]]:
-    """Disjoint (generator, trainer) device lists: the first round(n * fraction) devices generate.
+def split_devices(devices: Sequence[Any], generator_fraction: float) -> tuple[list[Any], list[Any]]:
+    """The run's one generator / trainer split: returns disjoint (generator, trainer) lists.
 
-    Each side gets at least one device. With a single device both sides share it (CPU runs).
+    Of n devices, round(n * `generator_fraction`) generate, clipped to [1, n - 1] so each side
+    keeps one; they are the *last* devices, and the first ones train, so that on several
+    processes (devices ordered by process) process 0 holds a trainer device and leads
+    (distributed/roles.py). With a single device both sides share it (CPU runs). Any sequence
+    works: config checks that need only the counts pass `range(n)`.
     """
     devices = list(devices)
     if not 0.0 < generator_fraction < 1.0:
@@ -201,8 +203,8 @@ def split_devices(
         raise ValueError("split_devices: empty device list")
     if len(devices) == 1:
         return devices, devices
-    num_gen = min(len(devices) - 1, max(1, round(len(devices) * generator_fraction)))
-    return devices[:num_gen], devices[num_gen:]
+    num_trainer = len(devices) - min(len(devices) - 1, max(1, round(len(devices) * generator_fraction)))
+    return devices[num_trainer:], devices[:num_trainer]
 
 
 class _MeshRules(threading.local):

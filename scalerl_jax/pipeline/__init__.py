@@ -7,7 +7,15 @@ Only this package (and `main`) uses threads.
 """
 
 from scalerl_jax.pipeline.batching import build_train_batch, pick_bucket, power_of_two_buckets
-from scalerl_jax.pipeline.generator import Admission, GeneratorLink, GeneratorLoop, GeneratorStats, LocalLink
+from scalerl_jax.pipeline.generator import (
+    Admission,
+    GeneratorLink,
+    GeneratorLoop,
+    GeneratorStats,
+    LocalLink,
+    evaluation_seed,
+    request_seed,
+)
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import (
     PipelineSchedule,
@@ -17,7 +25,7 @@ from scalerl_jax.pipeline.lag import (
     default_capacity,
     make_schedule,
 )
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, StepRecord
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, SampleEval, StepRecord
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate
 
@@ -38,6 +46,7 @@ __all__ = [
     "PipelineSchedule",
     "PipelineStopped",
     "Prompt",
+    "SampleEval",
     "Schedule",
     "SimResult",
     "StepRecord",
@@ -45,9 +54,11 @@ __all__ = [
     "WaitTimes",
     "build_train_batch",
     "default_capacity",
+    "evaluation_seed",
     "lags",
     "make_schedule",
     "pick_bucket",
     "power_of_two_buckets",
+    "request_seed",
     "simulate",
 ]

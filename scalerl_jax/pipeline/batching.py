@@ -1,8 +1,8 @@
-"""Groups -> the padded, static-shape train batch of `scalerl_jax.train.step`.
+"""Groups -> the padded, static-shape train batch, in a layout of `scalerl_jax.batch_layout`.
 
 Two layouts. Unsorted (`BATCH_SPEC`): one [rows, T] batch, every row padded to the length bucket
 T of the longest sequence. Sorted into M microbatches (`microbatches=M`, the step's
-`sort_by_length`; layout in `train.step.split_sorted_batch`): rows sorted by length (longest
+`sort_by_length`; layout in `batch_layout.split_sorted_batch`): rows sorted by length (longest
 first), cut into M chunks of R = rows / M, each padded only to its own bucket T_m; see
 `plan_sorted_microbatches`. With finer buckets (`octave_buckets`) this removes most padding of a
 long-tailed length distribution while the loss and gradient stay those of the unsorted batch.
@@ -36,9 +36,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from scalerl_jax.batch_layout import sorted_batch_key
 from scalerl_jax.data import zero_variance_filter
 from scalerl_jax.pipeline.group import Group
-from scalerl_jax.train.step import sorted_batch_key
 
 ZERO_VARIANCE_MODES = ("drop", "none")
 
@@ -94,19 +94,19 @@ class MicrobatchPlan:
 
 
 def plan_sorted_microbatches(
-    lengths: Sequence[int], num_microbatches: int, length_buckets: Sequence[int]
+    lengths: Sequence[int] | np.ndarray, num_microbatches: int, length_buckets: Sequence[int]
 ) -> MicrobatchPlan:
     """Samples sorted by length, longest first (ties by index), cut into `num_microbatches`
     chunks of R = B / M consecutive samples; chunk m is padded to the smallest bucket >= its
     longest sample. Sorting makes the rows of a chunk nearly equal in length, so the padding is
     mostly the bucket's rounding."""
-    lengths = np.asarray(lengths, np.int64)
-    rows = len(lengths)
+    sizes = np.asarray(lengths, np.int64)
+    rows = len(sizes)
     if num_microbatches < 1 or rows % num_microbatches:
         raise ValueError(f"sorted microbatches: B={rows} rows do not split into num_microbatches={num_microbatches}")
-    order = np.argsort(-lengths, kind="stable").reshape(num_microbatches, rows // num_microbatches)
+    order = np.argsort(-sizes, kind="stable").reshape(num_microbatches, rows // num_microbatches)
     return MicrobatchPlan(
-        order=order, lengths=tuple(pick_bucket(int(max(lengths[chunk].max(), 1)), length_buckets) for chunk in order)
+        order=order, lengths=tuple(pick_bucket(int(max(sizes[chunk].max(), 1)), length_buckets) for chunk in order)
     )
 
 
@@ -182,9 +182,9 @@ def build_train_batch(
     """The train batch dict (module docstring) and its `BatchInfo`; with `mask_truncated`, the
     completions `cut_by_length` get loss_mask 0 (module docstring).
 
-    `microbatches` None: the unsorted layout (`train.step.BATCH_SPEC`), [rows, T] with T the
+    `microbatches` None: the unsorted layout (`batch_layout.BATCH_SPEC`), [rows, T] with T the
     bucket of the longest sequence. `microbatches` M: the sorted layout of
-    `train.step.split_sorted_batch`, laid out by `plan_sorted_microbatches`: row p of microbatch m
+    `batch_layout.split_sorted_batch`, laid out by `plan_sorted_microbatches`: row p of microbatch m
     is sample order[m, p], and the per-row arrays (rewards, group_ids, sample_valid, loss_tokens)
     hold it at row p M + m, so that each microbatch takes rows from every batch shard as the
     unsorted step's deal (row b in microbatch b mod M) does.
@@ -279,7 +279,7 @@ def _sorted_layout(
 ) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...]]:
     """The sorted layout (`build_train_batch`) and its padded (R, T_m) shapes."""
     plan = plan_sorted_microbatches(lengths, microbatches, length_buckets)
-    dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]
+    dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]: batch_layout's deal
     loss_tokens = np.asarray([0.0 if s is None else float(s.loss_mask.sum()) for s in sequences], np.float32)
     batch = {name: array[dealt] for name, array in {**per_row, "loss_tokens": loss_tokens}.items()}
     for m, (chunk, length) in enumerate(zip(plan.order, plan.lengths)):

@@ -14,9 +14,14 @@ Evaluation shares the generator's batcher (its engine, KV cache and params): the
 params version v, then asks for an evaluation of v (`LocalLink.evaluate`) and waits for it, so no
 newer version can reach a generator before the evaluation is back. A generator takes an
 evaluation request only once its batcher decodes with version >= v, hence exactly v, which
-`finish_evaluations` checks token by token. Request i of an evaluation samples with stream
-`seed_offset + i` and the batcher's run seed, whichever generator serves it and whatever else
-its batch holds.
+`finish_evaluations` checks token by token. Request i of an evaluation of version v samples with
+stream `evaluation_seed(run seed, v, i)` and the batcher's run seed, whichever generator serves
+it and whatever else its batch holds.
+
+Streams. The sampler takes a request's stream as one 32-bit word, and a run's versions, indices
+and seeds are counters that keep growing, so streams are hashed from them (`request_seed`,
+`evaluation_seed`), never packed into the word by shifts or sums that overflow it; each input
+must itself be one word (in [0, 2**32)), so that no two input tuples hash the same words.
 
 `LocalLink` is the link over the group buffer itself: admission, the prompt draw and the seed
 index happen under one lock, so several generators (threads serving remote processes and a local
@@ -41,7 +46,7 @@ import numpy as np
 
 from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
-from scalerl_jax.sampler.batcher import Completion, Request
+from scalerl_jax.sampler.batcher import Batcher, Completion, Request
 
 EVAL_TAG = "eval"  # first element of an evaluation request's id: (EVAL_TAG, job, index)
 
@@ -130,11 +135,37 @@ class GeneratorLink(Protocol):
         """Block an idle generator until admission is possible, a push happened, or `timeout`."""
 
 
+WORD = 2**32  # the sampler's request streams, and every input of their derivation, are < WORD
+EVALUATION_DOMAIN = 0x6576616C  # b"eval": the spawn key that sets evaluation streams apart
+
+
+def _check_words(where: str, **values: int) -> None:
+    for name, value in values.items():
+        if not 0 <= value < WORD:
+            raise ValueError(f"{where}: {name}={value} must be in [0, 2**32)")
+
+
 def request_seed(base_seed: int, admit_version: int, index: int, sample: int) -> int:
-    """A request's sampler stream in [0, 2**32), from (run seed, admission version, index of the
-    group among those admitted at that version, sample): distinct per request, and the same
-    after a resume at a PPO phase boundary (group ids restart, these do not)."""
+    """A training request's sampler stream in [0, 2**32): the first 32-bit word of the state of
+    `np.random.SeedSequence` over the four words (run seed, admission version, index of the group
+    among those admitted at that version, sample). Distinct per request (up to hash collisions),
+    and the same after a resume at a PPO phase boundary (group ids restart, these do not).
+    ValueError unless every input is in [0, 2**32)."""
+    _check_words("request_seed", base_seed=base_seed, admit_version=admit_version, index=index, sample=sample)
     state = np.random.SeedSequence([base_seed, admit_version, index, sample]).generate_state(1)
+    return int(state[0])
+
+
+def evaluation_seed(run_seed: int, version: int, index: int) -> int:
+    """Request `index` of an evaluation of params `version`: its sampler stream in [0, 2**32),
+    the first 32-bit word of the state of `np.random.SeedSequence(entropy=(run_seed, version,
+    index), spawn_key=(EVALUATION_DOMAIN,))`. NumPy pads the entropy to its four-word pool and
+    appends the spawn key, so the hash input is the five words (run_seed, version, index, 0,
+    EVALUATION_DOMAIN) where `request_seed` hashes four: an evaluation and a training request
+    never hash the same words, whatever their numbers. ValueError unless every input is in
+    [0, 2**32)."""
+    _check_words("evaluation_seed", run_seed=run_seed, version=version, index=index)
+    state = np.random.SeedSequence([run_seed, version, index], spawn_key=(EVALUATION_DOMAIN,)).generate_state(1)
     return int(state[0])
 
 
@@ -157,7 +188,8 @@ class LocalLink:
     whichever generator made them. What the reward function records (e.g. the prompt pool's
     pass rates) lands when the group is scored, possibly after later prompt draws, as it always
     did with generators in other processes. `evaluate` (the trainer's side) queues evaluation requests
-    for the generators and waits for their completions (module docstring).
+    for the generators and waits for their completions (module docstring); `run_seed` (the run's
+    seed, in [0, 2**32)) seeds their streams.
     `hold_admission()`: while held, admission is refused (evaluations still run).
     Thread safe. `close()` closes the buffer and wakes every waiter here with `PipelineStopped`.
     """
@@ -171,9 +203,12 @@ class LocalLink:
         samples_per_prompt: int,
         zero_variance: str,
         counters: GeneratorCounters,
+        run_seed: int,
         clock: Callable[[], float] = time.monotonic,
     ):
+        _check_words("LocalLink", run_seed=run_seed)
         self.buffer = buffer
+        self._run_seed = run_seed
         self._prompt_source, self._reward_fn = prompt_source, reward_fn
         self._samples, self._zero_variance = samples_per_prompt, zero_variance
         self._counters, self._clock = counters, clock
@@ -292,17 +327,20 @@ class LocalLink:
         return self.buffer.wait_admissible(version, epoch=epoch, timeout=timeout)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self, version: int, prompts: Sequence[Sequence[int]], seed_offset: int) -> list[Completion]:
+    def evaluate(self, version: int, prompts: Sequence[Sequence[int]]) -> list[Completion]:
         """Samples each prompt once on the generators' params `version` (request i with stream
-        `seed_offset + i`) and returns the completions in prompt order. The caller must have
-        pushed `version` to every generator and push nothing newer before this returns."""
+        `evaluation_seed(run_seed, version, i)`) and returns the completions in prompt order. The
+        caller must have pushed `version` to every generator and push nothing newer before this
+        returns."""
+        seeds = [evaluation_seed(self._run_seed, version, i) for i in range(len(prompts))]
         with self._cond:
             self._raise_if_closed()
             job = self._next_job
             self._next_job += 1
             self._jobs[job] = _EvalJob(version, [tuple(int(t) for t in p) for p in prompts])
             self._eval_queue.extend(
-                EvalItem(job, i, prompt, seed_offset + i, version) for i, prompt in enumerate(self._jobs[job].prompts)
+                EvalItem(job, i, prompt, seed, version)
+                for i, (prompt, seed) in enumerate(zip(self._jobs[job].prompts, seeds, strict=True))
             )
             self._cond.notify_all()
         self.buffer.notify()  # wakes generators waiting on the buffer
@@ -371,7 +409,7 @@ class GeneratorLoop:
 
     def __init__(
         self,
-        batcher: Any,
+        batcher: Batcher,
         link: GeneratorLink,
         settings: SamplingSettings,
         counters: GeneratorCounters,

@@ -182,6 +182,9 @@ class PPOOffPolicySchedule:
         return self.groups_per_phase
 
 
+SCHEDULES = ("pipeline", "ppo_off_policy")  # the kinds `make_schedule` builds (config key `schedule.kind`)
+
+
 def make_schedule(kind: str, *, k: int, groups_per_step: int, first_version: int = 0) -> Schedule:
     """'pipeline' -> PipelineRL-k, 'ppo_off_policy' -> PPO-off-policy-k."""
     if kind == "pipeline":

@@ -17,10 +17,13 @@ the sampler when the schedule asks for it (`push_params`, by default `batcher.up
 `jax.device_put` copy onto the sampler's shardings, adopted at the sampler's next chunk boundary
 while in-flight sequences keep their KV cache; `pipeline/push_s`).
 
-Evaluation. `sample_eval(version, prompts, seed_offset)`, called from `on_step` (or `on_start`,
-before the first batch) in the trainer thread, samples on the generators' own batchers through
-the link (`generator.py`): it pushes `version` first if the schedule did not, and no newer
-version can be pushed until it returns (the trainer is the only pusher and is inside it). Under
+Evaluation. `on_start(sample_eval)` (before the first batch) and `on_step(record, sample_eval)`
+run in the trainer thread and receive the evaluation sampler, `sample_eval(version, prompts) ->
+completions`: it samples on the generators' own batchers through the link (`generator.py`,
+request i with stream `evaluation_seed(seed, version, i)`); it pushes `version` first if the
+schedule did not, and no newer version can be pushed until it returns (the trainer is the only
+pusher and is inside it). The callbacks are given it rather than reaching for the pipeline, so
+the reporting built before the pipeline needs nothing of it. Under
 PPO-off-policy-k admission is held while `on_start` / `on_step` run, so a checkpoint taken there
 at a phase boundary sees no prompt drawn for the next phase yet, and that step's evaluation runs
 alone on the engine (its samples do not depend on a phase's generation beside it).
@@ -47,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -55,6 +59,9 @@ from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, Gen
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
+from scalerl_jax.sampler.batcher import Batcher, Completion
+from scalerl_jax.sampler.engine import interrupts, max_sequence_length
+from scalerl_jax.threads import FirstError
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
@@ -148,6 +155,48 @@ class PipelineConfig:
         """Rows of every train batch: G prompts x n completions."""
         return self.prompts_per_step * self.samples_per_prompt
 
+    @classmethod
+    def from_config(
+        cls,
+        config: ml_collections.ConfigDict,
+        *,
+        stop_tokens: Sequence[int],
+        start_step: int,
+        train_step_flops: Callable[[int, int], float] | None = None,
+        peak_flops_per_s: float | None = None,
+    ) -> PipelineConfig:
+        """The run config's schedule, batch shape, sampling and stopping, for a run resumed at
+        version `start_step` (0 for a fresh run): the remaining `num_steps - start_step` steps
+        (at least 0), first version `start_step`. `stop_tokens`: the tokenizer's stop ids. The
+        MFU denominators come from the caller (None on a generator process, which trains
+        nothing), so the pipeline needs nothing of the model or the devices."""
+        max_seq_len = max_sequence_length(config)
+        return cls(
+            max_new_tokens=config.sampler.max_new_tokens,
+            max_seq_len=max_seq_len,
+            schedule=config.schedule.kind,
+            k=config.schedule.k,
+            prompts_per_step=config.batch.prompts_per_step,
+            samples_per_prompt=config.batch.generations_per_prompt,
+            num_steps=max(0, config.num_steps - start_step),
+            capacity=config.schedule.queue_groups or None,
+            zero_variance=(
+                "refill" if config.rl.refill_zero_variance else "drop" if config.rl.zero_variance_filter else "none"
+            ),
+            temperature=config.sampler.temperature,
+            stop_tokens=tuple(stop_tokens),
+            interrupt=interrupts(config),
+            min_length_bucket=min(32, max_seq_len),
+            seed=config.seed,
+            first_version=start_step,
+            length_buckets_per_octave=config.batch.length_buckets_per_octave,
+            sort_by_length=config.batch.sort_by_length,
+            microbatches=config.batch.microbatches,
+            mask_truncated=config.rl.mask_truncated_completions,
+            train_step_flops=train_step_flops,
+            peak_flops_per_s=peak_flops_per_s,
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
@@ -188,6 +237,16 @@ class PipelineResult:
     wall_s: float
 
 
+SampleEval = Callable[[int, Sequence[Sequence[int]]], list[Completion]]
+"""`sample_eval(version, prompts)`: each prompt sampled once on params `version` (module docstring)."""
+
+
+def push_to(batcher: Batcher) -> Callable[[Any, int], float]:
+    """`push_params` of a pipeline whose only generator is `batcher`: `update_params` of the
+    state's params (a copy onto the batcher's shardings)."""
+    return lambda state, version: batcher.update_params(state.params, version)
+
+
 def sampling_settings(config: PipelineConfig) -> SamplingSettings:
     """What every generator's requests share, from the pipeline config (the same on every process)."""
     return SamplingSettings(
@@ -205,16 +264,16 @@ def sampling_settings(config: PipelineConfig) -> SamplingSettings:
 class Pipeline:
     """Runs the generator and trainer threads (module docstring). One `run()` per instance.
 
-    `batcher`: the sampler driver of this process's generator (`ContinuousBatcher` protocol:
-    `add_request`, `run_chunk`, `update_params`, `num_free_slots`, `num_pending`, `idle`,
-    `version`), or None when this process has no generator devices (multi-host: generators in
-    other processes come in through `link` and `remote_generators`).
+    `batcher`: the sampler driver of this process's generator (a `sampler.Batcher`), or None
+    when this process has no generator devices (multi-host: generators in other processes come
+    in through `link` and `remote_generators`).
     `prompt_source()` -> `Prompt`; `reward_fn(prompt, completions)` -> n floats (called by the
     scoring thread, one group at a time). `train_step(state, batch)` -> (state, metrics) (may
     donate `state`). `push_params(state, version)` sends new params to every generator (default:
-    `update_params` of `state.params`) and returns when they have them. `on_step(record)` is
-    called in the trainer thread after each step; `on_start()` once before the first batch, with
-    the generators running (e.g. the first evaluation). `remote_generators`: (name,
+    `update_params` of `state.params`) and returns when they have them. `on_step(record,
+    sample_eval)` is called in the trainer thread after each step; `on_start(sample_eval)` once
+    before the first batch, with the generators running (e.g. the first evaluation); both may
+    evaluate with `sample_eval` (`SampleEval`) while they run. `remote_generators`: (name,
     serve(link, stop_event)), each run in its own thread beside the others and guarded the same
     way (an error in one stops all), serving a generator of another process with this pipeline's
     `LocalLink`. `clock` measures
@@ -225,14 +284,14 @@ class Pipeline:
         self,
         config: PipelineConfig,
         *,
-        batcher: Any,
+        batcher: Batcher | None,
         prompt_source: Callable[[], Prompt],
         reward_fn: Callable[[Prompt, Sequence[Any]], Sequence[float]],
         train_step: Callable[[Any, dict], tuple[Any, dict]],
         train_state: Any,
         push_params: Callable[[Any, int], Any] | None = None,
-        on_step: Callable[[StepRecord], None] | None = None,
-        on_start: Callable[[], None] | None = None,
+        on_step: Callable[[StepRecord, SampleEval], None] | None = None,
+        on_start: Callable[[SampleEval], None] | None = None,
         remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -247,12 +306,14 @@ class Pipeline:
                 f"batcher holds params version {batcher.version} but "
                 f"PipelineConfig.first_version={config.first_version}"
             )
-        if batcher is None and push_params is None:
-            raise ValueError("Pipeline without a local batcher needs push_params")
+        if push_params is None:
+            if batcher is None:
+                raise ValueError("Pipeline without a local batcher needs push_params")
+            push_params = push_to(batcher)
         self.batcher = batcher
         self.train_step = train_step
-        self.push_params = push_params or (lambda state, version: batcher.update_params(state.params, version))
-        self.on_step, self.on_start = on_step, on_start
+        self.push_params = push_params
+        self._on_step, self._on_start = on_step, on_start
         self.clock = clock
         self.length_buckets = octave_buckets(
             min(config.min_length_bucket, config.max_seq_len), config.max_seq_len, config.length_buckets_per_octave
@@ -270,6 +331,7 @@ class Pipeline:
             samples_per_prompt=config.samples_per_prompt,
             zero_variance=config.zero_variance,
             counters=self._generator_stats,
+            run_seed=config.seed,
             clock=clock,
         )
         self.sampling = sampling_settings(config)
@@ -277,8 +339,7 @@ class Pipeline:
         self._stop = threading.Event()  # every loop: leave now
         self._stop_requested = threading.Event()  # trainer: leave after the current step
         self._stop_reason = ""
-        self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
+        self._errors = FirstError()
         self._started = False
 
     # ------------------------------------------------------------------ control
@@ -296,10 +357,10 @@ class Pipeline:
         start = self.clock()
         loops = [("trainer", self._trainer_loop), ("scorer", functools.partial(self.link.run_scorer, self._stop))]
         if self.batcher is not None:
-            loops.append(("generator", self._generator_loop))
+            loops.append(("generator", functools.partial(self._generator_loop, self.batcher)))
         loops += [(name, functools.partial(serve, self.link, self._stop)) for name, serve in self._remote_generators]
         threads = [
-            threading.Thread(target=self._guard, args=(name, loop), name=f"pipeline-{name}", daemon=True)
+            threading.Thread(target=self._guarded(name, loop), name=f"pipeline-{name}", daemon=True)
             for name, loop in loops
         ]
         previous_handlers = self._install_signal_handlers()
@@ -326,8 +387,7 @@ class Pipeline:
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler)
         stuck = [thread.name for thread in threads if thread.is_alive()]
-        if self._error is not None:
-            raise self._error
+        self._errors.raise_first()
         if stuck:
             raise RuntimeError(f"pipeline threads {stuck} did not stop within {self.config.join_timeout_s} s")
         return PipelineResult(
@@ -358,27 +418,24 @@ class Pipeline:
             previous[signum] = signal.signal(signum, handler)
         return previous
 
-    def _guard(self, name: str, loop: Callable[[], None]) -> None:
-        """Run a loop; record the first exception; always stop the other loop."""
-        try:
-            loop()
-        except PipelineStopped:
-            pass
-        except BaseException as error:  # noqa: BLE001 - re-raised by run() in the main thread
-            with self._error_lock:
-                if self._error is None:
-                    self._error = error
-                    self._stop_reason = "error"
-                    logging.error("pipeline %s thread failed: %r", name, error)
-                else:
-                    logging.error("pipeline %s thread also failed: %r", name, error)
-        finally:
+    def _guarded(self, name: str, loop: Callable[[], None]) -> Callable[[], None]:
+        """`loop` as a thread target: the first exception of any loop is kept for `run()` to
+        re-raise (a stop is not one); however it ends, the other loops are stopped."""
+
+        def failed(_: BaseException) -> None:
+            self._stop_reason = "error"
+
+        def stop_all() -> None:
             self._stop.set()
             self.link.close()
 
+        return self._errors.guarded(
+            f"pipeline {name}", loop, expected=(PipelineStopped,), on_error=failed, on_exit=stop_all
+        )
+
     # ------------------------------------------------------------------ generator
-    def _generator_loop(self) -> None:
-        GeneratorLoop(self.batcher, self.link, self.sampling, self._generator_stats, clock=self.clock).run(self._stop)
+    def _generator_loop(self, batcher: Batcher) -> None:
+        GeneratorLoop(batcher, self.link, self.sampling, self._generator_stats, clock=self.clock).run(self._stop)
 
     # ------------------------------------------------------------------ trainer
     @contextlib.contextmanager
@@ -397,10 +454,10 @@ class Pipeline:
         self.buffer.notify()
         return self.clock() - start
 
-    def sample_eval(self, version: int, prompts: Sequence[Sequence[int]], seed_offset: int) -> list[Any]:
-        """Samples each prompt once on the generators' params `version`, the trainer's newest
-        (request i with stream `seed_offset + i`); only from `on_start` / `on_step` (module
-        docstring). Pushes `version` first if the schedule did not."""
+    def _sample_eval(self, version: int, prompts: Sequence[Sequence[int]]) -> list[Completion]:
+        """`SampleEval` for `on_start` / `on_step`: each prompt sampled once on the generators'
+        params `version`, the trainer's newest (module docstring). Pushes `version` first if the
+        schedule did not."""
         if version != self._version:
             raise ValueError(
                 f"sample_eval(version={version}): the trainer holds version {self._version}; "
@@ -408,15 +465,15 @@ class Pipeline:
             )
         if self._pushed_version != version:
             self._push(self._train_state, version)
-        return self.link.evaluate(version, prompts, seed_offset)
+        return self.link.evaluate(version, prompts)
 
     def _trainer_loop(self) -> None:
         cfg = self.config
         totals = _Totals(start=self.clock())
         state = self._train_state
-        if self.on_start is not None:
+        if self._on_start is not None:
             with self._reporting_step():
-                self.on_start()
+                self._on_start(self._sample_eval)
         while self._version - cfg.first_version < cfg.num_steps and not self._stop_requested.is_set():
             wait_before = self.buffer.waits().trainer_waiting_for_data
             version, groups = self.buffer.take_batch()
@@ -468,8 +525,8 @@ class Pipeline:
                 )
                 metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
                 totals.discarded = counts.discarded
-                if self.on_step is not None:
-                    self.on_step(
+                if self._on_step is not None:
+                    self._on_step(
                         StepRecord(
                             version=version,
                             group_ids=tuple(g.group_id for g in groups),
@@ -479,7 +536,8 @@ class Pipeline:
                             metrics=metrics,
                             groups=tuple(groups),
                             train_state=state,
-                        )
+                        ),
+                        self._sample_eval,
                     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from scalerl_jax.rl.groups import (
     as_row_mask,
@@ -29,11 +30,11 @@ NORMALIZATIONS = ("batch", "prompt", "none")
 
 
 def compute_advantages(
-    rewards: jax.Array,
-    group_ids: jax.Array,
+    rewards: ArrayLike,
+    group_ids: ArrayLike,
     *,
     normalization: str,
-    valid: jax.Array | None = None,
+    valid: ArrayLike | None = None,
     eps: float = 1e-6,
 ) -> jax.Array:
     """Advantages float32[B] (formulas in the module docstring).

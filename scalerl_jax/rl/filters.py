@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from scalerl_jax.rl.groups import as_row_mask, check_group_ids, check_rank
 
 
-def zero_variance_mask(rewards: jax.Array, group_ids: jax.Array, *, valid: jax.Array | None = None) -> jax.Array:
+def zero_variance_mask(rewards: ArrayLike, group_ids: ArrayLike, *, valid: ArrayLike | None = None) -> jax.Array:
     """True where the completion's prompt has rewards that are not all equal.
 
     ``out[b] = valid[b] and max_{b' in G(b)} r[b'] > min_{b' in G(b)} r[b']`` where ``G(b)`` is the

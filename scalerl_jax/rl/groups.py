@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
 def check_rank(name: str, array: jax.Array, rank: int) -> None:
@@ -51,7 +52,7 @@ def check_group_ids(group_ids: jax.Array, batch: int) -> None:
         )
 
 
-def as_row_mask(name: str, valid: jax.Array | None, batch: int) -> jax.Array:
+def as_row_mask(name: str, valid: ArrayLike | None, batch: int) -> jax.Array:
     """Returns ``valid`` as float32[B] of 0/1 (all ones when ``valid`` is None)."""
     if valid is None:
         return jnp.ones((batch,), jnp.float32)
@@ -72,7 +73,7 @@ def group_sum_per_row(values: jax.Array, group_ids: jax.Array) -> jax.Array:
     return group_sum(values, group_ids)[group_ids]
 
 
-def safe_divide(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+def safe_divide(numerator: ArrayLike, denominator: jax.Array) -> jax.Array:
     """``numerator / denominator`` where ``denominator > 0``, else 0 (no NaN, no inf, jittable).
 
     The denominator is replaced by 1 where it is not positive before dividing, so neither the

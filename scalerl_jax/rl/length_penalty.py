@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+LENGTH_CONTROLS = ("interruption", "length_penalty", "none")  # `rl.length_control`: forced interruption, Eq. 9, neither
 
 
-def length_penalty(lengths: jax.Array, *, l_max: float, l_cache: float) -> jax.Array:
+def length_penalty(lengths: ArrayLike, *, l_max: float, l_cache: float) -> jax.Array:
     """float32 penalty in [-1, 0] per completion length (same shape as ``lengths``).
 
     Raises ValueError unless ``l_cache > 0`` and ``l_max >= l_cache``.

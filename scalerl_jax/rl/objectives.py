@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from scalerl_jax.rl.groups import check_rank, check_same_shape, safe_divide
 
@@ -88,10 +89,10 @@ def _clipped_weight(
 
 
 def per_token_policy_terms(
-    logp: jax.Array,
-    behavior_logp: jax.Array,
-    advantages: jax.Array,
-    loss_mask: jax.Array,
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    loss_mask: ArrayLike,
     *,
     objective: str,
     eps_low: float | None = None,
@@ -111,14 +112,15 @@ def per_token_policy_terms(
       eps_max: cispo's truncation of the importance weight.
 
     Returns:
-      (terms, aux): terms float32[B,T], 0 outside the mask; aux has float32[B,T] arrays, 0
-      outside the mask, so that masked sums over microbatches give exact batch metrics:
-        'ratio'        r per token (gspo: the sequence ratio s_b on each token);
-        'clipped_low'  1 where the lower clip is active, A < 0 and r < 1 - eps_low
-                       (dapo/grpo/gspo; always 0 for cispo, whose weight has no lower bound);
-        'clipped_high' 1 where the upper clip is active, A > 0 and r > 1 + eps_high
-                       (dapo/grpo/gspo), or where cispo truncated the weight, r > eps_max;
-        'clipped'      clipped_low + clipped_high (the two never overlap).
+      (terms, aux): terms float32[B,T], 0 outside the mask; aux has float32[B,T] arrays without
+      gradient, 0 outside the mask, so that masked sums over microbatches give exact batch metrics:
+        'ratio'          r per token (gspo: the sequence ratio s_b on each token);
+        'abs_log_ratio'  |logp - blogp| per token, for every objective (gspo included);
+        'clipped_low'    1 where the lower clip is active, A < 0 and r < 1 - eps_low
+                         (dapo/grpo/gspo; always 0 for cispo, whose weight has no lower bound);
+        'clipped_high'   1 where the upper clip is active, A > 0 and r > 1 + eps_high
+                         (dapo/grpo/gspo), or where cispo truncated the weight, r > eps_max.
+      The two clip flags never overlap.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective: expected one of {OBJECTIVES}, got {objective!r}")
@@ -161,8 +163,8 @@ def per_token_policy_terms(
     masked_flag = lambda flag: jnp.where(on, flag, False).astype(jnp.float32)
     aux = {
         "ratio": jnp.where(on, ratio, 0.0),
+        "abs_log_ratio": jnp.where(on, jnp.abs(jax.lax.stop_gradient(log_ratio)), 0.0),
         "clipped_low": masked_flag(clipped_low),
         "clipped_high": masked_flag(clipped_high),
-        "clipped": masked_flag(clipped_low | clipped_high),
     }
     return jnp.where(on, terms, 0.0), aux

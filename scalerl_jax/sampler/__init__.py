@@ -1,7 +1,7 @@
 """JetStream-style continuous-batching sampler: engine (prefill/insert/generate), batcher, generate()."""
 
 from scalerl_jax.sampler.api import generate
-from scalerl_jax.sampler.batcher import Completion, ContinuousBatcher, Request
+from scalerl_jax.sampler.batcher import Batcher, Completion, ContinuousBatcher, Request
 from scalerl_jax.sampler.engine import (
     ChunkResult,
     DecodeState,
@@ -11,10 +11,13 @@ from scalerl_jax.sampler.engine import (
     Prefix,
     SlotSettings,
     interruption_from_tokenizer,
+    interrupts,
+    max_sequence_length,
 )
 from scalerl_jax.sampler.sampling import masked_log_probs, sample_tokens, top_k_mask, top_p_mask
 
 __all__ = [
+    "Batcher",
     "ChunkResult",
     "Completion",
     "ContinuousBatcher",
@@ -26,8 +29,10 @@ __all__ = [
     "Request",
     "SlotSettings",
     "generate",
+    "interrupts",
     "interruption_from_tokenizer",
     "masked_log_probs",
+    "max_sequence_length",
     "sample_tokens",
     "top_k_mask",
     "top_p_mask",

@@ -25,12 +25,12 @@ import dataclasses
 import threading
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from scalerl_jax.distributed.weight_push import push_local
+from scalerl_jax.models.reshard import push_local
 from scalerl_jax.sampler.engine import ChunkResult, Engine, SlotSettings, host_settings, prefill_bucket, row_bucket
 
 
@@ -78,6 +78,35 @@ class Completion:
     num_answer_tokens: int
     finish_reason: str
     think_budget: int
+
+
+class Batcher(Protocol):
+    """What the pipeline's generator loop, its params pushes and a generator process's params
+    inbox call on a sampler driver; `ContinuousBatcher` is the one the runs use.
+
+    The loop keeps `num_pending` below `num_free_slots` plus a slack, queues requests with
+    `add_request`, and calls `run_chunk` (one loop turn: adopt pushed params, decode one chunk,
+    return the completions that finished) until `idle`. `update_params` may be called from
+    another thread; `version` is the params version the latest chunk decoded with.
+    """
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def num_free_slots(self) -> int: ...
+
+    @property
+    def num_pending(self) -> int: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    def add_request(self, request: Request) -> None: ...
+
+    def run_chunk(self) -> list[Completion]: ...
+
+    def update_params(self, params: Any, version: int, *, copy: bool = True) -> float: ...
 
 
 @dataclasses.dataclass
@@ -175,7 +204,7 @@ class ContinuousBatcher:
     def update_params(self, params: Any, version: int, *, copy: bool = True) -> float:
         """Copy `params` onto the generator's shardings; adopted at the next chunk boundary.
 
-        Copies by default, device to device (`distributed.weight_push.push_local`: never through
+        Copies by default, device to device (`models.reshard.push_local`: never through
         the host, never aliasing the caller's buffers, which a train step may donate);
         `copy=False` takes over params that are already this generator's own buffers on its
         shardings (e.g. just received by weight transfer). Returns and records the push time in

@@ -58,10 +58,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -73,6 +74,9 @@ from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, u
 from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
+
+if TYPE_CHECKING:
+    from scalerl_jax.models import CheckpointTokenizer
 
 PHASE_THINK = 0
 PHASE_FORCING = 1
@@ -131,6 +135,18 @@ def interruption_from_tokenizer(
     return InterruptionConfig(
         tuple(phrase_ids), tuple(end_think_ids), think_budget_min, think_budget_max, answer_budget
     )
+
+
+def interrupts(config: ml_collections.ConfigDict) -> bool:
+    """Whether a run config's requests are interrupted: forced interruption applies only to the
+    think format (a plain answer has no think phase)."""
+    return config.rl.length_control == "interruption" and config.data.answer_format == "think"
+
+
+def max_sequence_length(config: ml_collections.ConfigDict) -> int:
+    """KV cache length per slot and the longest train row of a run config: prompt budget +
+    completion budget."""
+    return config.data.max_prompt_tokens + config.sampler.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +213,38 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.top_k={self.top_k} must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"EngineConfig.top_p={self.top_p} must be in (0, 1]")
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> EngineConfig:
+        """The sampler engine of a run config's `sampler` section: slots, cache length
+        (`max_sequence_length`), sampling knobs, room for the tokenizer's stop ids, the forced
+        interruption (its phrase and think-end tag encoded by `tokens`, when `interrupts`), KV
+        pages and the decode attention kernel."""
+        s = config.sampler
+        interruption = (
+            interruption_from_tokenizer(
+                tokens.tokenizer,
+                phrase=s.interruption_phrase,
+                end_think=s.think_end,
+                think_budget_min=s.think_budget_min,
+                think_budget_max=s.think_budget_max,
+                answer_budget=s.answer_budget,
+            )
+            if interrupts(config)
+            else None
+        )
+        return cls(
+            num_slots=s.num_slots,
+            max_len=max_sequence_length(config),
+            chunk_size=s.chunk_steps,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            max_stop_tokens=len(tokens.stop_ids),
+            interruption=interruption,
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            decode_kernel=s.decode_kernel,
+        )
 
 
 class DecodeState(NamedTuple):

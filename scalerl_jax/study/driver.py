@@ -19,7 +19,7 @@ Finished, resumed, new. A run is finished when its metrics.jsonl holds an evalua
 finished (a killed study) is resumed by launching main again on its workdir: main resumes from
 the run's last checkpoint and cuts metrics.jsonl back to it.
 
-Shared warm start. The runner builds or reuses WORKDIR/warm_start/<digest>, the digest covering
+Shared warm start. A run builds or reuses WORKDIR/warm_start/<digest>, the digest covering
 the synthetic task, the warm-start keys and the prompt template. Every run's WORKDIR/warm_start
 is a link to STUDY/warm_start; variants change none of the digested keys and seeds set
 `config.seed` (not `warm_start.seed`), so every run of a study has the same digest: the first run

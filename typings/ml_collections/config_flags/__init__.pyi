@@ -1,7 +1,6 @@
 from typing import Any
 
 from absl import flags
-
 from ml_collections import ConfigDict
 
 def DEFINE_config_file(

@@ -1,0 +1,337 @@
+"""Builders of a run's parts from its validated config: the policy's checkpoint and tokenizer, the
+task's prompts, the device meshes, the trainer, the generator engine and batcher, the reward, and
+the weight-transfer pieces. Each is a function of the config and what it needs; none starts a
+thread or talks to another process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from scalerl_jax import data as data_lib
+from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.data.rows import read_rows
+from scalerl_jax.distributed.roles import Roles
+from scalerl_jax.distributed.transport import TRAIN, Routes
+from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender
+from scalerl_jax.distributed.wiring import start_transfer_server, trainer_transfer_addresses
+from scalerl_jax.models import CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh, param_shardings
+from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.pipeline.generator import SamplingSettings
+from scalerl_jax.pipeline.group import Prompt
+from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, sampling_settings
+from scalerl_jax.policy_source import run_model_overrides
+from scalerl_jax.rl import length_penalty
+from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
+from scalerl_jax.sampling_setup import check_think_end, make_prompt_encoder
+from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
+from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
+from scalerl_jax.train.optimizer import learning_rate_schedule
+from scalerl_jax.warm_start import build_warm_start, synthetic_task
+
+# ---------------------------------------------------------------------------------------------
+# Policy and task
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySource:
+    """The Hugging Face directory the run starts from, its tokenizer and its prompt encoder."""
+
+    checkpoint_dir: str
+    tokens: CheckpointTokenizer
+    encoder: data_lib.PromptEncoder
+
+
+def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> PolicySource:
+    """The warm-started tiny policy (built if needed) or `model.checkpoint`, with its tokenizer."""
+    checkpoint_dir = build_warm_start(config, workdir) if "warm_start" in config else config.model.checkpoint
+    tokens = load_checkpoint_tokenizer(checkpoint_dir)
+    check_think_end(config, tokens, checkpoint_dir)
+    return PolicySource(checkpoint_dir, tokens, make_prompt_encoder(config, tokens, checkpoint_dir))
+
+
+@dataclasses.dataclass(frozen=True)
+class AbstractPolicy:
+    """The policy's architecture without weights: what a generator fed by weight transfer needs."""
+
+    graphdef: Any
+    params: Any  # abstract nnx.State (ShapeDtypeStructs)
+    model_config: ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSet:
+    """Encoded prompts of one evaluation set, with what scoring and the samples file need."""
+
+    name: str
+    problems: list[str]
+    prompts: list[list[int]]
+    golds: list[str]
+    labels: list[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+    """Encoded train prompts with their problems and gold answers, and the evaluation sets."""
+
+    train_problems: list[str]
+    train_prompts: list[list[int]]
+    train_golds: list[str]
+    eval_sets: list[EvalSet]
+    num_too_long: int
+
+
+def _encode_rows(
+    rows: list[dict], encoder: data_lib.PromptEncoder, name: str, label_field: str | None
+) -> tuple[EvalSet, int]:
+    prompt_set = data_lib.build_prompt_set(rows, encoder, label_field=label_field)
+    problems = [rows[i]["problem"] for i in prompt_set.source_indices]
+    labels = prompt_set.labels if label_field else None
+    return EvalSet(name, problems, prompt_set.tokens, prompt_set.answers, labels), prompt_set.num_too_long
+
+
+def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, str]:
+    """The configured TFDS builder (prepared) and the label field of its held-out rows."""
+    data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
+    if config.data.dataset == "synthetic":
+        return data_lib.build_synthetic(data_dir, synthetic_task(config)), "level"
+    if config.data.dataset == "polaris_53k":
+        return data_lib.build_polaris(
+            data_dir,
+            os.path.dirname(os.path.abspath(config.data.path)),
+            heldout_size=config.data.heldout_size,
+            seed=config.data.heldout_seed,
+        ), "difficulty"
+    return data_lib.build_local_file(
+        data_dir,
+        config.data.path,
+        problem_field=config.data.problem_field,
+        answer_field=config.data.answer_field,
+        heldout_size=config.data.heldout_size,
+        seed=config.data.heldout_seed,
+    ), "difficulty"
+
+
+def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
+    """Builds the configured TFDS dataset, encodes train / held-out splits and the extra eval sets."""
+    builder, label = dataset_builder(config, workdir)
+    train_rows = data_lib.read_split(builder, "train")
+    heldout_rows = data_lib.read_split(builder, "heldout")[: config.eval.num_prompts]
+    heldout_rows = [dict(row, **{label: row.get(label, "")}) for row in heldout_rows]
+    train, train_too_long = _encode_rows(train_rows, encoder, "train", None)
+    heldout, heldout_too_long = _encode_rows(heldout_rows, encoder, "eval", label)
+    if not train.prompts:
+        raise ConfigError(
+            f"config key `data.max_prompt_tokens` = {config.data.max_prompt_tokens}: all {len(train_rows)} "
+            "training prompts are longer (after the prompt template); raise it or shorten the template"
+        )
+    extra_sets, extra_too_long = [], 0
+    for name, path in sorted(config.eval.extra.items()):
+        fields = {"problem": config.data.problem_field, "answer": config.data.answer_field}
+        rows = [row.fields for row in read_rows(path, fields)]
+        eval_set, too_long = _encode_rows(rows, encoder, f"eval_{name}", None)
+        extra_sets.append(eval_set)
+        extra_too_long += too_long
+    return TaskData(
+        train.problems,
+        train.prompts,
+        train.golds,
+        [heldout, *extra_sets],
+        train_too_long + heldout_too_long + extra_too_long,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices, trainer, generator
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Meshes:
+    """This process's meshes: its local generator devices' (None if it has none) and the trainer
+    mesh (None on a process without trainer devices), with the run's device count."""
+
+    generator: jax.sharding.Mesh | None
+    trainer: jax.sharding.Mesh | None
+    num_devices: int
+
+
+def generator_mesh(config: ml_collections.ConfigDict, roles: Roles, process: int) -> jax.sharding.Mesh:
+    """The local mesh of generator process `process` (any process can build it for any other)."""
+    return make_mesh(config.mesh.generator_shape, devices=roles.local_generator_devices(process))
+
+
+def build_meshes(config: ml_collections.ConfigDict, roles: Roles) -> Meshes:
+    return Meshes(
+        generator_mesh(config, roles, roles.process) if roles.is_generator else None,
+        make_mesh(config.mesh.trainer_shape, devices=roles.trainer_devices) if roles.is_trainer else None,
+        len(set(roles.generator_devices) | set(roles.trainer_devices)),
+    )
+
+
+@dataclasses.dataclass
+class Trainer:
+    """The policy's graph, its train state on the trainer mesh, and the jitted train step."""
+
+    graphdef: Any
+    model_config: ModelConfig
+    state: Any
+    step_fn: Any
+
+
+def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: jax.sharding.Mesh) -> Trainer:
+    """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
+    model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
+    graphdef, params = nnx.split(model)
+    optimizer_config = OptimizerConfig.from_config(config)
+    optimizer = make_optimizer(optimizer_config)
+    state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
+    step_fn = make_train_step(
+        graphdef,
+        optimizer,
+        TrainStepConfig.from_config(config),
+        mesh=mesh,
+        state_shardings=state_shardings,
+        learning_rate_schedule=learning_rate_schedule(optimizer_config),
+    )
+    return Trainer(graphdef, model.config, state, step_fn)
+
+
+def build_engine(
+    config: ml_collections.ConfigDict, policy: AbstractPolicy, tokens: CheckpointTokenizer, mesh: jax.sharding.Mesh
+) -> Engine:
+    """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
+    return Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tokens), mesh=mesh)
+
+
+def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any, version: int) -> ContinuousBatcher:
+    """The generator's batcher holding `params` at `version`; with `sampler.compile_ahead`, every
+    decode-path program for prompts up to `data.max_prompt_tokens` is compiled before it returns,
+    so no compile stalls decoding later (`Engine.warm_up`)."""
+    batcher = ContinuousBatcher(engine, params, version=version, seed=config.seed)
+    if config.sampler.compile_ahead:
+        start = time.perf_counter()
+        batcher.warm_up(config.data.max_prompt_tokens)
+        logging.info(
+            "generator: compiled %d decode-path programs ahead in %.1f s",
+            sum(engine.compile_counts.values()),
+            time.perf_counter() - start,
+        )
+    return batcher
+
+
+def pipeline_config(
+    config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, trainer: Trainer, roles: Roles, start_step: int
+) -> PipelineConfig:
+    """The leader's pipeline: the run config's schedule and batch, with the MFU denominators of
+    its model on the trainer devices."""
+    devices = list(roles.trainer_devices)
+    return PipelineConfig.from_config(
+        config,
+        stop_tokens=tokens.stop_ids,
+        start_step=start_step,
+        train_step_flops=functools.partial(train_step_flops, trainer.model_config),
+        peak_flops_per_s=devices_peak_flops_per_s(devices) if devices else None,
+    )
+
+
+def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
+    """What every generator's requests share (the same on every process)."""
+    return sampling_settings(PipelineConfig.from_config(config, stop_tokens=tokens.stop_ids, start_step=0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward
+# ---------------------------------------------------------------------------------------------
+
+
+def make_reward_fn(
+    config: ml_collections.ConfigDict,
+    tokens: CheckpointTokenizer,
+    reward_config: data_lib.RewardConfig,
+    verify_pool: data_lib.VerifyPool,
+    pool: data_lib.PromptPool,
+    task: TaskData,
+) -> Callable[[Prompt, Sequence[Any]], list[float]]:
+    """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history."""
+    length_shaping = config.rl.length_control == "length_penalty"
+
+    def reward_fn(prompt: Prompt, completions: Sequence[Any]) -> list[float]:
+        index = prompt.key
+        assert isinstance(index, int)  # the run's prompt source keys prompts by their index in the task
+        texts = [tokens.tokenizer.decode(list(c.tokens)) for c in completions]
+        problems = [task.train_problems[index]] * len(texts)
+        golds = [task.train_golds[index]] * len(texts)
+        scored = data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
+        rewards = np.asarray(scored.rewards, np.float32)
+        if length_shaping:
+            lengths = jnp.asarray([len(c.tokens) for c in completions], jnp.float32)
+            penalty = np.asarray(
+                length_penalty(lengths, l_max=config.rl.length_penalty_max, l_cache=config.rl.length_penalty_cache)
+            )
+            rewards = rewards + np.where(scored.correct, penalty, 0.0)
+        pool.record(index, int(scored.correct.sum()), len(completions))
+        return rewards.tolist()
+
+    return reward_fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight transfer between processes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSide:
+    """This process's weight-transfer pieces: offers (trainer processes) and pulls (generators)."""
+
+    offer: Callable[[str, int, Any], None] | None  # (purpose, transfer id = version, params)
+    pull: Callable[[int], Any] | None  # version -> params on this generator's shardings
+
+
+def build_transfer(
+    config: ml_collections.ConfigDict,
+    roles: Roles,
+    routes: Routes,
+    abstract_params: Any,
+    trainer_mesh: jax.sharding.Mesh | None,
+) -> TransferSide:
+    """A sender on trainer processes and a receiver on a generator process that gets its params by
+    transfer; nothing otherwise."""
+    needs_pull = roles.process in routes.transfer_generators
+    if not routes.transfer_generators or not (roles.is_trainer or needs_pull):
+        return TransferSide(None, None)
+    server = start_transfer_server(roles)
+
+    def targets(processes: Sequence[int]) -> dict[int, Any]:
+        return {g: param_shardings(abstract_params, generator_mesh(config, roles, g)) for g in processes}
+
+    offer: Callable[[str, int, Any], None] | None = None
+    if roles.is_trainer:
+        assert trainer_mesh is not None  # a trainer process has trainer devices
+        senders = {TRAIN: ParamsSender(trainer_mesh, server, targets(routes.transfer_generators))}
+
+        def offer_to_senders(purpose: str, ident: int, params: Any) -> None:
+            senders[purpose].offer(params, ident)
+
+        offer = offer_to_senders
+
+    pull = None
+    if needs_pull:
+        addresses = trainer_transfer_addresses(roles, timeout_s=config.distributed.connect_timeout_s)
+        receiver = ParamsReceiver(targets([roles.process])[roles.process], abstract_params, server, addresses)
+        pull = receiver.pull
+    return TransferSide(offer, pull)

@@ -1,0 +1,178 @@
+"""What the leader records of a run: its host-side state, a metrics row and progress line per
+step, the evaluations and the checkpoints.
+
+`StepReporter.on_step(record, sample_eval)` runs in the pipeline's trainer thread between steps,
+while the train state is not donated; `on_start(sample_eval)` evaluates step 0 there before the
+first batch of a fresh run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import ml_collections
+import numpy as np
+from absl import logging
+
+from scalerl_jax import data as data_lib
+from scalerl_jax.distributed.trainer_group import TrainerGroup
+from scalerl_jax.metrics import MetricsWriter, format_progress
+from scalerl_jax.pipeline.pipeline_rl import StepRecord
+from scalerl_jax.run.build import TaskData, Trainer
+from scalerl_jax.run.evaluation import Evaluator, SampleEval
+from scalerl_jax.scaling import ComputeMeter
+from scalerl_jax.train.checkpoint import RunCheckpointer
+
+
+class MetricsSink(Protocol):
+    """Where metrics rows go (metrics.jsonl + TensorBoard, Weights & Biases)."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class RunState:
+    """Host-side state saved with every checkpoint beside the train state."""
+
+    pool: data_lib.PromptPool
+    meter: ComputeMeter
+    nonfinite_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """Where a restored run goes on from: the version reached and the metrics file's offset."""
+
+    version: int
+    metrics_offset: int | None
+
+
+def restore(checkpointer: RunCheckpointer, trainer: Trainer) -> dict | None:
+    """Restores the newest usable checkpoint into `trainer.state`; its run state (with `step`), or None."""
+    restored = checkpointer.restore_latest(trainer.state)
+    if restored is None:
+        return None
+    trainer.state = restored.train_state
+    logging.info("resumed from checkpoint step %d", restored.step)
+    return {**restored.run_state, "step": restored.step}
+
+
+def resume_run_state(saved: dict | None, run_state: RunState) -> Resumed:
+    """Loads a restored checkpoint's run state into `run_state`; where the run goes on from."""
+    if saved is None:
+        return Resumed(0, None)
+    run_state.pool.load_state_dict(saved["pool"])
+    run_state.meter.load_state_dict(saved["meter"])
+    run_state.nonfinite_steps = int(saved["nonfinite_steps"])
+    return Resumed(int(saved["version"]), int(saved["metrics_offset"]))
+
+
+class StepReporter:
+    """Metrics row and progress line, evaluation and checkpoints of each step."""
+
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        task: TaskData,
+        run_state: RunState,
+        metrics_writer: MetricsWriter,
+        extra_sinks: Sequence[MetricsSink],
+        evaluator: Evaluator,
+        checkpointer: RunCheckpointer,
+        group: TrainerGroup,
+        state: Any,
+        fingerprint: dict,
+    ):
+        self._config, self._task, self._run_state = config, task, run_state
+        self._metrics_writer = metrics_writer
+        self._writers: list[MetricsSink] = [metrics_writer, *extra_sinks]
+        self._evaluator, self._checkpointer = evaluator, checkpointer
+        self._group = group  # every trainer process saves with the leader
+        self.state = state  # the newest trained state, pushed to the sampler or not
+        self._fingerprint = fingerprint
+        self._step_times: list[float] = []
+        self.last_eval: tuple[int, float] | None = None
+
+    def write(self, version: int, metrics: Mapping[str, Any]) -> None:
+        for writer in self._writers:
+            writer.write(version, metrics)
+
+    def close(self) -> None:
+        for writer in self._writers:
+            writer.close()
+
+    def evaluate(self, version: int, sample_eval: SampleEval) -> dict[str, float]:
+        metrics = self._evaluator.evaluate(version, sample_eval)
+        self.last_eval = (version, metrics["eval/pass_rate"])
+        return metrics
+
+    def checkpoint(self, version: int) -> None:
+        rs = self._run_state
+        run_state = {
+            "version": version,
+            "pool": rs.pool.state_dict(),
+            "meter": rs.meter.state_dict(),
+            "metrics_offset": self._metrics_writer.offset(),
+            "nonfinite_steps": rs.nonfinite_steps,
+        }
+        self._group.checkpoint(
+            version, lambda: self._checkpointer.save(version, self.state, run_state, config=self._fingerprint)
+        )
+
+    def on_start(self, sample_eval: SampleEval) -> None:
+        """Step 0 of a fresh run: the policy's held-out pass rate before any training."""
+        initial = self.evaluate(0, sample_eval)
+        self.write(0, {**initial, **self._run_state.meter.metrics(), "compute/unit": "device_hours"})
+        logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
+
+    def on_step(self, record: StepRecord, sample_eval: SampleEval) -> None:
+        config, rs = self._config, self._run_state
+        version = record.version + 1
+        self.state = record.train_state
+        metrics: dict[str, Any] = dict(record.metrics)
+        finite = bool(metrics.get("train/finite", 1.0))
+        rs.nonfinite_steps += int(not finite)
+        rewards = np.concatenate([g.rewards for g in record.groups])
+        rs.meter.add_tokens(
+            generated=sum(g.num_generated_tokens for g in record.groups),
+            trained=int(metrics.get("train/num_loss_tokens", 0)),
+        )
+        metrics.update(
+            {
+                "train/reward_mean": float(rewards.mean()),
+                "train/pass_rate": float((rewards > 0).mean()),
+                "train/nonfinite_steps": rs.nonfinite_steps,
+                "data/prompts_too_long": self._task.num_too_long,
+                **rs.pool.metrics(),
+                **rs.meter.metrics(),
+                "compute/unit": "device_hours",
+            }
+        )
+        if not finite:
+            if config.nan_policy == "stop":
+                self.write(version, metrics)  # the failing step's row stays on record
+                raise FloatingPointError(
+                    f"non-finite loss or gradient at step {version}; the last "
+                    "checkpoint is intact; set nan_policy='skip' to skip such steps"
+                )
+            logging.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d so far)", version, rs.nonfinite_steps
+            )
+        if version % config.eval.every == 0 or version == config.num_steps:
+            metrics.update(self.evaluate(version, sample_eval))
+            metrics.update(rs.meter.metrics())
+        self.write(version, metrics)
+        self._step_times.append(time.time())
+        eta = None
+        if len(self._step_times) > 1:
+            per_step = (self._step_times[-1] - self._step_times[0]) / (len(self._step_times) - 1)
+            eta = per_step * (config.num_steps - version)
+        logging.info(format_progress(version, config.num_steps, metrics, eta, self.last_eval))
+        aligned = config.schedule.kind != "ppo_off_policy" or version % config.schedule.k == 0
+        if version % config.checkpoint.every == 0 and aligned:
+            self.checkpoint(version)
