@@ -90,6 +90,29 @@ def plot_path_problem(path: str) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class FitOptions:
+    """How runs are fitted and reported (the command line's flags, module docstring)."""
+
+    names: tuple[str, ...] | None = None  # run names (default: directory names)
+    fit_start: float | None = None
+    fit_end: float | None = None
+    method: str = "grid"
+    unit: str | None = None
+    r0: float | None = None
+    a_range: tuple[float, float] = PAPER_A_RANGE
+    bootstrap: int = 200
+    level: float = 0.95
+    seed: int = 0
+    plot: str | None = None
+    title: str | None = None
+    extend: float = DEFAULT_EXTEND
+    allow_partial_last_line: bool = False
+
+
+DEFAULTS = FitOptions()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
     parser = argparse.ArgumentParser(prog="python -m scalerl_jax.fit", description=(__doc__ or "").split("\n\n")[0])
@@ -105,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_checked(float, lambda x: x > 0, "> 0"),
         help="last fitted compute; later points are held out and scored",
     )
-    parser.add_argument("--method", choices=METHODS, default="grid")
+    parser.add_argument("--method", choices=METHODS, default=DEFAULTS.method)
     parser.add_argument(
         "--unit",
         help="compute unit (default: as logged, else device_hours); 'gpu_hours' selects the paper's grids",
@@ -115,26 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=_checked(float, lambda x: 0 <= x <= 1, "in [0, 1]"),
         help="start pass rate (default: the one at the smallest compute)",
     )
-    parser.add_argument("--a-range", type=_a_range, default=PAPER_A_RANGE, help="A grid LO,HI (default 0.45,0.8)")
+    parser.add_argument("--a-range", type=_a_range, default=DEFAULTS.a_range, help="A grid LO,HI (default 0.45,0.8)")
     parser.add_argument(
         "--bootstrap",
         type=_checked(int, lambda x: x >= 0, ">= 0"),
-        default=200,
+        default=DEFAULTS.bootstrap,
         help="bootstrap resamples for the A interval (0: none)",
     )
     parser.add_argument(
         "--level",
         type=_checked(float, lambda x: 0 < x < 1, "in (0, 1)"),
-        default=0.95,
+        default=DEFAULTS.level,
         help="bootstrap percentile interval level, e.g. 0.95",
     )
-    parser.add_argument("--seed", type=_checked(int, lambda x: x >= 0, ">= 0"), default=0, help="bootstrap seed")
+    parser.add_argument(
+        "--seed", type=_checked(int, lambda x: x >= 0, ">= 0"), default=DEFAULTS.seed, help="bootstrap seed"
+    )
     parser.add_argument("--plot", help="write the figure here (e.g. out.png)")
     parser.add_argument("--title", help="figure title")
     parser.add_argument(
         "--extend",
         type=_checked(float, lambda x: x >= 1, ">= 1"),
-        default=DEFAULT_EXTEND,
+        default=DEFAULTS.extend,
         help="plot up to this factor x the largest compute",
     )
     parser.add_argument(
@@ -157,22 +182,32 @@ class RunReport:
     notes: tuple[str, ...] = ()
 
 
-def fit_run(run: RunCurve, args: argparse.Namespace) -> RunReport:
+def fit_run(run: RunCurve, options: FitOptions) -> RunReport:
     """Sigmoid fit, bootstrap interval, power-law comparison and extrapolation errors of a run."""
-    window = dict(fit_start=args.fit_start, fit_end=args.fit_end, unit=run.unit, name=f"run {run.name!r}")
+    start, end, name = options.fit_start, options.fit_end, f"run {run.name!r}"
     try:
-        fit = fit_sigmoid(run.compute, run.pass_rate, r0=args.r0, method=args.method, a_range=args.a_range, **window)
+        fit = fit_sigmoid(
+            run.compute,
+            run.pass_rate,
+            r0=options.r0,
+            method=options.method,
+            a_range=options.a_range,
+            fit_start=start,
+            fit_end=end,
+            unit=run.unit,
+            name=name,
+        )
     except ValueError as error:
         return RunReport(run=run, error=str(error))
     interval, notes = None, ()
-    if args.bootstrap > 0:
+    if options.bootstrap > 0:
         try:
             interval = bootstrap_sigmoid(
-                run.compute, run.pass_rate, fit, num_samples=args.bootstrap, level=args.level, seed=args.seed
+                run.compute, run.pass_rate, fit, num_samples=options.bootstrap, level=options.level, seed=options.seed
             )
         except ValueError as error:
             notes = (f"no bootstrap: {error}",)
-    power = fit_power_law(run.compute, run.pass_rate, **window)
+    power = fit_power_law(run.compute, run.pass_rate, fit_start=start, fit_end=end, unit=run.unit, name=name)
     return RunReport(
         run=run,
         fit=fit,
@@ -276,30 +311,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.fit_start is not None and args.fit_end is not None and args.fit_end <= args.fit_start:
         parser.error(f"--fit-end {args.fit_end} must exceed --fit-start {args.fit_start}")
-    if args.plot and (problem := plot_path_problem(args.plot)):
-        print(f"error: cannot write the plot to {args.plot}: {problem}", file=sys.stderr)
+    fields = {f.name for f in dataclasses.fields(FitOptions)} - {"names"}
+    options = FitOptions(
+        names=tuple(args.names.split(",")) if args.names else None, **{name: getattr(args, name) for name in fields}
+    )
+    return report(args.runs, options)
+
+
+def report(paths: Sequence[str], options: FitOptions) -> int:
+    """Fits the runs at `paths` and prints the table, the crossings and, with `options.plot`, writes
+    the figure; returns the exit status (module docstring)."""
+    if options.plot and (problem := plot_path_problem(options.plot)):
+        print(f"error: cannot write the plot to {options.plot}: {problem}", file=sys.stderr)
         return 2
-    names = args.names.split(",") if args.names else None
     try:
-        runs = read_runs(args.runs, names=names, unit=args.unit, allow_partial_last_line=args.allow_partial_last_line)
+        runs = read_runs(
+            paths,
+            names=list(options.names) if options.names else None,
+            unit=options.unit,
+            allow_partial_last_line=options.allow_partial_last_line,
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    reports = [fit_run(run, args) for run in runs]
+    reports = [fit_run(run, options) for run in runs]
     print(format_table(table_rows(reports)))
-    if args.bootstrap > 0:
+    if options.bootstrap > 0:
         skipped = sum(r.interval.num_skipped for r in reports if r.interval is not None)
         print(
-            f"±A: half-width of the {args.level:.0%} bootstrap percentile interval over the fitted points "
-            f"({args.bootstrap} resamples per run, {skipped} unfittable skipped); "
+            f"±A: half-width of the {options.level:.0%} bootstrap percentile interval over the fitted points "
+            f"({options.bootstrap} resamples per run, {skipped} unfittable skipped); "
             f"the paper's run-to-run spread of A is about ±{PAPER_A_RUN_TO_RUN}."
         )
     for run in runs:
         if run.num_skipped_lines:
             print(f"{run.name}: skipped {run.num_skipped_lines} half-written last line")
-    for line in crossing_lines(reports, args.extend):
+    for line in crossing_lines(reports, options.extend):
         print(line)
-    if args.plot:
+    if options.plot:
         units = {r.run.unit for r in reports}
         if len(units) != 1:
             print(
@@ -311,9 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             PlotSeries(r.run.name, r.run.compute, r.run.pass_rate, fit=r.fit, interval=r.interval) for r in reports
         ]
         try:
-            path = plot_scaling(series, args.plot, unit=units.pop(), title=args.title, extend=args.extend)
+            path = plot_scaling(series, options.plot, unit=units.pop(), title=options.title, extend=options.extend)
         except OSError as error:
-            print(f"error: cannot write the plot to {args.plot}: {error.strerror or error}", file=sys.stderr)
+            print(f"error: cannot write the plot to {options.plot}: {error.strerror or error}", file=sys.stderr)
             return 2
         print(f"wrote {path}")
     return 0 if all(r.fit is not None for r in reports) else 1

@@ -100,8 +100,7 @@ def make_bigram_base(path: str, transitions: dict[int, tuple[int, ...]], *, logi
 def run_config(base_dir: str, **sampler):
     """The tiny recipe on `base_dir` (no warm start), small sampling budgets for fast tests."""
     config = recipe.tiny()
-    # The ml_collections stub (typings/) declares no __delitem__, which ConfigDict has.
-    del config["warm_start"], config["synthetic"]  # pyright: ignore[reportIndexIssue]
+    del config["warm_start"], config["synthetic"]
     config.model.checkpoint = base_dir
     config.data.prompt_template = PROMPT_TEMPLATE
     config.data.verify_workers = 1

@@ -146,7 +146,7 @@ def test_make_mesh_and_split_devices():
         make_mesh((-1, -1, 1))
     gen, train = split_devices(devices, 0.25)
     assert len(gen) == 2 and len(train) == 6 and not set(gen) & set(train)
-    assert split_devices(devices, 0.01) == (devices[:1], devices[1:])  # each side keeps one device
+    assert split_devices(devices, 0.01) == (devices[-1:], devices[:-1])  # each side keeps one device; generators last
     assert split_devices(devices[:1], 0.5) == (devices[:1], devices[:1])  # single device: shared
     with pytest.raises(ValueError, match="generator_fraction=1.0"):
         split_devices(devices, 1.0)

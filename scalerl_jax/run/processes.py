@@ -221,7 +221,9 @@ def _leader_batcher(
 def write_fit(ctx: RunContext) -> None:
     """The sigmoid fit of the run's own pass-rate curve, printed and plotted to scaling.png."""
     low, high = ctx.config.eval.fit_a_range
-    fit_cli.main([ctx.workdir, "--a-range", f"{low},{high}", "--plot", os.path.join(ctx.workdir, "scaling.png")])
+    fit_cli.report(
+        [ctx.workdir], fit_cli.FitOptions(a_range=(low, high), plot=os.path.join(ctx.workdir, "scaling.png"))
+    )
 
 
 # ---------------------------------------------------------------------------------------------
