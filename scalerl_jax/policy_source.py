@@ -137,18 +137,7 @@ def run_model_config(config: ml_collections.ConfigDict, base_dir: str) -> ModelC
 
 def run_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """The run's optimizer from `config.optimizer` (its state's structure is part of a checkpoint)."""
-    o = config.optimizer
-    return make_optimizer(
-        OptimizerConfig(
-            learning_rate=o.lr,
-            warmup_steps=o.warmup_steps,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            max_grad_norm=o.max_grad_norm or None,
-        )
-    )
+    return make_optimizer(OptimizerConfig.from_config(config))
 
 
 def restore_params(
