@@ -185,7 +185,7 @@ def device_part(args) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rows", type=int, default=768)
     parser.add_argument("--microbatches", type=int, default=48)
     parser.add_argument("--mean", type=float, default=9000)

@@ -21,6 +21,7 @@ from flax import nnx
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.train import (
     OptimizerConfig,
+    TrainStep,
     TrainStepConfig,
     create_train_state,
     make_optimizer,
@@ -58,29 +59,29 @@ def build(config, args):
         group_size=2,
     )
     batch = jax.device_put(batch)
+    assert isinstance(step, TrainStep)  # sort_by_length is off
     return step, create_train_state(params, optimizer), batch
 
 
 def interleaved_step_seconds(configs, args) -> list[list[float]]:
     """Step wall times per config, measured round-robin (one step of each per round) so that a
     change of machine load hits every config alike."""
-    runs = [list(build(config, args)) for config in configs]
-    for run in runs:
-        step, state, batch = run
+    runs = [build(config, args) for config in configs]
+    steps = [step for step, _, _ in runs]
+    states = [state for _, state, _ in runs]
+    batches = [batch for _, _, batch in runs]
+    for i, (step, batch) in enumerate(zip(steps, batches)):
         for _ in range(args.warmup):
-            state, metrics = step(state, batch)
+            states[i], metrics = step(states[i], batch)
         jax.block_until_ready(metrics)
-        run[1] = state
     times: list[list[float]] = [[] for _ in configs]
     for _ in range(args.repeats):
-        for i, run in enumerate(runs):
-            step, state, batch = run
+        for i, (step, batch) in enumerate(zip(steps, batches)):
             start = time.perf_counter()
-            state, metrics = step(state, batch)
+            states[i], metrics = step(states[i], batch)
             jax.block_until_ready(metrics)
             times[i].append(time.perf_counter() - start)
-            run[1] = state
-    assert all(run[0].num_traces == 1 for run in runs)  # no recompilation in steady state
+    assert all(step.num_traces == 1 for step in steps)  # no recompilation in steady state
     return times
 
 
@@ -95,7 +96,7 @@ def compile_seconds(config, args) -> list[float]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=1024)

@@ -100,6 +100,7 @@ def write_pulled(params, version, receiver):
     }
     np.savez(
         os.path.join(OUT_DIR, f"p{PROCESS}_v{version}.npz"),
+        allow_pickle=True,  # the default, named so that the arrays unpacked below cannot bind it
         **{name: np.asarray(leaf).astype(np.float32) for name, leaf in leaves.items()},
     )
     info = {"plan": plan_json(receiver.transfers), "leaves": {}}

@@ -224,7 +224,9 @@ def test_sender_and_receiver_in_one_process_move_an_nnx_state():
     # distinct slices: kernel 2x2 grid of (2,3) f32 = 4 x 24 B, bias 2 halves of 3 f32 = 2 x 12 B
     assert offered == 4 * 24 + 2 * 12
     assert isinstance(pulled, nnx.State)
-    kernel, bias = pulled["kernel"].get_value(), pulled["bias"].get_value()
+    kernel_var, bias_var = pulled["kernel"], pulled["bias"]
+    assert isinstance(kernel_var, nnx.Variable) and isinstance(bias_var, nnx.Variable)
+    kernel, bias = kernel_var.get_value(), bias_var.get_value()
     assert kernel.sharding == NamedSharding(generator_mesh, P("y", "z"))
     np.testing.assert_array_equal(np.asarray(kernel), kernel_source)
     np.testing.assert_array_equal(np.asarray(bias), bias_source)

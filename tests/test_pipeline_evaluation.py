@@ -14,6 +14,7 @@ import pytest
 from test_pipeline_harness import CountingStep, ScriptedBatcher, make_pipeline
 from test_pipeline_real import GROUPS, MAX_NEW, SAMPLES, Setup, parity_reward, prompt_source
 
+from scalerl_jax.distributed.channel import Connection
 from scalerl_jax.distributed.messages import eval_item_from_message, eval_item_to_message
 from scalerl_jax.distributed.remote_generator import LinkService
 from scalerl_jax.pipeline.generator import EvalItem, GeneratorCounters, LocalLink, evaluation_seed
@@ -45,7 +46,9 @@ class RecordingBatcher(ContinuousBatcher):
         self._training = set()  # training requests queued or decoding
 
     def add_request(self, request):
-        if request.request_id[0] == "eval":
+        request_id = request.request_id
+        assert isinstance(request_id, tuple)  # (EVAL_TAG, job, index) or (group, sample)
+        if request_id[0] == "eval":
             self.training_beside_eval.append(len(self._training))
         else:
             self._training.add(request.request_id)
@@ -241,12 +244,16 @@ def completion(request_id, versions):
     )
 
 
+def not_called(*args):
+    raise AssertionError("no prompt is admitted in these tests")
+
+
 def local_link():
     buffer = GroupBuffer(make_schedule("pipeline", k=1, groups_per_step=1), capacity=2)
     return LocalLink(
         buffer,
-        prompt_source=None,
-        reward_fn=None,
+        prompt_source=not_called,
+        reward_fn=not_called,
         samples_per_prompt=1,
         zero_variance="none",
         counters=GeneratorCounters(),
@@ -305,8 +312,11 @@ def test_closing_the_link_wakes_a_waiting_evaluation():
     assert not thread.is_alive() and errors
 
 
-class FakeConnection:
-    peer = "process 1 (generator)"
+class FakeConnection(Connection):
+    """All `LinkService._answer` uses of its connection: the peer's name."""
+
+    def __init__(self):
+        self.peer = "process 1 (generator)"
 
 
 def test_link_service_serves_evaluation_requests_with_the_leader_prompts():

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import traceback
+from typing import Any
 
 import pytest
 
@@ -32,11 +33,11 @@ class ScriptedBatcher:
         self.hold = hold
         self.fail_at_chunk = fail_at_chunk
         self.version = 0
-        self.slots = [None] * num_slots
+        self.slots: list[dict[str, Any] | None] = [None] * num_slots
         self.queue = []
         self.chunk_count = 0
         self.tokens_by_version = {}
-        self._pending = None
+        self._pending: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -140,7 +141,7 @@ def make_pipeline(batcher, step, reward_fn=None, on_step=None, **overrides):
         if on_step is not None:
             on_step(record)
 
-    settings = dict(
+    settings: dict[str, Any] = dict(
         max_new_tokens=8,
         max_seq_len=32,
         min_length_bucket=8,
@@ -184,14 +185,13 @@ def test_trainer_waits_for_the_group_whose_deadline_has_come():
     # trains at v0. At v1 group 2 (admitted at v1) is ready, but group 0 must be consumed at v1
     # at the latest: the trainer waits for it although another group is queued, and group 2
     # follows at v2.
-    pipeline = None
+    pipeline: Pipeline | None = None
 
     def hold(group, sample, num_tokens):
-        return (
-            group == 0
-            and num_tokens == 1
-            and not (pipeline.buffer.trainer_waiting_for() == 1 and pipeline.buffer.counts().queued >= 1)
-        )
+        if group != 0 or num_tokens != 1:
+            return False
+        assert pipeline is not None
+        return not (pipeline.buffer.trainer_waiting_for() == 1 and pipeline.buffer.counts().queued >= 1)
 
     batcher = ScriptedBatcher(2, chunks=lambda g, s: 2 if g == 0 else 1, hold=hold)
     step = CountingStep()
@@ -213,11 +213,12 @@ def test_trainer_waits_for_the_group_whose_deadline_has_come():
 def test_generator_blocks_while_trainer_is_slow(k, capacity, reason):
     # G=1, n=1, one-chunk requests. The first train step does not finish until the idle
     # generator is blocked on admission, for the expected reason.
-    pipeline = None
+    pipeline: Pipeline | None = None
     seen = {}
 
     def gate(version):
         if version == 0:
+            assert pipeline is not None
             deadline = time.monotonic() + 10
             while pipeline.buffer.generator_blocked() != reason:
                 assert time.monotonic() < deadline, "generator never blocked"
@@ -305,10 +306,11 @@ def test_signal_stops_after_the_current_step(signum):
 
 def test_request_stop_from_on_step():
     batcher = ScriptedBatcher(4)
-    pipeline = None
+    pipeline: Pipeline | None = None
 
     def stop_at_version_4(record):
         if record.version == 4:
+            assert pipeline is not None
             pipeline.request_stop()
 
     pipeline, records = make_pipeline(batcher, CountingStep(), k=3, num_steps=50, on_step=stop_at_version_4)

@@ -1,5 +1,6 @@
 """The pipeline's per-step metrics (pipeline_rl.step_metrics) on a hand-built batch."""
 
+import numpy as np
 import pytest
 
 from scalerl_jax.pipeline.batching import build_train_batch
@@ -35,14 +36,14 @@ def groups():
             0,
             Prompt("a", (7,)),
             0,
-            rewards=[1.0, 0.0, 0.5],
+            rewards=np.asarray([1.0, 0.0, 0.5]),
             completions=[completion(3), completion(3, truncated=True, finish_reason="length"), completion(2)],
         ),
         Group(
             1,
             Prompt("b", (7,)),
             0,
-            rewards=[0.0, 0.0],
+            rewards=np.asarray([0.0, 0.0]),
             completions=[completion(5), completion(1, truncated=True, finish_reason="answer_budget")],
         ),
     ]

@@ -30,6 +30,7 @@ def test_accounting_and_fifo_within_a_version():
 def test_put_wakes_a_waiting_trainer():
     buffer = GroupBuffer(PipelineSchedule(max_lag=0, groups_per_step=1), capacity=1)
     group_id = buffer.try_admit(0)
+    assert group_id is not None
     got = {}
     trainer = threading.Thread(target=lambda: got.update(batch=buffer.take_batch(timeout=10)))
     trainer.start()

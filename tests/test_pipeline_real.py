@@ -26,6 +26,8 @@ MAX_NEW, MAX_LEN = 10, 24
 class Setup:
     """Model, engine and jitted step built (and compiled) once for the module."""
 
+    reference_engine: Engine  # set by test_pipeline_evaluation's fixture
+
     def __init__(self):
         self.config = get_preset(
             "tiny-llama",

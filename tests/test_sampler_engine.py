@@ -6,6 +6,7 @@ at a time with a plain KV cache whose early entries come from the old params.
 """
 
 import types
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,16 @@ import pytest
 from flax import nnx
 
 from scalerl_jax import recipe
-from scalerl_jax.models import Transformer, get_preset, init_kv_cache
-from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, InterruptionConfig, Request, generate
+from scalerl_jax.models import CheckpointTokenizer, Transformer, get_preset, init_kv_cache
+from scalerl_jax.sampler import (
+    Completion,
+    ContinuousBatcher,
+    Engine,
+    EngineConfig,
+    InterruptionConfig,
+    Request,
+    generate,
+)
 from scalerl_jax.sampler.engine import host_settings, interruption_from_tokenizer
 
 # Larger-than-default init so next-token logits are well separated and greedy argmax is robust
@@ -108,7 +117,7 @@ def naive_greedy(model, prompt, steps, stop=()):
     return sequence[len(prompt) :]
 
 
-def run(engine, params, requests, *, seed=0):
+def run(engine, params, requests, *, seed=0) -> dict[Any, Completion]:
     batcher = ContinuousBatcher(engine, params, seed=seed)
     for request in requests:
         batcher.add_request(request)
@@ -449,8 +458,12 @@ class PhraseTokenizer:
 def test_engine_config_from_the_8b_recipe():
     config = recipe.scalerl_8b()
     s = config.sampler
-    tokens = types.SimpleNamespace(
-        stop_ids=(2, 5, 9), tokenizer=PhraseTokenizer({s.interruption_phrase: (40, 41, 42), s.think_end: (42,)})
+    # A stand-in: from_config reads only `stop_ids` and `tokenizer.encode`.
+    tokens = cast(
+        CheckpointTokenizer,
+        types.SimpleNamespace(
+            stop_ids=(2, 5, 9), tokenizer=PhraseTokenizer({s.interruption_phrase: (40, 41, 42), s.think_end: (42,)})
+        ),
     )
     assert EngineConfig.from_config(config, tokens) == EngineConfig(
         num_slots=256,

@@ -7,6 +7,7 @@ keys from its page table, the same requests on a fully provisioned pool, XLA's o
 """
 
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -55,13 +56,11 @@ def reference_paged(q, k_pages, v_pages, layer, table, lengths):
     page_size, group = k.shape[1], heads // k.shape[2]
     out = np.zeros_like(q)
     for b in range(slots):
-        keys = np.stack([k[table[b, s // page_size], s % page_size] for s in range(lengths[b])]) if lengths[b] else None
-        values = (
-            np.stack([v[table[b, s // page_size], s % page_size] for s in range(lengths[b])]) if lengths[b] else None
-        )
+        if not lengths[b]:
+            continue
+        keys = np.stack([k[table[b, s // page_size], s % page_size] for s in range(lengths[b])])
+        values = np.stack([v[table[b, s // page_size], s % page_size] for s in range(lengths[b])])
         for h in range(heads):
-            if keys is None:
-                continue
             scores = keys[:, h // group] @ q[b, h] / np.sqrt(dim)
             weights = np.exp(scores - scores.max())
             out[b, h] = weights @ values[:, h // group] / weights.sum()
@@ -139,7 +138,7 @@ def test_a_short_pool_preempts_and_gives_the_tokens_of_a_full_pool(params):
     youngest sequence is preempted when its group runs short and starts over, and every request
     ends with the greedy tokens of the fully provisioned pool."""
     graphdef, state = params
-    common = dict(
+    common: dict[str, Any] = dict(
         num_slots=4,
         max_len=64,
         chunk_size=4,
@@ -183,7 +182,7 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
     batcher.warm_up(max_prompt_length=40)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _seconds, **_: (
+        lambda event, duration_secs, **_: (
             compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
         )
     )
@@ -233,6 +232,7 @@ def test_sharded_decode_moves_no_page_between_devices(params):
             .compile()
             .as_text()
         )
+    assert hlo is not None
     shard_bytes = decode_state.cache["k"].addressable_shards[0].data.nbytes
     sizes = []
     for line in hlo.splitlines():
@@ -250,7 +250,7 @@ def test_pallas_kernel_in_the_engine_gives_the_tokens_of_the_xla_path(params):
     """(slow: ~1 min of interpret mode) decode_kernel='pallas' (interpret mode on CPU) decodes the same greedy tokens and log-probs as
     the portable blockwise attention, with slots refilled mid-run on a short pool."""
     graphdef, state = params
-    common = dict(
+    common: dict[str, Any] = dict(
         num_slots=2,
         max_len=48,
         chunk_size=4,

@@ -95,12 +95,14 @@ def test_early_half_fits_recover_the_true_sigmoids(synthetic_study):
         r = results[name]
         assert len(r.seed_fits) == 3 and all(s.fit is not None for s in r.seed_fits)
         fit = r.mean_fit.fit
+        assert fit is not None
         assert fit.fit_end == pytest.approx(0.5 * r.mean_fit.curve.compute[-1])
         assert fit.a == pytest.approx(truth["a"], abs=0.02), name
         assert fit.b == pytest.approx(truth["b"], rel=0.25), name
         assert fit.c_mid == pytest.approx(truth["c_mid"], rel=0.15), name
         assert r.spread("a").mean == pytest.approx(truth["a"], abs=0.02), name
         assert r.spread("a").count == 3 and 0 < r.spread("a").std < 0.03, name
+        assert r.mean_fit.interval is not None
         lo, hi = r.mean_fit.interval.a
         assert lo - 0.01 <= truth["a"] <= hi + 0.01, (name, lo, hi)
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
-
-from scalerl_jax.models import split_devices
+from scalerl_jax.models import Device, split_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +32,8 @@ class Roles:
 
     process: int
     num_processes: int
-    generator_devices: tuple[jax.Device, ...]
-    trainer_devices: tuple[jax.Device, ...]
+    generator_devices: tuple[Device, ...]
+    trainer_devices: tuple[Device, ...]
 
     @property
     def generator_processes(self) -> tuple[int, ...]:
@@ -69,7 +67,7 @@ class Roles:
     def distributed(self) -> bool:
         return self.num_processes > 1
 
-    def local_generator_devices(self, process: int | None = None) -> list[jax.Device]:
+    def local_generator_devices(self, process: int | None = None) -> list[Device]:
         """The generator devices of `process` (default: this one): that generator's local mesh."""
         process = self.process if process is None else process
         return [d for d in self.generator_devices if d.process_index == process]
@@ -91,7 +89,7 @@ class Roles:
         )
 
 
-def assign_roles(devices: Sequence[jax.Device], generator_fraction: float, process: int, num_processes: int) -> Roles:
+def assign_roles(devices: Sequence[Device], generator_fraction: float, process: int, num_processes: int) -> Roles:
     """Roles of `process` when `devices` (all processes', in order) are split by `models.split_devices`:
     trainer devices first, then round(n * `generator_fraction`) generator devices.
 

@@ -16,6 +16,7 @@ from scalerl_jax.models.logprobs import sequence_logprobs
 from scalerl_jax.models.reshard import push_local
 from scalerl_jax.models.sharding import (
     DEFAULT_RULES,
+    Device,
     constrain,
     logical_to_spec,
     make_mesh,
@@ -28,6 +29,7 @@ from scalerl_jax.models.transformer import Transformer, init_kv_cache, init_tran
 __all__ = [
     "CheckpointTokenizer",
     "DEFAULT_RULES",
+    "Device",
     "ModelConfig",
     "PRESETS",
     "Transformer",

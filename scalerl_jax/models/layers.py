@@ -49,6 +49,8 @@ def make_param(
     if stack is not None:
         shape, axes = (int(stack),) + shape, ("layers",) + axes
     if init == "normal":
+        if rngs is None:
+            raise ValueError("init='normal' needs rngs")
         value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
     elif init == "zeros":
         value = jnp.zeros(shape, jnp.float32)
@@ -303,10 +305,11 @@ def grouped_paged_attention(
 
     if kernel == "pallas":
         interpret = jax.default_backend() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
+        layer_index = jnp.asarray(layer, jnp.int32)  # the kernel takes it as an int32 scalar array
 
         def attend(q_g, k_g, v_g, table_g, lengths_g):
             return paged_attention.paged_decode_attention(
-                q_g, k_g, v_g, layer, table_g, lengths_g, pages_per_block=pages_per_block, interpret=interpret
+                q_g, k_g, v_g, layer_index, table_g, lengths_g, pages_per_block=pages_per_block, interpret=interpret
             )
     else:
 

@@ -10,14 +10,14 @@ target device holding that slice (`assemble`). No data passes through the host.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 import jax
 from jax.sharding import Sharding
 
+from scalerl_jax.models.sharding import Device
+
 Bounds = tuple[tuple[int, int], ...]  # per dimension (start, stop): hashable form of a slice tuple
-# jax binds Device as a variable (xla_client.Device), which type checkers refuse in annotations.
-Device: TypeAlias = jax.Device  # type: ignore
 
 
 def bounds_of(index: tuple[slice, ...], shape: Sequence[int]) -> Bounds:

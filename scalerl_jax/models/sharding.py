@@ -14,12 +14,15 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# jaxlib ships no stub for its C++ Device class, so type checkers see `jax.Device` as a variable.
+Device: TypeAlias = jax.Device  # pyright: ignore[reportInvalidTypeForm]
 
 MeshAxes = str | tuple[str, ...] | None
 Rules = Sequence[tuple[str, MeshAxes]]
@@ -166,7 +169,7 @@ def param_shardings(model_or_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULE
 
 
 def make_mesh(
-    shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, devices: Sequence[jax.Device] | None = None
+    shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, devices: Sequence[Device] | None = None
 ) -> Mesh:
     """A `Mesh` of `devices` (default: all) with the given shape; one entry may be -1 ("the rest")."""
     devices = list(jax.devices() if devices is None else devices)

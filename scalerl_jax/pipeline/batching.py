@@ -110,7 +110,7 @@ def plan_sorted_microbatches(
     )
 
 
-def padding_fraction(lengths: Sequence[int], padded_tokens: int) -> float:
+def padding_fraction(lengths: Sequence[int] | np.ndarray, padded_tokens: int) -> float:
     """1 - (sum of the sequence lengths) / (token positions computed): the share of padding."""
     return 1.0 - float(np.sum(lengths)) / padded_tokens
 

@@ -40,7 +40,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class EvalItem:
         return (EVAL_TAG, self.job, self.index)
 
 
-def is_evaluation(request_id: Hashable) -> bool:
+def is_evaluation(request_id: Hashable) -> TypeGuard[tuple[str, int, int]]:
     """Whether a sampler request id is an evaluation request's (`EvalItem.request_id`)."""
     return isinstance(request_id, tuple) and len(request_id) == 3 and request_id[0] == EVAL_TAG
 
@@ -118,21 +118,27 @@ class GeneratorLink(Protocol):
 
     def admit(self, version: int) -> Admission | None:
         """Admit one prompt generated from `version`, or None when the schedule refuses."""
+        ...
 
     def finish(self, admission: Admission, completions: Sequence[Any]) -> None:
         """Hand over the n completions of an admitted prompt (in sample order)."""
+        ...
 
     def take_evaluations(self, version: int, limit: int) -> list[EvalItem]:
         """Up to `limit` waiting evaluation requests of params versions <= `version` (oldest first)."""
+        ...
 
     def finish_evaluations(self, completions: Sequence[Completion]) -> None:
         """Hand back completions of evaluation requests (request ids `EvalItem.request_id`)."""
+        ...
 
     def epoch(self) -> int:
         """Counter bumped by every params push (see `GroupBuffer.epoch`)."""
+        ...
 
     def wait_admissible(self, version: int, *, epoch: int, timeout: float) -> bool:
         """Block an idle generator until admission is possible, a push happened, or `timeout`."""
+        ...
 
 
 WORD = 2**32  # the sampler's request streams, and every input of their derivation, are < WORD
@@ -364,6 +370,7 @@ class LocalLink:
 
     def evaluation_prompt(self, request_id: Hashable) -> list[int]:
         """The prompt of an evaluation request in progress (for completions sent without it)."""
+        assert is_evaluation(request_id), request_id
         _, job, index = request_id
         with self._cond:
             return list(self._jobs[job].prompts[index])
@@ -372,7 +379,9 @@ class LocalLink:
         with self._cond:
             self._raise_if_closed()
             for completion in completions:
-                _, job_id, index = completion.request_id
+                request_id = completion.request_id
+                assert is_evaluation(request_id), request_id
+                _, job_id, index = request_id
                 job = self._jobs[job_id]
                 newer = sorted(set(completion.versions) - {job.version})
                 if newer:
@@ -473,9 +482,11 @@ class GeneratorLoop:
             if evaluated:
                 self.link.finish_evaluations(evaluated)
             for completion in completions:
-                if is_evaluation(completion.request_id):
+                request_id = completion.request_id
+                if is_evaluation(request_id):
                     continue
-                group_id, sample = completion.request_id
+                assert isinstance(request_id, tuple), request_id  # (group_id, sample): see `_requests`
+                group_id, sample = request_id
                 admission, done = assembling[group_id]
                 done[sample] = completion
                 if len(done) == s.samples_per_prompt:

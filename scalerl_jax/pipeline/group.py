@@ -38,7 +38,7 @@ class Group:
     group_id: int
     prompt: Prompt
     admit_version: int
-    completions: tuple[Any, ...]
+    completions: Sequence[Any]  # any sequence in; stored as a tuple
     rewards: np.ndarray  # float32[n]
 
     def __post_init__(self) -> None:

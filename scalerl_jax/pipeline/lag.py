@@ -55,20 +55,28 @@ class Ticket:
 class Schedule(Protocol):
     """What the group buffer asks a schedule (see the module docstring)."""
 
-    groups_per_step: int
-    max_lag: int
+    # Read-only, so that frozen dataclasses satisfy the protocol.
+    @property
+    def groups_per_step(self) -> int: ...
+
+    @property
+    def max_lag(self) -> int: ...
 
     def admission_allowed(self, *, num_unconsumed: int, generator_version: int, next_batch_version: int) -> bool:
         """May one more group be admitted now?"""
+        ...
 
     def select_batch(self, tickets: Sequence[Ticket], next_batch_version: int) -> list[int] | None:
         """Group ids of the next batch (exactly `groups_per_step`), or None: wait."""
+        ...
 
     def should_push(self, new_version: int) -> bool:
         """Must params `new_version` be pushed to the generator?"""
+        ...
 
     def min_capacity(self) -> int:
         """Smallest buffer capacity (in groups) with which the schedule cannot deadlock."""
+        ...
 
 
 def _check_positive(name: str, value: int, minimum: int) -> None:

@@ -209,8 +209,9 @@ class _Simulation:
         self.next_batch_version = 0
         self.trainer_version = 0
         self.trainer_free = True
-        self.counters: collections.Counter = collections.Counter()
-        self.window_start: tuple[float, collections.Counter] | None = None
+        # Seconds (floats) and counts (whole numbers) by name; 0 until first added to.
+        self.counters: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.window_start: tuple[float, dict[str, float]] | None = None
         self.window_lags: list[int] = []
         self.window_spans: list[int] = []
         self.done_time: float | None = None
@@ -416,7 +417,7 @@ class _Simulation:
     def train_done(self, now: float) -> None:
         self.trainer_version += 1
         if self.trainer_version == self.warmup_steps:
-            self.window_start = (now, collections.Counter(self.counters))
+            self.window_start = (now, dict(self.counters))
         if self.trainer_version == self.num_steps:
             self.done_time = now
             return
@@ -430,9 +431,10 @@ class _Simulation:
     # ---------------------------------------------------------------- result
     def result(self, kind: str) -> SimResult:
         spec = self.spec
+        assert self.window_start is not None and self.done_time is not None, "result() after run()"
         start_time, start = self.window_start
         window = self.done_time - start_time
-        delta = {key: self.counters[key] - start[key] for key in self.counters}
+        delta = {key: self.counters[key] - start.get(key, 0.0) for key in self.counters}
         steps = self.num_steps - self.warmup_steps
         gen_busy = min(delta.get("generator_busy_s", 0.0) / (spec.num_generators * window), 1.0)
         slot_util = min(

@@ -334,8 +334,10 @@ class ContinuousBatcher:
                 if record is not None and self.engine.pages.group_of(slot) in short
             ]
             _, slot = max(candidates)
+            evicted = self._slots[slot]
+            assert evicted is not None  # a candidate
             self._state = self.engine.evict(self._state, [slot])
-            self._queue.appendleft(self._slots[slot].request)
+            self._queue.appendleft(evicted.request)
             self._slots[slot] = None
             self.counters["preempted"] += 1
 

@@ -280,14 +280,17 @@ class Prefix(NamedTuple):
 
 
 class SlotSettings(NamedTuple):
-    """Per-request settings written by `insert` (leading axis = the N inserted requests)."""
+    """Per-request settings written by `insert` (leading axis = the N inserted requests).
 
-    seed: jax.Array  # uint32[N] engine-level seed
-    stream: jax.Array  # uint32[N] request seed; key = fold_in(key(seed), stream)
-    max_new_tokens: jax.Array  # int32[N]
-    temperature: jax.Array  # float32[N]
-    stop_tokens: jax.Array  # int32[N, K], -1 padded
-    interrupt: jax.Array  # bool[N] apply forced interruption to this request
+    Built on the host as numpy arrays (`host_settings`); device arrays inside `insert`.
+    """
+
+    seed: jax.Array | np.ndarray  # uint32[N] engine-level seed
+    stream: jax.Array | np.ndarray  # uint32[N] request seed; key = fold_in(key(seed), stream)
+    max_new_tokens: jax.Array | np.ndarray  # int32[N]
+    temperature: jax.Array | np.ndarray  # float32[N]
+    stop_tokens: jax.Array | np.ndarray  # int32[N, K], -1 padded
+    interrupt: jax.Array | np.ndarray  # bool[N] apply forced interruption to this request
 
 
 class ChunkResult(NamedTuple):
@@ -666,7 +669,7 @@ class Engine:
         def put_cache(pool: jax.Array, part: jax.Array) -> jax.Array:
             return pool.at[:, groups, pages, offsets].set(part.astype(pool.dtype), mode="drop")
 
-        def put(field: jax.Array, value: jax.Array) -> jax.Array:
+        def put(field: jax.Array, value: jax.Array | np.ndarray) -> jax.Array:
             return field.at[slots].set(jnp.asarray(value).astype(field.dtype), mode="drop")
 
         request_keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(settings.seed, settings.stream)

@@ -40,6 +40,7 @@ class ComputeMeter:
         return self._interval_start is not None
 
     def _close_interval(self, now: float) -> None:
+        assert self._interval_start is not None, "callers check self.running first"
         hours = (now - self._interval_start) / SECONDS_PER_HOUR
         if hours < 0:
             raise ValueError(f"ComputeMeter: the clock went backwards by {-hours * SECONDS_PER_HOUR:.6g} s")
@@ -89,8 +90,9 @@ class ComputeMeter:
         """Totals so far, the open interval included up to now."""
         with self._lock:
             device_hours, wall_hours = self._device_hours, self._wall_hours
-            if self.running:
-                hours = (self._clock() - self._interval_start) / SECONDS_PER_HOUR
+            start = self._interval_start
+            if start is not None:  # running
+                hours = (self._clock() - start) / SECONDS_PER_HOUR
                 device_hours += hours * self._num_devices
                 wall_hours += hours
             return {

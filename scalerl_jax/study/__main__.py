@@ -28,7 +28,7 @@ from scalerl_jax.study.variants import expand_variants
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scalerl_jax.study", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="python -m scalerl_jax.study", description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False
     )
     parser.add_argument("--config", help="base config file ('file.py' or 'file.py:arg'), as main's --config")
     parser.add_argument("--variants", default="baseline", help="comma-separated: baseline, leave-one-out names, loo")

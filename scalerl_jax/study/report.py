@@ -54,7 +54,8 @@ def read_study(study_dir: Path) -> dict[str, list[RunCurve]]:
         raise ValueError(f"{study_dir}: no such study directory")
     runs = {}
     for variant in study_variants(study_dir):
-        seeds = sorted((s for s in (study_dir / variant).iterdir() if _seed_number(s) is not None), key=_seed_number)
+        numbered = [(n, s) for s in (study_dir / variant).iterdir() if (n := _seed_number(s)) is not None]
+        seeds = [s for _, s in sorted(numbered, key=lambda pair: pair[0])]
         curves = [
             read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True) for s in seeds if has_evaluation(s)
         ]

@@ -42,6 +42,8 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise ValueError(f"study base config {path!r} is not a file")
     module_spec = importlib.util.spec_from_file_location(f"_study_base_{abs(hash(path))}", path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"study base config {path!r} cannot be imported as a python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
     module_spec.loader.exec_module(module)
