@@ -124,8 +124,9 @@ def perturbed(params, seed: int, scale: float = 0.05):
     )
 
 
-def make_run_dir(run_dir: str, config, *, step_seeds: dict[int, int]) -> dict[int, object]:
-    """Writes config.json and one checkpoint per step (params = base + noise of seed `step_seeds[step]`);
+def make_run_dir(run_dir: str, config, *, step_seeds: dict[int, int | None]) -> dict[int, object]:
+    """Writes config.json and one checkpoint per step (params = base + noise of seed `step_seeds[step]`, the
+    base itself where it is None);
     returns {step: params}."""
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.json"), "w") as f:

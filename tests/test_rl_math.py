@@ -440,16 +440,18 @@ def test_prompt_aggregation_gives_each_prompt_equal_weight():
     logp = np.full((6, 6), -1.0, np.float32)
     adv = np.ones(6, np.float32)
 
-    def per_prompt_weight(aggregation):
+    def per_row_weight(aggregation):
         fn = lambda lp: rl.policy_loss(lp, logp, adv, mask, group_ids, objective="cispo", aggregation=aggregation)[0]
-        row_total = -np.asarray(jax.grad(fn)(logp)).sum(axis=1)
+        return -np.asarray(jax.grad(fn)(logp)).sum(axis=1)
+
+    def per_prompt_weight(aggregation):
+        row_total = per_row_weight(aggregation)
         return [row_total[group_ids == g].sum() for g in (0, 2, 4)]
 
     np.testing.assert_allclose(per_prompt_weight("prompt"), [1 / 3] * 3, rtol=1e-6)
     np.testing.assert_allclose(per_prompt_weight("token"), [5 / 16, 9 / 16, 2 / 16], rtol=1e-6)
-    weights = np.asarray(rl.aggregation_weights(mask, group_ids, aggregation="sample"))
     # 'sample': 5 non-empty sequences, each of total weight 1/5, the empty one 0.
-    np.testing.assert_allclose(weights.sum(axis=1), [0.2] * 5 + [0.0], rtol=1e-6)
+    np.testing.assert_allclose(per_row_weight("sample"), [0.2] * 5 + [0.0], rtol=1e-6)
 
 
 def test_batch_normalization_uses_std_over_valid_samples_only():

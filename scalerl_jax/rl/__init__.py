@@ -9,7 +9,6 @@ and metrics with these functions: advantages and row scales over the whole batch
 from scalerl_jax.rl.advantages import NORMALIZATIONS, compute_advantages
 from scalerl_jax.rl.aggregation import (
     AGGREGATIONS,
-    aggregation_weights,
     count_sequences_and_prompts,
     effective_mask,
     row_scales,
@@ -30,7 +29,6 @@ __all__ = [
     "NORMALIZATIONS",
     "OBJECTIVES",
     "PolicySums",
-    "aggregation_weights",
     "combine_policy_sums",
     "compute_advantages",
     "count_sequences_and_prompts",

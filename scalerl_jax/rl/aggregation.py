@@ -24,7 +24,6 @@ from jax.typing import ArrayLike
 
 from scalerl_jax.rl.groups import (
     as_row_mask,
-    check_group_ids,
     check_rank,
     group_sum,
     safe_divide,
@@ -66,32 +65,6 @@ def row_scales(tokens_per_row: ArrayLike, group_ids: ArrayLike, *, aggregation: 
         return safe_divide(1.0, tokens_per_row * jnp.sum(tokens_per_row > 0))
     tokens_per_group = group_sum(tokens_per_row, group_ids)
     return safe_divide(1.0, tokens_per_group[group_ids] * jnp.sum(tokens_per_group > 0))
-
-
-def aggregation_weights(
-    loss_mask: ArrayLike,
-    group_ids: ArrayLike,
-    *,
-    aggregation: str,
-    valid: ArrayLike | None = None,
-) -> jax.Array:
-    """Per-token weights float32[B,T] ``w = m * s[:, None]`` whose weighted sum of per-token terms is
-    the aggregated loss.
-
-    Args:
-      loss_mask: float/bool[B,T], 1 on tokens that enter the loss (sampled completion tokens).
-      group_ids: int[B] prompt index in ``[0, B)``.
-      aggregation: 'prompt' | 'sample' | 'token' (formulas in the module docstring).
-      valid: optional bool/float[B]; rows with ``valid == 0`` leave the loss entirely (as if their
-        mask were all zero), e.g. padding rows and rows of zero-variance prompts.
-
-    Returns:
-      float32[B,T] non-negative weights summing to 1 (or to 0 when no token is valid).
-    """
-    mask = effective_mask(loss_mask, valid)
-    group_ids = jnp.asarray(group_ids)
-    check_group_ids(group_ids, mask.shape[0])
-    return mask * row_scales(jnp.sum(mask, axis=1), group_ids, aggregation=aggregation)[:, None]
 
 
 def count_sequences_and_prompts(tokens_per_row: ArrayLike, group_ids: ArrayLike) -> tuple[jax.Array, jax.Array]:
