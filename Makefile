@@ -6,13 +6,19 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test]'
+	$(PY) -m pip install -e '.[test,lint]'
 	touch $@
 
-.PHONY: demo test
+.PHONY: demo test lint
 # The tiny config splits the CPU into two devices itself (mesh.cpu_devices): one generates, one trains.
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny
 
-test: $(VENV)/.installed
+# Style (ruff format and lint) and types (pyright, basic) first: they take seconds, the tests minutes.
+test: lint
 	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pyright
