@@ -1,4 +1,4 @@
-"""Decode cost against max_len: does a step follow the live tokens or the cache length? (issue 14)
+"""Decode cost against max_len: does a step follow the live tokens or the cache length?
 
 1. Step time at the same live length (prompt `--live` tokens, one chunk of decode steps) with
    max_len 256 and 4096, for the engine's live window and, as the in-process baseline, the same

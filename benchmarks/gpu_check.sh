@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issue 14 (long sequences) on one H200, within 10 minutes. Stages, each under `timeout`:
+# GPU check of the long-sequence paths on one H200, within 10 minutes. Stages, each under `timeout`:
 #   env            jax devices and nvidia-smi
 #   paged_attention Pallas paged decode attention vs an XLA reference on random paged inputs (8B heads, 16k)
 #   decode_xla     8B-shaped decode, 64 slots, max_len 16384, decode_kernel xla: HBM fraction on weights + live KV

@@ -1,4 +1,4 @@
-"""Decode writes the KV cache in place and attends over a live window (issue 14).
+"""Decode writes the KV cache in place and attends over a live window.
 
 References: a float64 numpy softmax attention written here, the compiled executable's own memory
 analysis, and the same engine run with the window pinned to max_len (full-length attention).

@@ -1,4 +1,4 @@
-"""Paged KV cache (issue 14): page bookkeeping, attention over pages, a short pool, no compile and
+"""Paged KV cache: page bookkeeping, attention over pages, a short pool, no compile and
 no host read on the decode path after warm-up, no page moved between devices.
 
 References: page counts worked out by hand, a float64 numpy attention that assembles each slot's

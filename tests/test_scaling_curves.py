@@ -81,7 +81,7 @@ def test_bad_curve_arguments(call, message):
 
 
 def test_scaling_package_imports_only_numpy_scipy_matplotlib():
-    # DESIGN.md: scaling/ imports nothing from the rest of the package and no jax.
+    # The fits are pure math: scaling/ imports nothing from the rest of the package and no jax.
     import ast
     import pathlib
 

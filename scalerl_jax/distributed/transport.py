@@ -21,6 +21,7 @@ from typing import Any
 from scalerl_jax.distributed.remote_generator import GeneratorPush
 from scalerl_jax.distributed.roles import Roles
 from scalerl_jax.distributed.trainer_group import TrainerGroup
+from scalerl_jax.sampler import Batcher
 
 TRAIN = "train"  # the purpose of every offer (the followers' protocol names one)
 
@@ -52,7 +53,7 @@ class LeaderTransport:
         *,
         group: TrainerGroup | None,
         offer: Callable[[str, int, Any], None] | None,
-        local_batcher: Any,
+        local_batcher: Batcher | None,
         local_pull: Callable[[int], Any] | None,
         remote: GeneratorPush | None,
     ):

@@ -14,8 +14,8 @@ Trainer thread: takes the batch the schedule selects (waiting if needed), builds
 arrays (`batching.py`), runs the train step and reports a `StepRecord` through `on_step`
 (metrics, per-completion versions, the new train state), after pushing params version v + 1 to
 the sampler when the schedule asks for it (`push_params`, by default `batcher.update_params`: a
-`jax.device_put` copy onto the sampler's shardings, adopted at the sampler's next chunk boundary
-while in-flight sequences keep their KV cache; `pipeline/push_s`).
+device-to-device copy onto the sampler's shardings, `models.reshard.push_local`, adopted at the
+sampler's next chunk boundary while in-flight sequences keep their KV cache; `pipeline/push_s`).
 
 Evaluation. `on_start(sample_eval)` (before the first batch) and `on_step(record, sample_eval)`
 run in the trainer thread and receive the evaluation sampler, `sample_eval(version, prompts) ->
