@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import small_llama
+from test_pipeline_real import prompt_source
 
 from scalerl_jax.data.pool import PromptPool
 from scalerl_jax.distributed.channel import decode, encode
@@ -29,7 +31,7 @@ from scalerl_jax.distributed.messages import (
     eval_item_to_message,
 )
 from scalerl_jax.distributed.weight_push import transfer_uuid
-from scalerl_jax.models import Transformer, get_preset
+from scalerl_jax.models import Transformer
 from scalerl_jax.pipeline.generator import EVALUATION_DOMAIN, Admission, EvalItem, evaluation_seed, request_seed
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
@@ -173,31 +175,10 @@ class SeedRecordingBatcher(ContinuousBatcher):
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny random Llama and its engine, compiled once for the module."""
-    config = get_preset(
-        "tiny-llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    config = small_llama()
     graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     engine = Engine(graphdef, config, EngineConfig(num_slots=4, max_len=MAX_LEN, chunk_size=4))
     return types.SimpleNamespace(engine=engine, params=params)
-
-
-def prompt_source():
-    """Prompt number i is a function of i alone (as a restored prompt pool hands them out)."""
-    count = itertools.count()
-
-    def next_prompt():
-        key = next(count)
-        rng = np.random.default_rng(key)
-        return Prompt(key, tuple(rng.integers(3, 64, size=int(rng.integers(3, 7))).tolist()))
-
-    return next_prompt
 
 
 def keep_params(state, batch):

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import small_llama
 
-from scalerl_jax.models import Transformer, get_preset, make_mesh
+from scalerl_jax.models import Transformer, make_mesh
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
@@ -29,16 +30,7 @@ class Setup:
     reference_engine: Engine  # set by test_pipeline_evaluation's fixture
 
     def __init__(self):
-        self.config = get_preset(
-            "tiny-llama",
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=8,
-        )
+        self.config = small_llama()
         model = Transformer(self.config, rngs=nnx.Rngs(0))
         self.graphdef, self.params = nnx.split(model)
         self.engine = Engine(self.graphdef, self.config, EngineConfig(num_slots=4, max_len=MAX_LEN, chunk_size=4))

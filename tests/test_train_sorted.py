@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from small_models import small_llama
 
 from scalerl_jax.batch_layout import sorted_batch_key, split_sorted_batch
-from scalerl_jax.models import Transformer, get_preset, make_mesh
+from scalerl_jax.models import Transformer, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch, octave_buckets, padding_fraction, plan_sorted_microbatches
 from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.sampler import Completion
@@ -114,16 +115,7 @@ BUCKETS = (8, 16, 40, 64)
 
 @pytest.fixture(scope="module")
 def model_parts():
-    config = get_preset(
-        "tiny-llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    config = small_llama(VOCAB)
     return nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
 
 

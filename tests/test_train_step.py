@@ -15,10 +15,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from small_models import small_llama
 
 from scalerl_jax import recipe
 from scalerl_jax.batch_layout import validate_batch
-from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
+from scalerl_jax.models import Transformer, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
     TrainStepConfig,
@@ -36,16 +37,7 @@ EPS_STD = 1e-6  # added to the batch std of the advantages
 
 
 def _tiny_config():
-    return get_preset(
-        "tiny-llama",
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-    )
+    return small_llama()
 
 
 # ---------------------------------------------------------------------------------------------
