@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from scalerl_jax import recipe
 from scalerl_jax.data.answers import ANSWER_FORMATS
@@ -302,6 +303,98 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
     return problems
 
 
+def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
+    """Settings that another key makes irrelevant: `(problems, warnings)`, each naming both keys.
+
+    Refused (problems): a setting whose being ignored changes what the run trains, so the run
+    would not be the one asked for: `model.checkpoint` beside a `warm_start` section (the
+    warm-started policy is trained instead), `data.path` under the synthetic task (the generated
+    task is trained instead), `rl.refill_zero_variance` with `rl.zero_variance_filter` off (the
+    refill filters anyway). Warned about (one line each): a value the run ignores without
+    changing what it trains: clip ranges of an objective that does not read them, the positive
+    pass rate without No-Positive-Resampling, interruption or a think-end tag under
+    `answer_format='plain'`, a length penalty that starts past `sampler.max_new_tokens`,
+    `data.reward_correct` beside a custom reward, a wandb mode without a project. Keys with a
+    default are flagged only when they differ from the baseline recipe's value, so a config that
+    merely carries the defaults (every shipped one) gets no line. Assumes `check_values` passed.
+    """
+    problems: list[str] = []
+    warnings: list[str] = []
+    baseline = recipe.scalerl_8b()
+    d, rl, s = config.data, config.rl, config.sampler
+
+    def changed(key: str) -> bool:
+        return _get(config, key) != _get(baseline, key)
+
+    if "warm_start" in config and config.model.checkpoint:
+        problems.append(
+            f"config key `model.checkpoint` = {config.model.checkpoint!r} is not used: this config has a "
+            "`warm_start` section, which builds and trains its own policy (configs/tiny.py). To train that "
+            "checkpoint, use a config without `warm_start` (e.g. configs/scalerl_8b.py); to train the "
+            "warm-started policy, leave `model.checkpoint` empty"
+        )
+    if d.dataset == "synthetic" and d.path:
+        problems.append(
+            f"config key `data.path` = {d.path!r} is not used: `data.dataset` = 'synthetic' trains on the "
+            "generated arithmetic task; set `data.dataset` to 'jsonl' or 'polaris_53k' to train on the file"
+        )
+    if rl.refill_zero_variance and not rl.zero_variance_filter:
+        problems.append(
+            "config keys `rl.refill_zero_variance` = True and `rl.zero_variance_filter` = False contradict each "
+            "other: refilling drops zero-variance groups and samples new ones, so the run would filter them. "
+            "Set `rl.zero_variance_filter` = True for DAPO's dynamic sampling, or `rl.refill_zero_variance` = "
+            "False to train on every group"
+        )
+    if rl.objective == "cispo":
+        for key in ("rl.eps_low", "rl.eps_high"):
+            if changed(key):
+                warnings.append(
+                    f"config key `{key}` = {_get(config, key)!r} has no effect: `rl.objective` = 'cispo' "
+                    "truncates the importance weight at `rl.eps_max` and clips nothing"
+                )
+    elif changed("rl.eps_max"):
+        warnings.append(
+            f"config key `rl.eps_max` = {rl.eps_max!r} has no effect: `rl.objective` = {rl.objective!r} clips "
+            "the ratio at `rl.eps_low` / `rl.eps_high`; only cispo reads `rl.eps_max`"
+        )
+    if not rl.no_positive_resampling and changed("rl.positive_pass_rate"):
+        warnings.append(
+            f"config key `rl.positive_pass_rate` = {rl.positive_pass_rate!r} has no effect: "
+            "`rl.no_positive_resampling` = False retires no prompts"
+        )
+    if d.answer_format == "plain":
+        if rl.length_control == "interruption":
+            warnings.append(
+                "config key `rl.length_control` = 'interruption' has no effect: `data.answer_format` = 'plain' "
+                "has no think phase to interrupt, so completions end only at `sampler.max_new_tokens`; set "
+                "`rl.length_control` to 'none' or 'length_penalty' to say so"
+            )
+        if changed("sampler.think_end"):
+            warnings.append(
+                f"config key `sampler.think_end` = {s.think_end!r} has no effect: `data.answer_format` = "
+                "'plain' takes the last box of the whole completion and nothing interrupts thinking"
+            )
+    start = rl.length_penalty_max - rl.length_penalty_cache
+    if rl.length_control == "length_penalty" and start >= s.max_new_tokens:
+        warnings.append(
+            f"config keys `rl.length_penalty_max` = {rl.length_penalty_max} and `rl.length_penalty_cache` = "
+            f"{rl.length_penalty_cache} have no effect: the penalty starts past {start} tokens, and "
+            f"`sampler.max_new_tokens` = {s.max_new_tokens} ends every completion before that"
+        )
+    if d.reward_fn and changed("data.reward_correct"):
+        warnings.append(
+            f"config key `data.reward_correct` = {d.reward_correct!r} has no effect: the custom reward "
+            f"`data.reward_fn` = {d.reward_fn!r} gives every reward (`data.reward_incorrect` still scores "
+            "its failures)"
+        )
+    if not config.logging.wandb_project and changed("logging.wandb_mode"):
+        warnings.append(
+            f"config key `logging.wandb_mode` = {config.logging.wandb_mode!r} has no effect: "
+            "`logging.wandb_project` is empty, so nothing is sent to Weights & Biases"
+        )
+    return problems, warnings
+
+
 def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     """Local inputs exist (nothing is downloaded at run time)."""
     problems = []
@@ -435,14 +528,25 @@ def check_resume(
         )
 
 
-def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None, check_files: bool = True) -> None:
-    """All checks; raises one ConfigError listing every problem found."""
+def validate(
+    config: ml_collections.ConfigDict, *, num_devices: int | None = None, check_files: bool = True
+) -> list[str]:
+    """All checks; raises one ConfigError listing every problem found. Settings the config makes
+    irrelevant (`check_irrelevant`) are problems or warnings; each warning is logged as one
+    `config: ...` line, and the warnings are returned."""
     problems = check_known_keys(config)
+    warnings: list[str] = []
     if not problems:
         problems += check_values(config)
+        if not problems:
+            irrelevant, warnings = check_irrelevant(config)
+            problems += irrelevant
         if check_files:
             problems += check_paths(config)
     if problems:
         raise ConfigError(problems)
     if num_devices is not None:
         check_devices(config, num_devices)
+    for warning in warnings:
+        logging.warning("config: %s", warning)
+    return warnings
