@@ -21,6 +21,13 @@ import ml_collections
 from scalerl_jax import data as data_lib
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
+from scalerl_jax.models.hf_tokenizer import (
+    GENERATION_CONFIG_FILE,
+    MODEL_CONFIG_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    read_json,
+)
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Request
 from scalerl_jax.sampler.engine import interrupts
 
@@ -33,6 +40,42 @@ def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokeniz
             f"think-end tag `sampler.think_end` = {config.sampler.think_end!r} as a token of the checkpoint's "
             f"tokenizer, and {os.path.join(checkpoint_dir, 'tokenizer.json')} has none. For a base model "
             "without a think phase set --config.data.answer_format=plain"
+        )
+
+
+def check_token_ids(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str) -> None:
+    """Every id the run feeds the model or stops on is a row of the model's embedding: the named
+    special tokens, the stop ids and (when the run interrupts thinking) the think-end tag must be
+    below `config.json`'s `vocab_size`. An id past it would be clamped by the gather on device (a
+    wrong row, silently) or never sampled; ConfigError naming the ids and the files. A config.json
+    without an integer `vocab_size` is left to the model loader, which names it."""
+    config_file = os.path.join(checkpoint_dir, MODEL_CONFIG_FILE)
+    if not os.path.isfile(config_file):
+        return
+    try:
+        vocab_size = read_json(config_file).get("vocab_size")
+    except (ValueError, AttributeError):
+        return  # malformed: the model loader names it
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        return
+    tokenizer = tokens.tokenizer
+    outside = []
+    for field, token in tokens.special_tokens.items():
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None and token_id >= vocab_size:
+            outside.append(f"{field} {token!r} = {token_id}")
+    stops = [i for i in tokens.stop_ids if i >= vocab_size]
+    if stops:
+        outside.append(f"stop ids {stops}")
+    think_end = tokenizer.token_to_id(config.sampler.think_end)
+    if interrupts(config) and think_end is not None and think_end >= vocab_size:
+        outside.append(f"think-end tag `sampler.think_end` {config.sampler.think_end!r} = {think_end}")
+    if outside:
+        files = ", ".join((TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE))
+        raise ConfigError(
+            f"{config_file}: vocab_size = {vocab_size}, but the tokenizer files of {checkpoint_dir} ({files}) "
+            f"give ids outside it: {'; '.join(outside)}. The model has no rows for them: a tokenizer from "
+            "another model?"
         )
 
 

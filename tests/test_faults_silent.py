@@ -31,6 +31,7 @@ from scalerl_jax import data as data_lib
 from scalerl_jax import recipe
 from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import ConfigError, check_irrelevant, validate
+from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.run.build import TaskData, build_policy_source, make_reward_fn
@@ -224,7 +225,7 @@ def reward_parts(config, *, time_limit_s: float = 5.0):
     """make_reward_fn on one training prompt (PROBLEM, gold '42') with a real verify pool."""
     reward_config = data_lib.RewardConfig.from_config(config)
     verify_pool = data_lib.VerifyPool(1, time_limit_s=time_limit_s, reward_fn=reward_config.reward_fn)
-    tallies = data_lib.RewardTallies()
+    tallies = RewardTallies()
     task = TaskData([PROBLEM], [[1, 2]], ["42"], [], 0)
     tokens = cast(Any, SimpleNamespace(tokenizer=SimpleNamespace(decode=decode)))
     pool = data_lib.PromptPool(1, seed=0, npr_threshold=None)
@@ -304,7 +305,7 @@ def test_s3_custom_reward_errors_on_training_items_are_counted(caplog):
     assert warnings_of(caplog) == [
         first_item_line("error", "data/reward_errors", "raised RuntimeError: cannot score gold '42'")
     ]
-    restored = data_lib.RewardTallies()
+    restored = RewardTallies()
     restored.load_state_dict(json.loads(json.dumps(tallies.state_dict())))  # as the checkpoint stores it
     assert restored.metrics() == counts(errors=4)
 
@@ -379,10 +380,12 @@ def test_s7_tokenizer_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     model_config = json.loads((tmp_path / "model" / "config.json").read_text())
     model_config["vocab_size"] = min(tokens.stop_ids)  # every stop id and the think-end tag fall outside
     (tmp_path / "model" / "config.json").write_text(json.dumps(model_config))
-    outside = [f"eos_token {tokens.eos_token!r} = {tokens.eos_id}"]
-    if tokens.pad_id >= model_config["vocab_size"]:
-        outside.append(f"pad_token {tokens.pad_token!r} = {tokens.pad_id}")
-    outside.append(f"stop ids {list(tokens.stop_ids)}")
+    assert tokens.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    outside = [
+        f"eos_token '<|im_end|>' = {tokens.eos_id}",
+        f"pad_token '<|endoftext|>' = {tokens.pad_id}",
+        f"stop ids {list(tokens.stop_ids)}",
+    ]
     outside.append(f"think-end tag `sampler.think_end` {'</think>'!r} = {think_end}")
     expected = (
         f"{checkpoint}/config.json: vocab_size = {model_config['vocab_size']}, but the tokenizer files of "

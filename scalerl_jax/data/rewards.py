@@ -17,6 +17,11 @@ error, timeout, crash) ``incorrect_reward`` (-1). With a custom ``reward_fn`` it
 reward instead (timeouts, errors and crashes still get ``incorrect_reward``), and an item counts
 as correct when its reward is > 0. Every outcome is counted by category, so format failures and
 timeouts show up in the metrics.
+
+Items the reward itself failed on (``FAILURE_METRICS``: an error, a timeout, a crash of the
+worker, an answer math-verify cannot parse) are counted for the whole run by ``RewardTallies``
+(checkpointed with the run state), one ``RewardTally`` per scope: training under ``data/``, each
+evaluation set under its own prefix; the first item of each kind in a scope is logged once.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import ml_collections
 import numpy as np
+from absl import logging
 
 from scalerl_jax.data import answers, verify_pool
 from scalerl_jax.data.answers import (
@@ -50,8 +56,11 @@ __all__ = [
     "FAST_NOT_EQUAL",
     "NO_BOX",
     "NO_THINK_END",
+    "FAILURE_METRICS",
     "OUTCOMES",
     "RewardConfig",
+    "RewardTallies",
+    "RewardTally",
     "ScoredBatch",
     "as_integer",
     "check_reward_fn",
@@ -129,7 +138,8 @@ class ScoredBatch:
     """Rewards and outcomes of a batch; ``counts`` has every category of ``OUTCOMES``.
 
     ``predictions[i]`` is the extracted answer (the last box's content) or None where there is
-    none (format failure) or the worker did not answer (timeout, crash).
+    none (format failure) or the worker did not answer (timeout, crash); ``details[i]`` says why
+    an item is an error, a timeout, a crash or unparsable ('' otherwise; empty when not known).
     """
 
     rewards: np.ndarray  # float32[N]
@@ -137,6 +147,7 @@ class ScoredBatch:
     outcomes: list[str]
     counts: dict[str, int]
     predictions: list[str | None]
+    details: list[str] = dataclasses.field(default_factory=list)
 
 
 def score_completions(
@@ -195,8 +206,130 @@ def score_completions(
     )
     counts = {name: outcomes.count(name) for name in OUTCOMES}
     return ScoredBatch(
-        rewards=rewards, correct=correct, outcomes=outcomes, counts=counts, predictions=[r.prediction for r in results]
+        rewards=rewards,
+        correct=correct,
+        outcomes=outcomes,
+        counts=counts,
+        predictions=[r.prediction for r in results],
+        details=[r.detail for r in results],
     )
+
+
+# Outcomes where the reward failed rather than judged (the item gets `incorrect_reward`), and the
+# name of each one's cumulative count (`<prefix>/<name>`).
+FAILURE_METRICS = {
+    answers.ERROR: "reward_errors",
+    answers.TIMEOUT: "reward_timeouts",
+    answers.CRASH: "reward_crashes",
+    answers.UNPARSABLE: "reward_unparsable",
+}
+ITEMS_METRIC = "reward_items"
+
+
+def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str) -> str:
+    if outcome == answers.UNPARSABLE:
+        side = f"the gold answer {gold!r}" if detail == "gold" else f"the prediction {prediction!r}"
+        return f"math-verify could not parse {side}"
+    return detail or "no detail"
+
+
+class RewardTally:
+    """Cumulative counts of one scope's scored items and of those the reward failed on
+    (``FAILURE_METRICS``); the first item of each failure kind is logged once (a warning naming
+    the item's problem prefix, its gold and the reason). Thread safe."""
+
+    def __init__(self, prefix: str, what: str):
+        self.prefix, self._what = prefix, what
+        self._lock = threading.Lock()
+        self._items = 0
+        self._failures = dict.fromkeys(FAILURE_METRICS, 0)
+        self._logged: set[str] = set()
+
+    def add(self, scored: ScoredBatch, problems: Sequence[str], golds: Sequence[str]) -> None:
+        """Counts the items of ``scored`` (``problems[i]``, ``golds[i]`` are item i's)."""
+        first: list[int] = []
+        with self._lock:
+            self._items += len(scored.outcomes)
+            for index, outcome in enumerate(scored.outcomes):
+                if outcome in self._failures:
+                    self._failures[outcome] += 1
+                    if outcome not in self._logged:
+                        self._logged.add(outcome)
+                        first.append(index)
+        for index in first:
+            outcome, problem, gold = scored.outcomes[index], problems[index], golds[index]
+            detail = scored.details[index] if index < len(scored.details) else ""
+            reason = _failure_reason(outcome, detail, scored.predictions[index], gold)
+            logging.warning(
+                "reward %s on %s (counted in %s/%s; only the first is logged): problem %s, gold %r: %s",
+                outcome,
+                self._what,
+                self.prefix,
+                FAILURE_METRICS[outcome],
+                repr(problem[:60]) + ("..." if len(problem) > 60 else ""),
+                gold,
+                reason,
+            )
+
+    def metrics(self) -> dict[str, int]:
+        """``{prefix}/reward_items`` and one ``{prefix}/<FAILURE_METRICS name>`` per failure kind."""
+        with self._lock:
+            counts = {f"{self.prefix}/{ITEMS_METRIC}": self._items}
+            counts.update({f"{self.prefix}/{name}": self._failures[o] for o, name in FAILURE_METRICS.items()})
+            return counts
+
+    def state_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {"items": self._items, **self._failures}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        with self._lock:
+            self._items = int(state.get("items", 0))
+            for outcome in self._failures:
+                self._failures[outcome] = int(state.get(outcome, 0))
+
+
+class RewardTallies:
+    """The run's ``RewardTally`` per scope: ``training`` (prefix ``data``) and one per evaluation
+    set (``evaluation(name)``, prefix ``name``), created on first use. Saved with the run state."""
+
+    TRAINING = "data"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tallies: dict[str, RewardTally] = {}
+
+    def _get(self, prefix: str, what: str) -> RewardTally:
+        with self._lock:
+            if prefix not in self._tallies:
+                self._tallies[prefix] = RewardTally(prefix, what)
+            return self._tallies[prefix]
+
+    @property
+    def training(self) -> RewardTally:
+        return self._get(self.TRAINING, "a training item")
+
+    def evaluation(self, name: str) -> RewardTally:
+        return self._get(name, f"an item of evaluation set {name!r}")
+
+    def metrics(self) -> dict[str, int]:
+        """Every scope's counts (the training scope always, so that every row carries them)."""
+        self.training  # noqa: B018 - created if no item was scored yet
+        with self._lock:
+            tallies = list(self._tallies.values())
+        return {key: value for tally in tallies for key, value in tally.metrics().items()}
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            tallies = dict(self._tallies)
+        return {prefix: tally.state_dict() for prefix, tally in tallies.items()}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, int]]) -> None:
+        for prefix, counts in state.items():
+            if prefix == self.TRAINING:
+                self.training.load_state_dict(counts)
+            else:
+                self.evaluation(prefix).load_state_dict(counts)
 
 
 def check_reward_fn(spec: str, *, time_limit_s: float = 5.0) -> None:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.data.rows import read_rows
 from scalerl_jax.distributed.roles import Roles
 from scalerl_jax.distributed.transport import TRAIN, Routes
@@ -35,7 +36,7 @@ from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, sampling_settings
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.sampling_setup import check_think_end, make_prompt_encoder
+from scalerl_jax.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
@@ -56,10 +57,13 @@ class PolicySource:
 
 
 def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> PolicySource:
-    """The warm-started tiny policy (built if needed) or `model.checkpoint`, with its tokenizer."""
+    """The warm-started tiny policy (built if needed) or `model.checkpoint`, with its tokenizer
+    (checked: the think-end tag when interrupting, every special and stop id inside the model's
+    vocabulary)."""
     checkpoint_dir = build_warm_start(config, workdir) if "warm_start" in config else config.model.checkpoint
     tokens = load_checkpoint_tokenizer(checkpoint_dir)
     check_think_end(config, tokens, checkpoint_dir)
+    check_token_ids(config, tokens, checkpoint_dir)
     return PolicySource(checkpoint_dir, tokens, make_prompt_encoder(config, tokens, checkpoint_dir))
 
 
@@ -265,8 +269,10 @@ def make_reward_fn(
     verify_pool: data_lib.VerifyPool,
     pool: data_lib.PromptPool,
     task: TaskData,
+    tallies: RewardTallies,
 ) -> Callable[[Prompt, Sequence[Any]], list[float]]:
-    """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history."""
+    """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history,
+    count the items the reward failed on in `tallies.training` (`data/reward_*`)."""
     length_shaping = config.rl.length_control == "length_penalty"
 
     def reward_fn(prompt: Prompt, completions: Sequence[Any]) -> list[float]:
@@ -276,6 +282,7 @@ def make_reward_fn(
         problems = [task.train_problems[index]] * len(texts)
         golds = [task.train_golds[index]] * len(texts)
         scored = data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
+        tallies.training.add(scored, problems, golds)
         rewards = np.asarray(scored.rewards, np.float32)
         if length_shaping:
             lengths = jnp.asarray([len(c.tokens) for c in completions], jnp.float32)

@@ -11,6 +11,7 @@ from typing import Any
 import ml_collections
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.run.build import EvalSet, PolicySource, TaskData
 from scalerl_jax.sampler import Completion
 
@@ -34,7 +35,7 @@ class Evaluator:
     """`evaluate(version, sample_eval)`: the metrics of all sets (held-out under `eval/`, extras
     under `eval_<name>/`); for the first `eval.samples_logged` held-out prompts, every sample
     (rendered prompt, completion, extracted answer, gold, reward, finish reason) is appended to
-    the samples file."""
+    the samples file. Items the reward failed on are counted per set in `tallies` (`<set>/reward_*`)."""
 
     def __init__(
         self,
@@ -44,10 +45,12 @@ class Evaluator:
         reward_config: data_lib.RewardConfig,
         verify_pool: data_lib.VerifyPool,
         samples_path: str,
+        tallies: RewardTallies,
     ):
         self._config, self._task, self._source = config, task, source
         self._reward_config, self._pool = reward_config, verify_pool
         self._samples_path = samples_path
+        self._tallies = tallies
 
     def evaluate(self, version: int, sample_eval: SampleEval) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -58,6 +61,7 @@ class Evaluator:
     def _evaluate_set(self, eval_set: EvalSet, version: int, sample_eval: SampleEval) -> dict[str, float]:
         samples = self._config.eval.samples_per_prompt
         problems = [p for p in eval_set.problems for _ in range(samples)]
+        tally = self._tallies.evaluation(eval_set.name)
         captured: dict[str, Any] = {}
 
         def sample(prompts: Sequence[Sequence[int]]) -> list[Completion]:
@@ -69,6 +73,7 @@ class Evaluator:
             captured["scored"] = data_lib.score_completions(
                 texts, golds, self._reward_config, pool=self._pool, problems=problems
             )
+            tally.add(captured["scored"], problems, golds)
             return captured["scored"]
 
         result = data_lib.evaluate(

@@ -139,7 +139,9 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
         run_state,
         MetricsWriter(workdir, resume_offset=resumed.metrics_offset),
         _extra_sinks(ctx),
-        Evaluator(config, task, source, reward_config, verify_pool, os.path.join(workdir, SAMPLES_FILE)),
+        Evaluator(
+            config, task, source, reward_config, verify_pool, os.path.join(workdir, SAMPLES_FILE), run_state.rewards
+        ),
         checkpointer,
         group,
         trainer.state,
@@ -154,7 +156,9 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
         pipeline_config(config, source.tokens, trainer, ctx.roles, start_step),
         batcher=batcher,
         prompt_source=prompt_source,
-        reward_fn=make_reward_fn(config, source.tokens, reward_config, verify_pool, run_state.pool, task),
+        reward_fn=make_reward_fn(
+            config, source.tokens, reward_config, verify_pool, run_state.pool, task, run_state.rewards
+        ),
         train_step=group.train_step,
         train_state=trainer.state,
         push_params=transport.push,

@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.distributed.trainer_group import TrainerGroup
 from scalerl_jax.metrics import MetricsWriter, format_progress
 from scalerl_jax.pipeline.pipeline_rl import StepRecord
@@ -42,6 +43,8 @@ class RunState:
     pool: data_lib.PromptPool
     meter: ComputeMeter
     nonfinite_steps: int = 0
+    # Items the reward failed on, per scope (training, each evaluation set): data/reward_* etc.
+    rewards: RewardTallies = dataclasses.field(default_factory=RewardTallies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,10 @@ def resume_run_state(saved: dict | None, run_state: RunState) -> Resumed:
     run_state.pool.load_state_dict(saved["pool"])
     run_state.meter.load_state_dict(saved["meter"])
     run_state.nonfinite_steps = int(saved["nonfinite_steps"])
+    if "rewards" in saved:
+        run_state.rewards.load_state_dict(saved["rewards"])
+    else:  # a checkpoint written before the reward counts existed
+        logging.warning("the checkpoint has no reward failure counts: data/reward_* count from this resume on")
     return Resumed(int(saved["version"]), int(saved["metrics_offset"]))
 
 
@@ -119,6 +126,7 @@ class StepReporter:
             "meter": rs.meter.state_dict(),
             "metrics_offset": self._metrics_writer.offset(),
             "nonfinite_steps": rs.nonfinite_steps,
+            "rewards": rs.rewards.state_dict(),
         }
         self._group.checkpoint(
             version, lambda: self._checkpointer.save(version, self.state, run_state, config=self._fingerprint)
@@ -127,7 +135,8 @@ class StepReporter:
     def on_start(self, sample_eval: SampleEval) -> None:
         """Step 0 of a fresh run: the policy's held-out pass rate before any training."""
         initial = self.evaluate(0, sample_eval)
-        self.write(0, {**initial, **self._run_state.meter.metrics(), "compute/unit": "device_hours"})
+        rs = self._run_state
+        self.write(0, {**initial, **rs.rewards.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
         logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
 
     def on_step(self, record: StepRecord, sample_eval: SampleEval) -> None:
@@ -149,6 +158,7 @@ class StepReporter:
                 "train/nonfinite_steps": rs.nonfinite_steps,
                 "data/prompts_too_long": self._task.num_too_long,
                 **rs.pool.metrics(),
+                **rs.rewards.metrics(),
                 **rs.meter.metrics(),
                 "compute/unit": "device_hours",
             }
@@ -165,6 +175,7 @@ class StepReporter:
             )
         if version % config.eval.every == 0 or version == config.num_steps:
             metrics.update(self.evaluate(version, sample_eval))
+            metrics.update(rs.rewards.metrics())  # with the evaluation's items
             metrics.update(rs.meter.metrics())
         self.write(version, metrics)
         self._step_times.append(time.time())
