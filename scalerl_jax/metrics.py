@@ -188,7 +188,8 @@ def format_progress(
 ) -> str:
     """The per-step progress line: step, pass rate, reward, loss and policy entropy, response length
     (mean/max completion tokens), tokens/s, lag, length control, compute, ETA; '-' for a missing
-    number.
+    number. Once the reward has failed on a training item (`data/reward_*` of `REWARD_FAILURE_KEYS`
+    above 0), the run's count of those items ends the line.
 
     The pass rate is this step's held-out evaluation, else `last_eval` = (its step, its pass rate).
     """
@@ -211,4 +212,13 @@ def format_progress(
         f" | lag {get('pipeline/lag_mean', '.2f')}/{get('pipeline/lag_max', '.0f')}"
         f" | interrupted {get('sampler/interrupted_frac', '.2f')} truncated {get('sampler/truncated_frac', '.2f')}"
         f" | zv-dropped {get('data/zero_variance_dropped', '.0f')} | dev-h {get('compute/device_hours', '.4f')} | eta {eta}"
-    )
+    ) + _reward_failures(metrics)
+
+
+# The training items the reward failed on (scalerl_jax.data.rewards.FAILURE_METRICS under `data/`).
+REWARD_FAILURE_KEYS = ("data/reward_errors", "data/reward_timeouts", "data/reward_crashes", "data/reward_unparsable")
+
+
+def _reward_failures(metrics: Mapping[str, Any]) -> str:
+    failures = sum(int(metrics.get(key) or 0) for key in REWARD_FAILURE_KEYS)
+    return f" | reward failures {failures}" if failures else ""

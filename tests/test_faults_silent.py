@@ -31,7 +31,8 @@ from scalerl_jax import data as data_lib
 from scalerl_jax import recipe
 from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import ConfigError, check_irrelevant, validate
-from scalerl_jax.data.rewards import RewardTallies
+from scalerl_jax.data.rewards import FAILURE_METRICS, RewardTallies
+from scalerl_jax.metrics import REWARD_FAILURE_KEYS, format_progress
 from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.run.build import TaskData, build_policy_source, make_reward_fn
@@ -323,6 +324,15 @@ def test_s6_unparsable_answers_are_counted(caplog):
     assert warnings_of(caplog) == [
         first_item_line("unparsable", "data/reward_unparsable", "math-verify could not parse the prediction ''")
     ]
+
+
+def test_s3_the_progress_line_counts_every_failure_kind():
+    assert REWARD_FAILURE_KEYS == tuple(f"data/{name}" for name in FAILURE_METRICS.values())
+
+
+def test_s3_the_progress_line_shows_reward_failures_once_there_are_any():
+    assert "reward failures" not in format_progress(1, 2, counts(), None)
+    assert format_progress(1, 2, counts(errors=3, timeouts=1, items=9), None).endswith(" | eta - | reward failures 4")
 
 
 def read_metrics(workdir) -> dict[int, dict]:
