@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from absl import logging
 
@@ -51,13 +51,11 @@ from scalerl_jax.run.build import (
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.evaluation import SAMPLES_FILE, Evaluator
 from scalerl_jax.run.reporting import MetricsSink, RunState, StepReporter, restore, resume_run_state
+from scalerl_jax.run.signals import StopSignals
 from scalerl_jax.sampler import ContinuousBatcher
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.threads import FirstError
 from scalerl_jax.train.checkpoint import RunCheckpointer
-
-if TYPE_CHECKING:
-    from scalerl_jax.run.root import StopSignals
 
 
 def _links(ctx: RunContext) -> ProcessLinks:
