@@ -10,7 +10,9 @@
 # scalerl_jax/distributed/launch_env.py); prefixes each output line with "[pI] "; waits for all
 # and exits non-zero if any exits non-zero. Once one process fails, the others get GRACE_S
 # seconds (default 90) to notice and stop before they are terminated, so a peer hung in a
-# collective cannot keep the launcher alive. Ctrl-C or SIGTERM stops them all.
+# collective cannot keep the launcher alive. Ctrl-C or SIGTERM passes SIGTERM to every process:
+# the leader stops them all at one step with a checkpoint (the same command resumes); whatever is
+# still running STOP_S seconds later (default 600) is killed; the launcher exits 130 / 143.
 #
 # Environment: CPU_DEVICES=D runs on the CPU (JAX_PLATFORMS=cpu) with D devices per process;
 # GRACE_S as above; PYTHON (default REPO/.venv/bin/python); SCALERL_MAIN_MODULE, the module run
@@ -31,6 +33,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 MODULE=${SCALERL_MAIN_MODULE:-scalerl_jax.main}
 GRACE_S=${GRACE_S:-90}
+STOP_S=${STOP_S:-600}
 if [[ -n "${CPU_DEVICES:-}" ]]; then
   export JAX_PLATFORMS=cpu
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=${CPU_DEVICES}"
@@ -60,12 +63,12 @@ running() {  # pids of the processes not yet reaped
   done
 }
 
-stop_all() {  # TERM, then KILL whatever is left 10 s later
+stop_all() {  # TERM, then KILL whatever is left ${1:-10} s later
   local left
   left=$(running)
   [[ -z "$left" ]] && return 0
   kill -TERM $left 2>/dev/null || true
-  for _ in $(seq 10); do
+  for _ in $(seq "${1:-10}"); do
     sleep 1
     left=$(for pid in $left; do if kill -0 "$pid" 2>/dev/null; then echo "$pid"; fi; done)
     [[ -z "$left" ]] && return 0
@@ -73,7 +76,13 @@ stop_all() {  # TERM, then KILL whatever is left 10 s later
   kill -KILL $left 2>/dev/null || true
 }
 
-trap 'echo "local.sh: interrupted, stopping all processes" >&2; stop_all; exit 130' INT TERM
+on_signal() {  # $1: signal name, $2: exit status
+  echo "local.sh: SIG$1 received: SIGTERM to every process (the run stops at one step with a checkpoint; killed after ${STOP_S} s)" >&2
+  stop_all "$STOP_S"
+  exit "$2"
+}
+trap 'on_signal INT 130' INT
+trap 'on_signal TERM 143' TERM
 
 status=0
 deadline=

@@ -13,6 +13,12 @@ prints one message listing every problem and exits with status 2, without a trac
 own refusals (a workdir locked by another run, no usable checkpoint, a checkpoint that cannot be
 written, a file or directory that cannot be read or written) print one line naming what and where
 and exit with status 1 (`--verbosity=1` logs the traceback too).
+
+Signals (`run.signals.StopSignals`): SIGTERM (what SLURM sends before it preempts or at the time
+limit) or a first Ctrl-C finishes the current step, writes its metrics row and a checkpoint of
+the state after it, and exits 0 with the stop reason in the summary; the same command resumes
+there. A second Ctrl-C exits at once with status 130 and one line; the next run resumes from the
+last complete checkpoint. In a multi-process run the leader chooses the step where all stop.
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ def main(argv):
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
     from scalerl_jax.run import RUN_ERRORS, run  # heavy imports after the config is known to be good
+    from scalerl_jax.run.signals import EXIT_INTERRUPTED, exit_now
 
     started = time.time()
     try:
@@ -97,6 +104,8 @@ def main(argv):
     except (*RUN_ERRORS, OSError) as e:  # OSError: a file or directory that cannot be read or written
         logging.debug("run stopped", exc_info=True)  # the traceback, with --verbosity=1
         stop(f"error: {e}", EXIT_RUN_ERROR)
+    except KeyboardInterrupt:  # a SIGINT before the run's own handling (`run.signals.StopSignals`) is installed
+        exit_now("interrupted by SIGINT while the run was starting", EXIT_INTERRUPTED)
     except BaseException:
         if jax.process_count() > 1:  # the traceback, then out at once (see `stop`)
             logging.exception("run failed")

@@ -51,4 +51,9 @@ class WandbSink:
         self._run.log(numbers, step=int(step))
 
     def close(self) -> None:
+        """Finishes the run and shuts W&B's service process down, which returns only once the run
+        file is complete on disk (`finish` alone can return before the offline writer flushes)."""
+        import wandb
+
         self._run.finish()
+        wandb.teardown()

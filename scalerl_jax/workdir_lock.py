@@ -37,6 +37,23 @@ def _holder_text(path: str) -> str:
         return f"a process whose record is unreadable ({type(error).__name__}; it may be starting)"
 
 
+def workdir_holder(workdir: str) -> str | None:
+    """Who holds `workdir` right now ('pid P on host H since T'), or None when nobody does (the
+    lock is taken and released at once; a missing workdir or lock file is not held)."""
+    path = os.path.abspath(os.path.join(workdir, LOCK_FILE))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder_text(path)
+    finally:
+        os.close(fd)
+    return None
+
+
 @contextlib.contextmanager
 def hold_workdir(workdir: str) -> Iterator[str]:
     """Holds `workdir` exclusively for the `with` block; yields the lock file's path.

@@ -32,8 +32,11 @@ The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by b
 and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
 
 Stopping. The trainer stops after `num_steps`; `request_stop()` or SIGINT/SIGTERM (handled when
-`run()` is called from the main thread) stop it after the current step and its `on_step` (a
-second SIGINT raises KeyboardInterrupt at once). An exception in any thread closes the link and
+`run()` is called from the main thread and `handle_signals`) stop it after the current step and
+its `on_step` (so that step's metrics and checkpoint are written), or at once while it waits for a
+batch. Under PPO-off-policy-k it goes on to the end of the phase (its batches are already
+generated), so that the stop lands where a checkpoint resumes the run exactly. A second SIGINT
+raises KeyboardInterrupt at once. An exception in any thread closes the link and
 its buffer, which wakes and stops the others; `run()` then re-raises that exception (with its
 traceback) in the calling thread. Groups still queued at the end are listed in the result, never reported as trained.
 """
@@ -294,8 +297,10 @@ class Pipeline:
         on_start: Callable[[SampleEval], None] | None = None,
         remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
         clock: Callable[[], float] = time.monotonic,
+        handle_signals: bool = True,
     ):
         self.config = config
+        self._handle_signals = handle_signals
         self.schedule = make_schedule(
             config.schedule, k=config.k, groups_per_step=config.prompts_per_step, first_version=config.first_version
         )
@@ -321,7 +326,6 @@ class Pipeline:
         self._train_state = train_state
         self._version = config.first_version
         self._pushed_version = config.first_version  # the newest version every generator holds
-        self._reporting = threading.Lock()  # held by the trainer across push, on_start and on_step
         self._trained_ids: list[int] = []
         self._generator_stats = GeneratorCounters()
         self.link = LocalLink(
@@ -363,19 +367,16 @@ class Pipeline:
             threading.Thread(target=self._guarded(name, loop), name=f"pipeline-{name}", daemon=True)
             for name, loop in loops
         ]
-        previous_handlers = self._install_signal_handlers()
+        previous_handlers = self._install_signal_handlers() if self._handle_signals else {}
         try:
             for thread in threads:
                 thread.start()
             while any(thread.is_alive() for thread in threads):
-                # A waiting trainer leaves now, a training or reporting one after its step and on_step.
-                if (
-                    self._stop_requested.is_set()
-                    and not self._stop.is_set()
-                    and self._reporting.acquire(blocking=False)
-                ):
-                    self.link.close()
-                    self._reporting.release()
+                # A trainer waiting for a batch leaves now, a training one after its step and on_step
+                # (`_stopping`); its end stops the other loops. The wake-up is sent from here, not
+                # from the signal handler, which must not wait for the buffer's lock.
+                if self._stop_requested.is_set():
+                    self.buffer.wake()
                 for thread in threads:
                     thread.join(timeout=self.config.poll_s)
         finally:
@@ -418,6 +419,15 @@ class Pipeline:
             previous[signum] = signal.signal(signum, handler)
         return previous
 
+    def _stopping(self) -> bool:
+        """A stop was requested and the trainer is at a step where it may stop: any step of
+        PipelineRL-k, the end of a phase of PPO-off-policy-k (module docstring)."""
+        if not self._stop_requested.is_set():
+            return False
+        return (
+            self.config.schedule != "ppo_off_policy" or (self._version - self.config.first_version) % self.config.k == 0
+        )
+
     def _guarded(self, name: str, loop: Callable[[], None]) -> Callable[[], None]:
         """`loop` as a thread target: the first exception of any loop is kept for `run()` to
         re-raise (a stop is not one); however it ends, the other loops are stopped."""
@@ -440,10 +450,10 @@ class Pipeline:
     # ------------------------------------------------------------------ trainer
     @contextlib.contextmanager
     def _reporting_step(self) -> Iterator[None]:
-        """Push, `on_start`, `on_step`: a stop request waits for them to end; under
-        PPO-off-policy-k admission is held meanwhile (module docstring)."""
+        """Push, `on_start`, `on_step`: under PPO-off-policy-k admission is held meanwhile
+        (module docstring)."""
         hold = self.link.hold_admission() if self.config.schedule == "ppo_off_policy" else contextlib.nullcontext()
-        with self._reporting, hold:
+        with hold:
             yield
 
     def _push(self, state: Any, version: int) -> float:
@@ -474,9 +484,9 @@ class Pipeline:
         if self._on_start is not None:
             with self._reporting_step():
                 self._on_start(self._sample_eval)
-        while self._version - cfg.first_version < cfg.num_steps and not self._stop_requested.is_set():
+        while self._version - cfg.first_version < cfg.num_steps and not self._stopping():
             wait_before = self.buffer.waits().trainer_waiting_for_data
-            version, groups = self.buffer.take_batch()
+            version, groups = self.buffer.take_batch(stop=self._stopping)
             if version != self._version:
                 raise RuntimeError(f"trainer at version {self._version} got batch {version}")
             counts = self.buffer.counts()

@@ -161,12 +161,16 @@ class GroupBuffer:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ trainer side
-    def take_batch(self, timeout: float | None = None) -> tuple[int, list[Any]]:
+    def take_batch(
+        self, timeout: float | None = None, *, stop: Callable[[], bool] | None = None
+    ) -> tuple[int, list[Any]]:
         """Block until the schedule selects a batch; returns (trainer version, groups).
 
         The groups are consumed (removed) at once, and the version of the next batch advances,
         so the generator's admission already counts the step being trained.
-        Raises `PipelineStopped` when closed and `TimeoutError` after `timeout` seconds.
+        Raises `PipelineStopped` when closed or, before a batch is chosen, when `stop()` is true
+        (checked under the buffer's lock at each wake-up: `wake()` after setting it), and
+        `TimeoutError` after `timeout` seconds.
         """
         start = self._clock()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -175,6 +179,8 @@ class GroupBuffer:
             try:
                 while True:
                     self._raise_if_closed()
+                    if stop is not None and stop():
+                        raise PipelineStopped("stop requested")
                     chosen = self.schedule.select_batch(list(self._tickets.values()), self._next_batch_version)
                     if chosen is not None:
                         break
@@ -202,6 +208,11 @@ class GroupBuffer:
         """Wake waiters and bump `epoch` (the trainer pushed a new params version)."""
         with self._cond:
             self._epoch += 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake every waiter to re-check its condition (a stop request for `take_batch`)."""
+        with self._cond:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ both

@@ -51,6 +51,7 @@ from scalerl_jax.run.build import (
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.evaluation import SAMPLES_FILE, Evaluator
 from scalerl_jax.run.reporting import MetricsSink, RunState, StepReporter, restore, resume_run_state
+from scalerl_jax.run.signals import StopSignals
 from scalerl_jax.sampler import ContinuousBatcher
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.threads import FirstError
@@ -73,13 +74,15 @@ def _checkpointer(ctx: RunContext) -> RunCheckpointer:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_leader(ctx: RunContext) -> dict[str, Any]:
+def run_leader(ctx: RunContext, signals: StopSignals | None = None) -> dict[str, Any]:
     """The leader: the run's decisions and outputs; returns the run's summary. Its collective
-    steps (checkpointer, trainer, restore) come in the same order as a follower's."""
+    steps (checkpointer, trainer, restore) come in the same order as a follower's. `signals`: the
+    run's SIGTERM / SIGINT handling, which stops the pipeline after its current step (None: the
+    pipeline handles them itself while it runs)."""
     run_start = time.time()
     checkpointer = _checkpointer(ctx)
     try:
-        result = _lead(ctx, checkpointer)
+        result = _lead(ctx, checkpointer, signals)
     finally:
         checkpointer.close()
     summary = {
@@ -92,7 +95,7 @@ def run_leader(ctx: RunContext) -> dict[str, Any]:
     return summary
 
 
-def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
+def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals | None) -> PipelineResult:
     config, workdir, source = ctx.config, ctx.workdir, ctx.source
     task = load_task(config, workdir, source.encoder)
     assert ctx.meshes.trainer is not None  # the leader is a trainer process
@@ -168,13 +171,22 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer) -> PipelineResult:
         ],
         on_start=reporter.on_start if start_step == 0 else None,
         on_step=reporter.on_step,
+        handle_signals=signals is None,
     )
+    if signals is not None:
+        signals.on_stop(pipeline.request_stop)
     run_state.meter.start(ctx.meshes.num_devices)
     try:
         result = pipeline.run()
         reporter.state = result.train_state
-        if result.version > start_step and result.version % config.checkpoint.every != 0:
+        if result.version > start_step and reporter.checkpointed != result.version:  # a stop between checkpoints
             reporter.checkpoint(result.version)
+        if result.stop_reason != "num_steps":
+            logging.warning(
+                "stopped (%s) at step %d, its state checkpointed; the same command resumes from there",
+                result.stop_reason,
+                result.version,
+            )
     finally:
         run_state.meter.stop()
         verify_pool.close()

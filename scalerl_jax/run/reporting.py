@@ -104,6 +104,7 @@ class StepReporter:
         self._fingerprint = fingerprint
         self._step_times: list[float] = []
         self.last_eval: tuple[int, float] | None = None
+        self.checkpointed: int | None = None  # the step of the newest checkpoint this run wrote
 
     def write(self, version: int, metrics: Mapping[str, Any]) -> None:
         for writer in self._writers:
@@ -131,6 +132,7 @@ class StepReporter:
         self._group.checkpoint(
             version, lambda: self._checkpointer.save(version, self.state, run_state, config=self._fingerprint)
         )
+        self.checkpointed = version
 
     def on_start(self, sample_eval: SampleEval) -> None:
         """Step 0 of a fresh run: the policy's held-out pass rate before any training."""

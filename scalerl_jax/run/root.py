@@ -32,6 +32,7 @@ from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.run.build import AbstractPolicy, build_meshes, build_policy_source, build_transfer, dataset_builder
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.processes import run_follower, run_generator, run_leader
+from scalerl_jax.run.signals import StopSignals
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 from scalerl_jax.warm_start import build_warm_start
 from scalerl_jax.workdir_lock import WorkdirLockedError, hold_workdir
@@ -52,6 +53,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         jax.config.update("jax_default_device", jax.local_devices()[0])
     d = config.distributed
     with preserved_signal_handlers(), contextlib.ExitStack() as stack:
+        signals = StopSignals(leader=roles.is_leader)
+        signals.install()
         coordination.run_once(
             "prepare", lambda: prepare_shared_files(config, workdir, stack), timeout_s=d.connect_timeout_s
         )
@@ -65,7 +68,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         transfer = build_transfer(config, roles, plan_routes(roles), policy.params, meshes.trainer)
         ctx = RunContext(config, workdir, roles, source, policy, links, meshes, transfer)
         if roles.is_leader:
-            summary = run_leader(ctx)
+            summary = run_leader(ctx, signals)
         elif roles.is_trainer:
             summary = run_follower(ctx)
         else:

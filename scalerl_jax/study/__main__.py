@@ -10,8 +10,9 @@ run (after the variant's change). Each (variant, seed) runs as `python -m scaler
 WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) prints its tables
 and writes WORKDIR/study.md, curves.png and params.png.
 
-Exit status: 0 done; 1 a run failed (the same command resumes) or a curve could not be fitted;
-2 bad input (flags, study directory, metrics files).
+Exit status: 0 done; 1 a run failed or was refused (its workdir in use; the same command resumes)
+or a curve could not be fitted; 2 bad input (flags, study directory, metrics files); 143 / 130
+stopped by SIGTERM / SIGINT, passed on to the running run (`driver`).
 """
 
 from __future__ import annotations

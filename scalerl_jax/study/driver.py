@@ -19,6 +19,16 @@ Finished, resumed, new. A run is finished when its metrics.jsonl holds an evalua
 finished (a killed study) is resumed by launching main again on its workdir: main resumes from
 the run's last checkpoint and cuts metrics.jsonl back to it.
 
+Signals and locks. The study holds STUDY/run.lock for its life, so a second study on the same
+directory is refused at once, before it launches anything. A run whose workdir another process
+holds (a `main` started by hand) is not launched: the refusal is logged as a "refused" event,
+neither a launch nor a run's end. On SIGTERM or SIGINT the study passes a graceful stop to the
+running `main` (SIGTERM: it finishes its step and checkpoints; a SIGINT is passed on as SIGTERM
+too, since a terminal's Ctrl-C reaches the run as well and a second SIGINT would end it at once),
+waits for it (at most `CHILD_STOP_TIMEOUT_S`, then kills it), logs the launch's end, says in one
+line what it did and exits with 128 + the signal number (143, 130). A second SIGINT is passed on
+as SIGINT: the run ends at once.
+
 Shared warm start. A run builds or reuses WORKDIR/warm_start/<digest>, the digest covering
 the synthetic task, the warm-start keys and the prompt template. Every run's WORKDIR/warm_start
 is a link to STUDY/warm_start; variants change none of the digested keys and seeds set
@@ -28,19 +38,23 @@ builds the policy, every later one finds it complete and loads it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
 from scalerl_jax.metrics import METRICS_FILE
 from scalerl_jax.scaling.runs import PASS_RATE_KEY
 from scalerl_jax.study.variants import study_config
+from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir, workdir_holder
 
 STUDY_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "study.py"
 STUDY_FILE = "study.json"
@@ -49,6 +63,7 @@ RUN_LOG = "main.log"
 WARM_START = "warm_start"
 RUN_CONFIG_FILE = "config.json"
 SEED_OVERRIDE = "--config.seed"
+CHILD_STOP_TIMEOUT_S = 600.0  # a signalled run's graceful stop: its current step and a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +238,85 @@ def echo_now(line: str) -> None:
     print(line, flush=True)
 
 
-def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[[str], None] = echo_now) -> int:
+class StudySignals:
+    """SIGTERM / SIGINT while a study runs (module docstring): the first is passed on to the
+    running `main` as SIGTERM, a second SIGINT as SIGINT; no new run starts after one."""
+
+    def __init__(self) -> None:
+        self.first: signal.Signals | None = None
+        self.child: subprocess.Popen | None = None
+
+    def handle(self, signum: int, frame: object = None) -> None:
+        received = signal.Signals(signum)
+        forward = signal.SIGTERM
+        if self.first is None:
+            self.first = received
+        elif received == signal.SIGINT:
+            forward = signal.SIGINT
+        if self.child is not None and self.child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.child.send_signal(forward)
+
+    @property
+    def status(self) -> int:
+        """The conventional exit status of a process ended by the first signal."""
+        assert self.first is not None
+        return 128 + int(self.first)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StudySignals]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        saved = {signum: signal.signal(signum, self.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for signum, handler in saved.items():
+                signal.signal(signum, handler)
+
+
+def wait_for_run(process: subprocess.Popen, signals: StudySignals, timeout_s: float) -> tuple[int, bool]:
+    """The run's exit status once it ends; after a signal, waits at most `timeout_s` more, then
+    kills it. Returns (status, killed)."""
+    deadline = None
+    while True:
+        try:
+            return process.wait(timeout=0.2), False
+        except subprocess.TimeoutExpired:
+            pass
+        if signals.first is not None:
+            deadline = deadline if deadline is not None else time.monotonic() + timeout_s
+            if time.monotonic() >= deadline:
+                process.kill()
+                return process.wait(), True
+
+
+def run_study(
+    study: StudySpec,
+    *,
+    python: str = sys.executable,
+    echo: Callable[[str], None] = echo_now,
+    stop_timeout_s: float = CHILD_STOP_TIMEOUT_S,
+) -> int:
     """Runs every unfinished run of `study` in order; returns 0 when all are finished, 1 when a run
-    failed (the study stops there: its main.log says why; the same command resumes)."""
+    failed or was refused (the study stops there: its main.log or the line printed says why; the
+    same command resumes), 128 + the signal number when stopped by SIGTERM / SIGINT."""
     if not STUDY_CONFIG_FILE.is_file():
         raise ValueError(f"the study's run config {STUDY_CONFIG_FILE} is missing")
     for variant in study.variants:  # a bad base file or variant fails here, before any run
         study_config(f"{study.base},{variant}")
+    try:
+        with hold_workdir(str(study.study_dir)), StudySignals().installed() as signals:
+            return _run_study(study, python, echo, signals, stop_timeout_s)
+    except WorkdirLockedError as error:
+        echo(f"study: refused: {error}")
+        return 1
+
+
+def _run_study(
+    study: StudySpec, python: str, echo: Callable[[str], None], signals: StudySignals, stop_timeout_s: float
+) -> int:
     check_study_file(study)
     runs = plan_runs(study)
     finished = {run.name for run in runs if run_state(run.workdir) == "finished"}
@@ -244,6 +331,16 @@ def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[
             )
         )
         link_warm_start(study.study_dir, run.workdir)
+        holder = workdir_holder(str(run.workdir))
+        if holder is not None:
+            append_log(study.study_dir, {"event": "refused", "run": run.name, "time": time.time(), "holder": holder})
+            echo(
+                f"study: run {run.name} not launched: its workdir is in use by {holder} "
+                f"({run.workdir / LOCK_FILE}); the same command resumes the study once that run ends"
+            )
+            return 1
+        if signals.first is not None:
+            break
         command = main_command(study, run, python)
         append_log(
             study.study_dir,
@@ -253,9 +350,28 @@ def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[
         with open(run.workdir / RUN_LOG, "a", encoding="utf-8") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {action}: {' '.join(command)}\n")
             log.flush()
-            returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+            signals.child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                returncode, killed = wait_for_run(signals.child, signals, stop_timeout_s)
+            finally:
+                signals.child = None
         minutes = (time.time() - started) / 60
-        append_log(study.study_dir, {"event": "end", "run": run.name, "returncode": returncode, "minutes": minutes})
+        end = {"event": "end", "run": run.name, "returncode": returncode, "minutes": minutes}
+        if signals.first is not None:
+            end["signal"] = signals.first.name
+        append_log(study.study_dir, end)
+        if signals.first is not None:
+            what = (
+                f"killed it after {stop_timeout_s:.0f} s"
+                if killed
+                else f"it stopped with exit status {returncode}"
+                + (" after checkpointing its last step" if returncode == 0 else "")
+            )
+            echo(
+                f"study: {signals.first.name} received: passed it on to run {run.name}, {what} "
+                f"({minutes:.1f} min this launch); the same command resumes the study"
+            )
+            return signals.status
         if returncode != 0:
             echo(
                 f"study: run {run.name} failed with exit status {returncode} after {minutes:.1f} min; "
@@ -267,5 +383,8 @@ def run_study(study: StudySpec, *, python: str = sys.executable, echo: Callable[
             return 1
         finished.add(run.name)
         echo(f"study: {run.name} finished in {minutes:.1f} min")
+    if signals.first is not None:  # between runs: none was running
+        echo(f"study: {signals.first.name} received between runs; no run was running; the same command resumes")
+        return signals.status
     echo(progress_line(len(finished), len(runs), minutes_per_run(read_log(study.study_dir), finished)))
     return 0

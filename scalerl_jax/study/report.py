@@ -235,17 +235,20 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
 
 def timing_line(study_dir: Path) -> str:
     """Wall time of the study's launches from study_log.jsonl: the sum of the ended launches'
-    minutes; a launch killed before it ended has no end record, so it is counted, not timed."""
+    minutes; a launch killed before it ended has no end record, so it is counted, not timed. A run
+    not launched because another process held its workdir ("refused") is counted apart."""
     log = driver.read_log(study_dir)
     ends = [r for r in log if r.get("event") == "end"]
     unended = sum(r.get("event") == "start" for r in log) - len(ends)
+    refused = sum(r.get("event") == "refused" for r in log)
+    refused_text = f"; {refused} launch(es) refused, the workdir in use by another process" if refused else ""
     if not ends and not unended:
-        return "Wall time: no launch recorded in study_log.jsonl."
+        return f"Wall time: no launch recorded in study_log.jsonl{refused_text}."
     total = sum(r["minutes"] for r in ends)
     killed = f"; {unended} launch(es) killed before they ended, not timed" if unended else ""
     return (
         f"Wall time: {total:.1f} min over {len(ends)} ended launches of {len({r['run'] for r in ends})} runs"
-        f"{killed} (study_log.jsonl)."
+        f"{killed}{refused_text} (study_log.jsonl)."
     )
 
 
