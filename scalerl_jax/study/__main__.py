@@ -11,7 +11,8 @@ WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) p
 and writes WORKDIR/study.md, curves.png and params.png.
 
 Exit status: 0 done; 1 a run failed (the same command resumes) or a curve could not be fitted;
-2 bad input (flags, study directory, metrics files).
+2 bad input (flags, study directory, metrics files), with one line naming it (`SCALERL_DEBUG=1`
+prints the traceback too).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.study import driver, report
 from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, analyze_variant, pair_orders
 from scalerl_jax.study.variants import expand_variants
@@ -68,7 +70,10 @@ def analyze(study_dir: Path, *, cut_fraction: float, bootstrap: int, a_range: tu
 def _a_range(text: str | None) -> tuple[float, float] | None:
     if text is None:
         return None
-    low, high = (float(x) for x in text.split(","))
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:  # not two numbers
+        raise ValueError(f"--a-range must be LO,HI with 0 <= LO <= HI <= 1, got {text!r}") from None
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"--a-range must be LO,HI with 0 <= LO <= HI <= 1, got {text!r}")
     return low, high
@@ -105,8 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             study_dir = study.study_dir
         return analyze(study_dir, cut_fraction=args.cut, bootstrap=args.bootstrap, a_range=a_range)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(f"error: {error}", EXIT_INPUT_ERROR)
+    except SyntaxError as error:  # the base config file is not Python
+        where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
+        return report_error(f"error: --config {where}: {error.msg} (expected a Python file)", EXIT_INPUT_ERROR)
 
 
 if __name__ == "__main__":
