@@ -70,6 +70,18 @@ def _unknown_key(config: object, key: str) -> str | None:
     return None
 
 
+def line_in_file(error: BaseException, path: str) -> int | None:
+    """The line of file `path` where `error` was raised from (its innermost frame there), or None
+    when its traceback never passed through that file."""
+    target, line = os.path.abspath(path), None
+    trace = error.__traceback__
+    while trace is not None:
+        if os.path.abspath(trace.tb_frame.f_code.co_filename) == target:
+            line = trace.tb_lineno
+        trace = trace.tb_next
+    return line
+
+
 def config_argv_problem(argv: Sequence[str], error: BaseException, name: str = "config") -> str:
     """One line saying what is wrong with the `--NAME=FILE` / `--NAME.KEY=VALUE` flags of `argv`,
     given the error their parsing raised: the file that is missing or not Python (with the line),
@@ -98,6 +110,9 @@ def config_argv_problem(argv: Sequence[str], error: BaseException, name: str = "
                 problem = _unknown_key(config, key) if config is not None else None
                 if problem is not None:
                     return f"--{name}.{key}: the config of {spec} has {problem}"
+    line = line_in_file(error, path) if path else None
+    if line is not None and not isinstance(error, flags.Error):  # get_config() itself raised
+        return f"--{name}={spec}: get_config() of {path} raised {type(error).__name__}: {error} (line {line})"
     text = str(error)
     if CONFIG_CODE_ERROR in text:  # get_config() itself raised; its traceback is in the message
         last = [line for line in text.splitlines() if line.strip()][-1].strip()

@@ -46,8 +46,9 @@ FORCED_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (`app.run`'s `flags_parser`), with a bad command line ended by one line
-    and status 2: an unknown or missing flag, a config file that is missing or not Python, an
-    unknown `--config.KEY` (with the nearest key) or a value that does not parse."""
+    and status 2: an unknown or missing flag, a config file that is missing or not Python (or
+    whose get_config() raises a KeyError, ValueError, ...: named with its line), an unknown
+    `--config.KEY` (with the nearest key), a value that does not parse, a `--workdir` that is a file."""
     try:
         rest = flags.FLAGS(argv)
         touch_config(_CONFIG.value)  # ml_collections keeps an unreadable file's error until then
@@ -56,6 +57,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         kind = "config error" if problem.startswith("--config") else "usage error"
         hint = "" if kind == "config error" else " (--helpshort lists the flags)"
         sys.exit(report_error(f"{kind}: {problem}{hint}", EXIT_CONFIG_ERROR))  # before JAX starts: no `stop`
+    workdir = _WORKDIR.value
+    if workdir is not None and os.path.exists(workdir) and not os.path.isdir(workdir):
+        sys.exit(report_error(f"usage error: --workdir={workdir} is a file; expected a directory", EXIT_CONFIG_ERROR))
     return rest
 
 

@@ -144,6 +144,10 @@ CONFIG_FILE_FAULTS = {
         "{path}: {path}, line 1: invalid syntax (expected a Python file defining get_config())",
     ),
     "missing": (None, "{path}: no such file {path}"),
+    "get_config_raises": (
+        'import os\n\n\ndef get_config():\n    return os.environ["SCALERL_NO_SUCH_VARIABLE"]\n',
+        "{path}: get_config() of {path} raised KeyError: 'SCALERL_NO_SUCH_VARIABLE' (line 5)",
+    ),
     "directory": ("dir", "{path}: {path} is a directory; expected a Python file defining get_config()"),
 }
 
@@ -262,6 +266,8 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
     binary.write_bytes(b'{"step": 1}\n\xff\xfe\n')
     syntax = tmp_path / "syntax.py"
     syntax.write_text("def get_config(:\n")
+    raises = tmp_path / "raises.py"
+    raises.write_text('import os\n\n\ndef get_config():\n    return os.environ["SCALERL_NO_SUCH_VARIABLE"]\n')
     cases = [
         (
             ("scalerl_jax.evaluate", f"--checkpoint={run_dir}", f"--data={tmp_path / 'nope.jsonl'}"),
@@ -317,6 +323,16 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
             ("scalerl_jax.study", f"--config={syntax}", f"--workdir={tmp_path / 'study'}"),
             2,
             f"error: --config {syntax}, line 1: invalid syntax (expected a Python file)",
+        ),
+        (
+            ("scalerl_jax.study", f"--config={raises}", f"--workdir={tmp_path / 'study'}"),
+            2,
+            f"error: --config {raises}: get_config() raised KeyError: 'SCALERL_NO_SUCH_VARIABLE' (line 5)",
+        ),
+        (
+            ("scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={good}"),
+            2,
+            f"usage error: --workdir={good} is a file; expected a directory",
         ),
         (
             ("scalerl_jax.study", "--analyze", str(tmp_path / "empty"), "--a-range=x"),

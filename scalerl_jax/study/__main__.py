@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
+from scalerl_jax.config_argv import line_in_file
 from scalerl_jax.study import driver, report
 from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, analyze_variant, pair_orders
 from scalerl_jax.study.variants import expand_variants
@@ -111,6 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return analyze(study_dir, cut_fraction=args.cut, bootstrap=args.bootstrap, a_range=a_range)
     except ValueError as error:
         return report_error(f"error: {error}", EXIT_INPUT_ERROR)
+    except (KeyError, AttributeError, TypeError) as error:  # only when the base config file raised it
+        base = (args.config or "").partition(":")[0]
+        line = line_in_file(error, base) if base else None
+        if line is None:
+            raise
+        message = f"error: --config {base}: get_config() raised {type(error).__name__}: {error} (line {line})"
+        return report_error(message, EXIT_INPUT_ERROR)
     except SyntaxError as error:  # the base config file is not Python
         where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
         return report_error(f"error: --config {where}: {error.msg} (expected a Python file)", EXIT_INPUT_ERROR)
