@@ -15,7 +15,8 @@ Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
   pass@k = (1/N) sum_i [1 - C(K - c_i, k) / C(K, k)]   (unbiased estimator, Chen et al. 2021)
 and both per value of the group field. The JSON output also holds every sample's correctness.
 
-Exit status: 0 on success, 2 on bad input (the message names the file, row, field or flag).
+Exit status: 0 on success, 2 on bad input (one line naming the file, row, field or flag), 1 when
+the report cannot be written (`SCALERL_DEBUG=1` prints the traceback too).
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ import numpy as np
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
-from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
+from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
+from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, config_argv_problem, parse_config_argv
 from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.data.rows import DataFileError, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
+from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import (
     check_think_end,
@@ -47,6 +51,17 @@ from scalerl_jax.sampling_setup import (
 
 class EvaluateError(ValueError):
     """Bad evaluation input; the message names the file, row, field or flag."""
+
+
+# Bad input, each ending the command with one line naming the file, row, field or flag (status 2).
+INPUT_ERRORS = (
+    EvaluateError,
+    ConfigError,
+    DataFileError,
+    CheckpointFileError,
+    policy_source.PolicySourceError,
+    FileNotFoundError,
+)
 
 
 # ------------------------------------------------------------------ benchmark files
@@ -64,27 +79,16 @@ class Benchmark:
 
 
 def _records(path: str) -> list[dict]:
-    """The rows of a .jsonl or .parquet file as dicts."""
-    suffix = os.path.splitext(path)[1].lower()
-    if not os.path.isfile(path):
+    """The rows of a .jsonl or .parquet file as dicts (`data.rows.read_records`: an error names the
+    file and the row and line that cannot be read)."""
+    if not os.path.exists(path):
         raise EvaluateError(f"--data {path!r} does not exist")
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if suffix != ".jsonl":
+    if os.path.isdir(path):
+        raise EvaluateError(f"--data {path!r} is a directory; expected a .jsonl or .parquet file")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".jsonl", ".parquet"):
         raise EvaluateError(f"--data {path!r}: unknown suffix {suffix!r} (expected .jsonl or .parquet)")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for index, line in enumerate(f):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise EvaluateError(f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
-            if not isinstance(record, dict):
-                raise EvaluateError(f"{path}: row {index} (line {index + 1}) is not a JSON object")
-            records.append(record)
-    return records
+    return [record for _, record in read_records(path)]
 
 
 def read_benchmark(
@@ -94,7 +98,7 @@ def read_benchmark(
     error naming the file, row and field. Answers and group values are taken as `str(value)`."""
     records = _records(path)
     if not records:
-        raise EvaluateError(f"{path}: no rows")
+        raise EvaluateError(f"{path}: the file has no rows")
     fields = [problem_field, answer_field] + ([group_field] if group_field else [])
     for index, record in enumerate(records):
         for field in fields:
@@ -102,6 +106,8 @@ def read_benchmark(
                 raise EvaluateError(f"{path}: row {index} has no field {field!r} (fields: {sorted(record)})")
         if not isinstance(record[problem_field], str) or not record[problem_field].strip():
             raise EvaluateError(f"{path}: row {index} field {problem_field!r} is not a non-empty string")
+        if not str(record[answer_field]).strip():
+            raise EvaluateError(f"{path}: row {index} field {answer_field!r} is empty; expected the gold answer")
     return Benchmark(
         path=path,
         problems=[r[problem_field] for r in records],
@@ -282,7 +288,7 @@ def _config_from_flags(extra: Sequence[str]) -> ml_collections.ConfigDict | None
     try:
         config = parse_config_argv(["evaluate", *extra])
     except CONFIG_ARGV_ERRORS as e:
-        raise EvaluateError(f"--config: {e}") from e
+        raise EvaluateError(config_argv_problem(["evaluate", *extra], e)) from e
     if config is None:
         raise EvaluateError("--config.KEY=VALUE overrides need --config=FILE")
     return config
@@ -310,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.samples < 1:
             raise EvaluateError(f"--samples must be >= 1, got {args.samples}")
         ks = parse_ks(args.k, args.samples)
+        if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+            raise EvaluateError(f"--out {args.out!r}: the directory {os.path.dirname(args.out)!r} does not exist")
         config = _config_from_flags(extra)
         benchmark = read_benchmark(
             args.data, problem_field=args.problem_field, answer_field=args.answer_field, group_field=args.group_field
@@ -318,9 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = evaluate_policy(
             policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed, keep_texts=args.completions
         )
-    except (EvaluateError, ConfigError, policy_source.PolicySourceError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except INPUT_ERRORS as e:
+        return report_error(f"error: {e}", EXIT_INPUT_ERROR)
     report = {
         "checkpoint": os.path.abspath(args.checkpoint),
         "step": policy.step,
@@ -330,8 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(format_table(report, args.group_field))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        try:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        except OSError as e:
+            return report_error(f"error: cannot write {args.out}: {e.strerror or e}", EXIT_RUN_ERROR)
         print(f"wrote {args.out}")
     return 0
 

@@ -9,7 +9,8 @@ tokenizer files (``TOKENIZER_FILES`` that exist there) and ``generation_config.j
 or one with the model's bos/eos ids), loadable by ``transformers.AutoModelForCausalLM`` and
 ``AutoTokenizer``. The directory is written under ``DIR.tmp`` and renamed when complete.
 
-Exit status: 0 on success, 2 on bad input (the message names the directory, step or file).
+Exit status: 0 on success, 2 on bad input (one line naming the directory, step or file), 1 when
+the output cannot be written (one line naming the path; `SCALERL_DEBUG=1` prints the traceback too).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from collections.abc import Sequence
 from flax import nnx
 
 from scalerl_jax import policy_source
+from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
 from scalerl_jax.models import save_hf
 from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 
 # Copied from the base checkpoint when present (tokenizer.json is required).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -43,6 +46,9 @@ def check_out_dir(out_dir: str, *, overwrite: bool) -> None:
         raise ExportError(f"--out {out_dir!r} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ExportError(f"--out {out_dir!r} exists and is not empty; pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    if not os.path.isdir(parent):
+        raise ExportError(f"--out {out_dir!r}: the directory {parent!r} does not exist")
 
 
 def copy_tokenizer_files(base_dir: str, out_dir: str) -> list[str]:
@@ -84,20 +90,24 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, overwrite
     policy = policy_source.load_run_policy(run_dir, config, step=step)
     staging = out_dir.rstrip(os.sep) + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    save_hf(nnx.merge(policy.graphdef, policy.params), staging, dtype=config.model.dtype)
-    copy_tokenizer_files(base_dir, staging)
-    write_generation_config(base_dir, staging, policy.model_config)
-    with open(os.path.join(staging, EXPORT_INFO_FILE), "w") as f:
-        json.dump(
-            {
-                "run_dir": os.path.abspath(run_dir),
-                "step": step,
-                "base_checkpoint": os.path.abspath(base_dir),
-                "dtype": config.model.dtype,
-            },
-            f,
-            indent=2,
-        )
+    try:
+        save_hf(nnx.merge(policy.graphdef, policy.params), staging, dtype=config.model.dtype)
+        copy_tokenizer_files(base_dir, staging)
+        write_generation_config(base_dir, staging, policy.model_config)
+        with open(os.path.join(staging, EXPORT_INFO_FILE), "w") as f:
+            json.dump(
+                {
+                    "run_dir": os.path.abspath(run_dir),
+                    "step": step,
+                    "base_checkpoint": os.path.abspath(base_dir),
+                    "dtype": config.model.dtype,
+                },
+                f,
+                indent=2,
+            )
+    except OSError:  # a read-only or full disk: leave no half-written staging directory
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if os.path.isdir(out_dir):
         shutil.rmtree(out_dir)
     os.replace(staging, out_dir)
@@ -115,13 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (2 on bad input, with the reason on stderr)."""
+    """Runs the CLI; returns the exit status (module docstring), the reason on stderr."""
     args = build_parser().parse_args(argv)
     try:
         out = export_run(args.run_dir, args.out, step=args.step, overwrite=args.overwrite)
-    except (policy_source.PolicySourceError, ExportError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (policy_source.PolicySourceError, ExportError, CheckpointFileError, FileNotFoundError) as e:
+        return report_error(f"error: {e}", EXIT_INPUT_ERROR)
+    except OSError as e:  # the output cannot be written (read-only or full disk, no permission)
+        where = f" ({e.filename})" if e.filename else ""
+        return report_error(f"error: cannot write the export to {args.out}: {e.strerror or e}{where}", EXIT_RUN_ERROR)
     print(f"exported {args.run_dir} to {out}")
     return 0
 

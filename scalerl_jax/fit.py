@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from matplotlib.backend_bases import FigureCanvasBase
 
+from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.scaling import (
     PAPER_A_RUN_TO_RUN,
     BootstrapIntervals,
@@ -42,6 +43,7 @@ from scalerl_jax.scaling import (
 )
 from scalerl_jax.scaling.fitting import METHODS, PAPER_A_RANGE
 from scalerl_jax.scaling.plot import DEFAULT_EXTEND, format_compute, unit_label
+from scalerl_jax.scaling.runs import METRICS_FILENAME
 
 LEADER_PROBE_FACTOR = 1.01  # which curve leads is read 1% past a crossing
 
@@ -318,6 +320,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return report(args.runs, options)
 
 
+def undecodable_metrics(paths: Sequence[str]) -> str | None:
+    """'FILE line N: not UTF-8 text ...' for the first of `paths` (run directories or metrics
+    files) that is not UTF-8, or None when each decodes."""
+    for path in paths:
+        file = os.path.join(path, METRICS_FILENAME) if os.path.isdir(path) else path
+        try:
+            with open(file, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data[: e.start].count(b"\n") + 1
+            return f"{file} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); expected JSON lines"
+    return None
+
+
 def report(paths: Sequence[str], options: FitOptions) -> int:
     """Fits the runs at `paths` and prints the table, the crossings and, with `options.plot`, writes
     the figure; returns the exit status (module docstring)."""
@@ -331,9 +351,10 @@ def report(paths: Sequence[str], options: FitOptions) -> int:
             unit=options.unit,
             allow_partial_last_line=options.allow_partial_last_line,
         )
+    except UnicodeDecodeError as error:  # names neither file nor line: find them
+        return report_error(f"error: {undecodable_metrics(paths) or error}", EXIT_INPUT_ERROR)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(f"error: {error}", EXIT_INPUT_ERROR)
     reports = [fit_run(run, options) for run in runs]
     print(format_table(table_rows(reports)))
     if options.bootstrap > 0:

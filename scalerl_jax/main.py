@@ -12,7 +12,11 @@ and a recipe meant for accelerators stops at once when only the CPU is there. A 
 prints one message listing every problem and exits with status 2, without a traceback; the run's
 own refusals (a workdir locked by another run, no usable checkpoint, a checkpoint that cannot be
 written, a file or directory that cannot be read or written) print one line naming what and where
-and exit with status 1 (`--verbosity=1` logs the traceback too).
+and exit with status 1 (`--verbosity=1` logs the traceback too). A bad command line (an unknown
+flag or `--config.KEY`, a config file that is missing or not Python) and a data file or checkpoint
+file that cannot be used (a malformed row, a truncated tokenizer.json) print one line naming the
+file and row, line or key and exit with status 2 (`scalerl_jax.cli_errors`; `SCALERL_DEBUG=1`
+prints the traceback too).
 
 Signals (`run.signals.StopSignals`): SIGTERM (what SLURM sends before it preempts or at the time
 limit) or a first Ctrl-C finishes the current step, writes its metrics row and a checkpoint of
@@ -26,11 +30,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from scalerl_jax.cli_errors import debug_enabled, report_error
+from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, config_argv_problem, touch_config
 from scalerl_jax.config_validation import ConfigError, check_backend, check_devices, validate
 from scalerl_jax.distributed.launch_env import LaunchEnvError, configure_cpu_collectives, distributed_init_kwargs
 
@@ -41,6 +48,25 @@ flags.mark_flags_as_required(["config", "workdir"])
 EXIT_CONFIG_ERROR = 2
 EXIT_RUN_ERROR = 1
 FORCED_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (`app.run`'s `flags_parser`), with a bad command line ended by one line
+    and status 2: an unknown or missing flag, a config file that is missing or not Python (or
+    whose get_config() raises a KeyError, ValueError, ...: named with its line), an unknown
+    `--config.KEY` (with the nearest key), a value that does not parse, a `--workdir` that is a file."""
+    try:
+        rest = flags.FLAGS(argv)
+        touch_config(_CONFIG.value)  # ml_collections keeps an unreadable file's error until then
+    except CONFIG_ARGV_ERRORS as e:
+        problem = config_argv_problem(argv, e)
+        kind = "config error" if problem.startswith("--config") else "usage error"
+        hint = "" if kind == "config error" else " (--helpshort lists the flags)"
+        sys.exit(report_error(f"{kind}: {problem}{hint}", EXIT_CONFIG_ERROR))  # before JAX starts: no `stop`
+    workdir = _WORKDIR.value
+    if workdir is not None and os.path.exists(workdir) and not os.path.isdir(workdir):
+        sys.exit(report_error(f"usage error: --workdir={workdir} is a file; expected a directory", EXIT_CONFIG_ERROR))
+    return rest
 
 
 def split_host_devices(cpu_devices: int) -> None:
@@ -91,8 +117,9 @@ def main(argv):
     try:
         start(config)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+        sys.exit(report_error(f"config error: {e}", EXIT_CONFIG_ERROR))
+    from scalerl_jax.data.rows import DataFileError
+    from scalerl_jax.models.hf_tokenizer import CheckpointFileError
     from scalerl_jax.run import RUN_ERRORS, run  # heavy imports after the config is known to be good
     from scalerl_jax.run.signals import EXIT_INTERRUPTED, exit_now
 
@@ -101,6 +128,8 @@ def main(argv):
         summary = run(config, workdir)
     except ConfigError as e:  # found once the checkpoint, tokenizer or data are read
         stop(f"config error: {e}", EXIT_CONFIG_ERROR)
+    except (DataFileError, CheckpointFileError) as e:  # a data row or a checkpoint file that cannot be used
+        stop(f"error: {e}", EXIT_CONFIG_ERROR)
     except (*RUN_ERRORS, OSError) as e:  # OSError: a file or directory that cannot be read or written
         logging.debug("run stopped", exc_info=True)  # the traceback, with --verbosity=1
         stop(f"error: {e}", EXIT_RUN_ERROR)
@@ -118,6 +147,8 @@ def stop(message: str, status: int) -> None:
     """Prints `message` and exits with `status`. In a multi-process run the exit is immediate
     (`os._exit`): a normal exit would wait at jax.distributed's shutdown barrier for peers that
     are still working, while they learn of this process's end only when its connections close."""
+    if debug_enabled() and sys.exc_info()[0] is not None:
+        traceback.print_exc()
     print(message, file=sys.stderr, flush=True)
     if jax.process_count() > 1:
         logging.flush()
@@ -126,4 +157,4 @@ def stop(message: str, status: int) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

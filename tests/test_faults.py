@@ -35,6 +35,48 @@ Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.run, 
   R6 main on a workdir held by another run: exit 1, one line naming the holder's pid
   R7 main on a read-only workdir: exit 1, one line naming the path
   R8 a custom reward that cannot be imported: named at start-up, before any work
+Signals (tests/test_faults_signals.py: scalerl_jax.run.signals.StopSignals, the pipeline, the study driver)
+  S1 SIGTERM to a one-process run: the current step (PPO: its phase) finishes, its row and a checkpoint
+     are written, exit 0 with 'signal SIGTERM' in the summary; the rerun resumes there, rows once, PPO losses
+     equal to an uninterrupted run to 1e-6
+  S2 a second SIGINT: exit 130 at once, one line on stderr, no traceback or abort; the rerun resumes from
+     the last complete checkpoint, rows once
+  S3 SIGTERM to both processes of a 2-process run: the leader picks one stop step, one checkpoint, both
+     exit 0; the rerun resumes there
+  S4 SIGTERM to the study: passed on to its run (which checkpoints), one line, exit 143, no orphan run
+  S5 a run's workdir held by another process: not launched, logged as refused (not an end, not a killed
+     launch, not in minutes per run); a second study on one directory: refused at once
+Input mistakes at the entry points (tests/test_faults_input.py; SCALERL_DEBUG=1 shows the traceback)
+  I1 main on a bad data file (malformed line, missing/empty/non-string answer, empty file, binary, too few
+     rows for data.heldout_size): exit 2, one line naming the file, row and line or field
+  I2 evaluate --data on the same bad files: exit 2, one line
+  I3 a config file missing, a directory, not Python, or whose get_config() raises: exit 2, one line naming
+     the file and line
+  I4 an unknown --config.KEY (the nearest key suggested) or a value that does not parse: exit 2, one line,
+     no workdir created
+  I5 main without --workdir or with an unknown flag: exit 2, one usage line
+  I6 a truncated tokenizer.json: exit 2, one line naming the file
+  I7 config.json's vocab_size disagreeing with the weights: exit 2, one line naming both files and shapes
+  I8 export to a read-only directory: exit 1, one line naming the path, no staging directory left
+  I9 tired-user inputs (missing, directory or wrong-suffix files, missing --out directory, run without
+     checkpoints, missing --step, empty study dir, study config raising, non-UTF-8 metrics, --workdir a
+     file, data.path pointing nowhere): exit 2, one line each
+Nothing silent (tests/test_faults_silent.py: config_validation.check_irrelevant, data.rewards.RewardTallies,
+sampling_setup.check_token_ids)
+  N1 model.checkpoint beside a warm_start section: refused at start-up (exit 2) naming both keys
+  N2 settings the config makes irrelevant: refused (data.path under the synthetic task, refill without the
+     filter) or one warning line each naming both keys (eps under cispo, eps_max under dapo,
+     positive_pass_rate without NPR, interruption/think_end under plain, a length penalty past
+     max_new_tokens, reward_correct beside a custom reward, wandb_mode without a project); shipped
+     configs get neither
+  N3 a custom reward raising on training and evaluation items: data/reward_errors and eval/reward_errors in
+     every metrics row, cumulative, restored on resume; the first item logged once; the progress line
+     shows the count
+  N4 a custom reward past the verifier's time limit on training items: data/reward_timeouts, logged once
+  N5 a custom reward that kills its worker: data/reward_crashes, logged once
+  N6 math-verify cannot parse an answer: data/reward_unparsable, logged once
+  N7 special, stop or think-end token ids at or past config.json's vocab_size: ConfigError naming the ids
+     and files (exit 2)
 Also covered elsewhere: kill -9 then resume (tests/test_main.py, rows once, PPO losses equal), NaN loss
 policies (tests/test_main.py), unbounded answer extraction (tests/test_rewards_last_boxed.py), custom
 reward timeouts and crashes (tests/test_rewards_custom.py, tests/test_rewards_formats.py), malformed

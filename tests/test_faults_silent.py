@@ -1,18 +1,18 @@
 """Faults that used to pass silently, and what the run says about each: one test per class.
 
 Settings a config makes irrelevant (scalerl_jax.config_validation.check_irrelevant)
-  S1 `model.checkpoint` beside a `warm_start` section: refused at start-up (exit 2) naming both keys,
+  N1 `model.checkpoint` beside a `warm_start` section: refused at start-up (exit 2) naming both keys,
      before the warm start is built
-  S2 other settings the config ignores: refused (data.path under the synthetic task, refill without the
+  N2 other settings the config ignores: refused (data.path under the synthetic task, refill without the
      filter) or one warning line each at start-up, naming both keys; shipped configs get neither
 Reward failures (scalerl_jax.data.rewards.RewardTallies, scalerl_jax.run.build.make_reward_fn)
-  S3 a custom reward raising on training and evaluation items: counted in every metrics row
+  N3 a custom reward raising on training and evaluation items: counted in every metrics row
      (data/reward_errors, eval/reward_errors, cumulative, restored on resume), first one logged once
-  S4 a custom reward past the verifier's time limit on training items: data/reward_timeouts, logged once
-  S5 a custom reward that kills its worker: data/reward_crashes, logged once
-  S6 math-verify cannot parse an answer: data/reward_unparsable, logged once
+  N4 a custom reward past the verifier's time limit on training items: data/reward_timeouts, logged once
+  N5 a custom reward that kills its worker: data/reward_crashes, logged once
+  N6 math-verify cannot parse an answer: data/reward_unparsable, logged once
 Checkpoint tokenizer (scalerl_jax.sampling_setup.check_token_ids)
-  S7 special, stop or think-end ids outside config.json's vocab_size: ConfigError naming the ids and files
+  N7 special, stop or think-end ids outside config.json's vocab_size: ConfigError naming the ids and files
 """
 
 import json
@@ -67,7 +67,7 @@ def config_with(base: str, overrides: dict):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_s1_checkpoint_beside_a_warm_start_is_refused_naming_both_keys(tmp_path):
+def test_n1_checkpoint_beside_a_warm_start_is_refused_naming_both_keys(tmp_path):
     config = config_with("tiny", {"model.checkpoint": str(tmp_path)})
     expected = (
         f"config key `model.checkpoint` = {str(tmp_path)!r} is not used: this config has a `warm_start` "
@@ -117,7 +117,7 @@ REFUSED = {
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_s2_irrelevant_settings_that_are_refused(case):
+def test_n2_irrelevant_settings_that_are_refused(case):
     base, overrides, expected = REFUSED[case]
     with pytest.raises(ConfigError) as raised:
         validate(config_with(base, overrides), check_files=False)
@@ -176,7 +176,7 @@ WARNED = {
 
 
 @pytest.mark.parametrize("case", sorted(WARNED))
-def test_s2_irrelevant_settings_that_are_warned_about(case, caplog):
+def test_n2_irrelevant_settings_that_are_warned_about(case, caplog):
     overrides, expected = WARNED[case]
     config = config_with("8b", overrides)
     assert check_irrelevant(config) == ([], [expected])
@@ -197,7 +197,7 @@ def shipped_configs():
         yield f"scale {name}", recipe.scale(name)
 
 
-def test_s2_shipped_configs_are_neither_refused_nor_warned_about():
+def test_n2_shipped_configs_are_neither_refused_nor_warned_about():
     cwd = os.getcwd()
     os.chdir(REPO)  # study_config reads configs/tiny.py
     try:
@@ -276,9 +276,9 @@ def first_item_line(outcome: str, metric: str, reason: str) -> str:
             ("crash", "data/reward_crashes", "worker died"),
         ),
     ],
-    ids=["s4_timeout", "s5_crash"],
+    ids=["n4_timeout", "n5_crash"],
 )
-def test_s4_s5_custom_reward_timeouts_and_crashes_on_training_items_are_counted(
+def test_n4_n5_custom_reward_timeouts_and_crashes_on_training_items_are_counted(
     spec, time_limit_s, expected, reason, caplog
 ):
     config = config_with("tiny", {"data.reward_fn": spec})
@@ -293,7 +293,7 @@ def test_s4_s5_custom_reward_timeouts_and_crashes_on_training_items_are_counted(
     assert [w for w in warnings_of(caplog) if w.startswith("reward ")] == [first_item_line(*reason)]
 
 
-def test_s3_custom_reward_errors_on_training_items_are_counted(caplog):
+def test_n3_custom_reward_errors_on_training_items_are_counted(caplog):
     config = config_with("tiny", {"data.reward_fn": "silent_rewards:raises_on_training"})
     reward_fn, verify_pool, tallies = reward_parts(config)
     try:
@@ -311,7 +311,7 @@ def test_s3_custom_reward_errors_on_training_items_are_counted(caplog):
     assert restored.metrics() == counts(errors=4)
 
 
-def test_s6_unparsable_answers_are_counted(caplog):
+def test_n6_unparsable_answers_are_counted(caplog):
     config = recipe.scalerl_8b()  # math-verify
     reward_fn, verify_pool, tallies = reward_parts(config)
     try:
@@ -326,11 +326,11 @@ def test_s6_unparsable_answers_are_counted(caplog):
     ]
 
 
-def test_s3_the_progress_line_counts_every_failure_kind():
+def test_n3_the_progress_line_counts_every_failure_kind():
     assert REWARD_FAILURE_KEYS == tuple(f"data/{name}" for name in FAILURE_METRICS.values())
 
 
-def test_s3_the_progress_line_shows_reward_failures_once_there_are_any():
+def test_n3_the_progress_line_shows_reward_failures_once_there_are_any():
     assert "reward failures" not in format_progress(1, 2, counts(), None)
     assert format_progress(1, 2, counts(errors=3, timeouts=1, items=9), None).endswith(" | eta - | reward failures 4")
 
@@ -340,7 +340,7 @@ def read_metrics(workdir) -> dict[int, dict]:
         return {row["step"]: row for row in map(json.loads, f)}
 
 
-def test_s3_reward_errors_in_a_run_are_in_every_row_and_survive_resume(tmp_path, caplog):
+def test_n3_reward_errors_in_a_run_are_in_every_row_and_survive_resume(tmp_path, caplog):
     config = recipe.tiny()
     overrides = {"rl.zero_variance_filter": False, "data.reward_fn": "silent_rewards:raises_on_training"}
     config.update_from_flattened_dict({**SMALL, **overrides})
@@ -378,7 +378,7 @@ def test_s3_reward_errors_in_a_run_are_in_every_row_and_survive_resume(tmp_path,
 # ----------------------------------------------------------------------------------------------
 
 
-def test_s7_tokenizer_ids_outside_the_model_vocabulary_are_refused(tmp_path):
+def test_n7_tokenizer_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     from family_checkpoints import make_family_checkpoint
 
     checkpoint = make_family_checkpoint("qwen3", str(tmp_path / "model"))

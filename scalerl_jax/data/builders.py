@@ -145,6 +145,11 @@ def _local_splits(builder, path: str):
     rows, duplicates = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
     if duplicates:
         logging.warning("%s: dropped %d rows whose problem repeats an earlier row", path, duplicates)
+    if not 0 <= config.heldout_size < len(rows):
+        raise rows_lib.DataFileError(
+            f"{path}: {len(rows)} distinct problems leave none to train on after a held-out split of "
+            f"{config.heldout_size} (data.heldout_size); expected more than {config.heldout_size} rows"
+        )
     builder.info.metadata["duplicates_dropped"] = duplicates
     train, heldout = rows_lib.heldout_split(rows, config.heldout_size, config.seed)
     return {"train": builder._generate_examples(train), "heldout": builder._generate_examples(heldout)}
@@ -219,10 +224,9 @@ def build_local_file(
     heldout_size: int = 1000,
     seed: int = 0,
 ) -> LocalMathFile:
-    """Builds a local jsonl/parquet file into ``data_dir`` (ValueError naming a bad row)."""
+    """Builds a local jsonl/parquet file into ``data_dir`` (DataFileError naming a bad row)."""
     path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"build_local_file: no such file {path}")
+    rows_lib.check_data_file(path)
     fields = (problem_field, answer_field, difficulty_field, heldout_size, seed)
     name = f"file_{_short_digest(_sha256_of_file(path), *fields)}"
     config = LocalFileConfig(
@@ -247,7 +251,7 @@ def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000, s
     """
     path = os.path.join(manual_dir, POLARIS_FILENAME)
     if not os.path.isfile(path):
-        raise ValueError(f"build_polaris: {POLARIS_FILENAME} not found in manual dir {manual_dir}")
+        raise rows_lib.DataFileError(f"{path}: no such file ({POLARIS_FILENAME} is expected in {manual_dir})")
     name = f"heldout{heldout_size}_seed{seed}_{_short_digest(_sha256_of_file(path))}"
     config = LocalFileConfig(
         name=name,

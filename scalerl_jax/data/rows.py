@@ -17,6 +17,11 @@ from collections.abc import Mapping
 import numpy as np
 
 
+class DataFileError(ValueError):
+    """A data file that cannot be used as given; the message names the file, the row (and line)
+    or field, and what was expected."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One problem: fields by output name, and its 0-based row index in the source file."""
@@ -26,24 +31,32 @@ class Row:
 
 
 def _checked_field(record: Mapping, field: str, index: int, where: str) -> str:
-    """The non-empty string ``record[field]`` (bytes are decoded as UTF-8), else ValueError."""
+    """The non-empty string ``record[field]`` (bytes are decoded as UTF-8), else DataFileError."""
     if field not in record or record[field] is None:
-        raise ValueError(f"{where}: row {index} has no field {field!r}")
+        raise DataFileError(f"{where}: row {index} has no field {field!r} (fields: {sorted(record)})")
     value = record[field]
     if isinstance(value, bytes):
         try:
             value = value.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: row {index} field {field!r} is not valid UTF-8: {e}") from e
+            raise DataFileError(f"{where}: row {index} field {field!r} is not valid UTF-8: {e}") from e
     if not isinstance(value, str):
-        raise ValueError(f"{where}: row {index} field {field!r} is {type(value).__name__}, expected a string")
+        raise DataFileError(f"{where}: row {index} field {field!r} is {type(value).__name__}, expected a string")
     if not value.strip():
-        raise ValueError(f"{where}: row {index} field {field!r} is empty")
+        raise DataFileError(f"{where}: row {index} field {field!r} is empty")
     return value
 
 
+def check_data_file(path: str) -> None:
+    """DataFileError unless ``path`` is an existing regular file."""
+    if os.path.isdir(path):
+        raise DataFileError(f"{path}: is a directory, expected a .jsonl or .parquet file")
+    if not os.path.isfile(path):
+        raise DataFileError(f"{path}: no such file")
+
+
 def _jsonl_records(path: str):
-    """Yields ``(index, dict)`` per line; ValueError naming the line for bad UTF-8 or JSON."""
+    """Yields ``(index, dict)`` per line; DataFileError naming the line for bad UTF-8 or JSON."""
     with open(path, "rb") as f:
         data = f.read()
     lines = data.split(b"\n")
@@ -53,13 +66,15 @@ def _jsonl_records(path: str):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: row {index} (line {index + 1}) is not valid UTF-8: {e}") from e
+            raise DataFileError(f"{path}: row {index} (line {index + 1}) is not valid UTF-8: {e}") from e
         try:
             record = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: row {index} (line {index + 1}) is not valid JSON: {e}") from e
+            raise DataFileError(
+                f"{path}: row {index} (line {index + 1}) is not valid JSON: {e.msg} at column {e.colno}"
+            ) from e
         if not isinstance(record, dict):
-            raise ValueError(
+            raise DataFileError(
                 f"{path}: row {index} (line {index + 1}) is {type(record).__name__}, expected a JSON object"
             )
         yield index, record
@@ -67,34 +82,45 @@ def _jsonl_records(path: str):
 
 def _parquet_records(path: str):
     """Yields ``(index, dict)`` per parquet row (pyarrow; binary columns come as bytes)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowException as e:
+        raise DataFileError(f"{path}: not a readable parquet file ({e})") from e
     yield from enumerate(table.to_pylist())
 
 
 def file_format_of(path: str) -> str:
-    """``'jsonl'`` or ``'parquet'`` from the file suffix (ValueError otherwise)."""
+    """``'jsonl'`` or ``'parquet'`` from the file suffix (DataFileError otherwise)."""
     suffix = os.path.splitext(path)[1].lower()
     if suffix in (".jsonl", ".json"):
         return "jsonl"
     if suffix == ".parquet":
         return "parquet"
-    raise ValueError(f"{path}: unknown data file suffix {suffix!r} (expected .jsonl or .parquet)")
+    raise DataFileError(f"{path}: unknown data file suffix {suffix!r} (expected .jsonl or .parquet)")
+
+
+def read_records(path: str, *, file_format: str | None = None):
+    """Yields ``(index, dict)`` for each row of the jsonl or parquet file ``path`` (DataFileError
+    naming the file, and the row and line, for a missing file or a malformed row)."""
+    check_data_file(path)
+    file_format = file_format or file_format_of(path)
+    records = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(file_format)
+    if records is None:
+        raise DataFileError(f"{path}: unknown file_format {file_format!r} (jsonl or parquet)")
+    yield from records(path)
 
 
 def read_rows(path: str, field_map: Mapping[str, str], *, file_format: str | None = None) -> list[Row]:
     """All rows of ``path`` with ``field_map`` (output name -> source field) applied and checked."""
-    file_format = file_format or file_format_of(path)
-    records = {"jsonl": _jsonl_records, "parquet": _parquet_records}.get(file_format)
-    if records is None:
-        raise ValueError(f"{path}: unknown file_format {file_format!r} (jsonl or parquet)")
     rows = []
-    for index, record in records(path):
+    for index, record in read_records(path, file_format=file_format):
         fields = {name: _checked_field(record, source, index, path) for name, source in field_map.items()}
         rows.append(Row(fields=fields, source_index=index))
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise DataFileError(f"{path}: the file has no rows")
     return rows
 
 

@@ -30,6 +30,7 @@ from numpy.typing import DTypeLike
 
 from scalerl_jax.models import hf_tokenizer, sharding
 from scalerl_jax.models.config import DTYPES, ModelConfig
+from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.models.transformer import Transformer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -126,11 +127,13 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     if rope_type in (None, "default"):
         return theta, None
     if rope_type != "llama3":
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        raise CheckpointFileError(
+            f"config.json: rope type {rope_type!r} is not supported (only 'default' and 'llama3')"
+        )
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in merged]
     if missing:
-        raise ValueError(f"config.json: llama3 rope scaling is missing {missing}")
+        raise CheckpointFileError(f"config.json: llama3 rope scaling is missing {missing}")
     return theta, {k: float(merged[k]) for k in keys}
 
 
@@ -142,18 +145,18 @@ def config_from_hf(
     dtype = dtype_name(dtype)
     family = hf.get("model_type")
     if family not in _ARCHITECTURES:
-        raise ValueError(
+        raise CheckpointFileError(
             f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}"
         )
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+        raise CheckpointFileError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     if hf.get("mlp_bias", False):
-        raise ValueError("config.json: mlp_bias=true is not supported")
+        raise CheckpointFileError("config.json: mlp_bias=true is not supported")
     if hf.get("use_sliding_window", False):
-        raise ValueError("config.json: use_sliding_window=true is not supported")
+        raise CheckpointFileError("config.json: use_sliding_window=true is not supported")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
-            raise ValueError(f"config.json: missing required field {key!r}")
+            raise CheckpointFileError(f"config.json: missing required field {key!r}")
     heads = int(hf["num_attention_heads"])
     attention_bias = bool(hf.get("attention_bias", False))
     theta, scaling = _rope_from_hf(hf)
@@ -245,7 +248,7 @@ def _weight_files(path: str) -> list[str]:
     if os.path.exists(index):
         weight_map = hf_tokenizer.read_json(index).get("weight_map")
         if not weight_map:
-            raise ValueError(f"{index}: no 'weight_map'")
+            raise CheckpointFileError(f"{index}: no 'weight_map'")
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
         if missing:
@@ -256,7 +259,7 @@ def _weight_files(path: str) -> list[str]:
         return files
     pickled = sorted(name for name in os.listdir(path) if name.endswith(PICKLE_SUFFIXES))
     if pickled:
-        raise ValueError(
+        raise CheckpointFileError(
             f"{path}: only pickled weights {pickled}; refusing to unpickle (arbitrary code execution). "
             "Convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True))."
         )
@@ -284,7 +287,7 @@ def _index_tensors(files: list[str]) -> tuple[dict[str, _Source], list[str], int
             names = list(f.keys())
         for name in names:
             if name in sources:
-                raise ValueError(f"tensor {name!r} appears in both {sources[name].file} and {file}")
+                raise CheckpointFileError(f"tensor {name!r} appears in both {sources[name].file} and {file}")
             if any(p.fullmatch(name) for p in IGNORED_HF_TENSORS):
                 ignored += 1
                 continue
@@ -370,9 +373,10 @@ def _read_param(
         tensor = _get_tensor(open_file(file), file, hf_name)
         expected = hf_shape(layer_shape, transform)
         if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}; the config expects {expected} "
-                f"(for parameter {target.path})"
+            config_file = os.path.join(os.path.dirname(file), "config.json")
+            raise CheckpointFileError(
+                f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, but {config_file} gives "
+                f"{expected} (parameter {target.path}); the weights and config.json disagree"
             )
         value = hf_to_ours(tensor, transform, layer_shape).astype(dtype)
         if target.stacked:
@@ -388,7 +392,7 @@ def _safe_open(file: str) -> Iterator[Any]:
     try:
         handle = safetensors.safe_open(file, framework="np")
     except (safetensors.SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+        raise CheckpointFileError(f"{file}: not a readable safetensors file ({e})") from e
     with handle as f:
         yield f
 
@@ -398,7 +402,7 @@ def _get_tensor(handle: Any, file: str, name: str) -> np.ndarray:
     try:
         return handle.get_tensor(name)
     except (safetensors.SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{file}: cannot read tensor {name!r} ({e})") from e
+        raise CheckpointFileError(f"{file}: cannot read tensor {name!r} ({e})") from e
 
 
 @contextlib.contextmanager
@@ -440,8 +444,14 @@ def load_hf_config(
         raise FileNotFoundError(f"{config_file} does not exist")
     hf = hf_tokenizer.read_json(config_file)
     if not isinstance(hf, dict):
-        raise ValueError(f"{config_file}: expected a JSON object, got {type(hf).__name__}")
-    return config_from_hf(hf, dtype=dtype, fp32_head=fp32_head, **overrides)
+        raise CheckpointFileError(f"{config_file}: expected a JSON object, got {type(hf).__name__}")
+    try:
+        return config_from_hf(hf, dtype=dtype, fp32_head=fp32_head, **overrides)
+    except CheckpointFileError as e:  # its messages begin "config.json: "; name the file itself
+        message = str(e)
+        if message.startswith("config.json"):
+            message = config_file + message.removeprefix("config.json")
+        raise CheckpointFileError(message) from e
 
 
 def abstract_hf(
@@ -482,7 +492,7 @@ def load_hf(
     missing = sorted(needed_names - set(sources))
     extra += sorted(set(sources) - needed_names)
     if missing or extra:
-        raise ValueError(
+        raise CheckpointFileError(
             f"checkpoint {path} does not match the {config.family} config: "
             f"missing tensors {missing}; unexpected tensors {sorted(extra)}"
         )

@@ -42,6 +42,12 @@ MODEL_CONFIG_FILE = "config.json"
 SPECIAL_TOKEN_FIELDS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+class CheckpointFileError(ValueError):
+    """A checkpoint directory's file that cannot be used (malformed JSON, an unreadable tokenizer or
+    safetensors file, weights that disagree with config.json); the message names the file and
+    field and what was expected."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointTokenizer:
     """A checkpoint's tokenizer with its special tokens, stop ids and chat template.
@@ -75,14 +81,14 @@ def read_json(file: str) -> Any:
         try:
             return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: malformed JSON ({e})") from e
+            raise CheckpointFileError(f"{file}: malformed JSON ({e})") from e
 
 
 def _read_json_object(file: str) -> dict[str, Any]:
     """`read_json(file)` that must be a JSON object."""
     value = read_json(file)
     if not isinstance(value, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+        raise CheckpointFileError(f"{file}: expected a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -92,7 +98,9 @@ def token_content(value: Any, file: str, field: str) -> str | None:
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
-    raise ValueError(f"{file}: {field} must be a string, an AddedToken object with 'content', or null; got {value!r}")
+    raise CheckpointFileError(
+        f"{file}: {field} must be a string, an AddedToken object with 'content', or null; got {value!r}"
+    )
 
 
 def _chat_template_of(config: dict[str, Any], config_file: str) -> str | None:
@@ -103,11 +111,11 @@ def _chat_template_of(config: dict[str, Any], config_file: str) -> str | None:
     if isinstance(template, list) and all(isinstance(t, dict) for t in template):
         named = {entry.get("name"): entry.get("template") for entry in template}
         if not isinstance(named.get("default"), str):
-            raise ValueError(
+            raise CheckpointFileError(
                 f"{config_file}: chat_template list has no 'default' template (names {sorted(map(str, named))})"
             )
         return named["default"]
-    raise ValueError(
+    raise CheckpointFileError(
         f"{config_file}: chat_template must be a string or a list of {{name, template}}; got {type(template).__name__}"
     )
 
@@ -135,7 +143,7 @@ def load_tokenizer_file(path: str) -> tokenizers.Tokenizer:
     try:
         return tokenizers.Tokenizer.from_file(file)
     except Exception as e:  # tokenizers raises a bare Exception on bad files
-        raise ValueError(f"{file}: not a valid tokenizers file ({e})") from e
+        raise CheckpointFileError(f"{file}: not a valid tokenizers file ({e})") from e
 
 
 def _special_token_sources(path: str, config: dict[str, Any], config_file: str) -> dict[str, tuple[str, str]]:
@@ -162,17 +170,17 @@ def _check_added_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any],
     """Each `added_tokens_decoder` entry must be its id's token in `tokenizer.json`."""
     decoder = config.get("added_tokens_decoder") or {}
     if not isinstance(decoder, dict):
-        raise ValueError(f"{config_file}: added_tokens_decoder must be an object (id -> token)")
+        raise CheckpointFileError(f"{config_file}: added_tokens_decoder must be an object (id -> token)")
     for key, entry in decoder.items():
         field = f"added_tokens_decoder[{key!r}]"
         content = token_content(entry, config_file, field)
         try:
             token_id = int(key)
         except ValueError:
-            raise ValueError(f"{config_file}: {field}: the key is not a token id") from None
+            raise CheckpointFileError(f"{config_file}: {field}: the key is not a token id") from None
         actual = tokenizer.token_to_id(content) if content is not None else None
         if actual != token_id:
-            raise ValueError(
+            raise CheckpointFileError(
                 f"{config_file}: {field} is {content!r}, but {TOKENIZER_FILE} gives that token id {actual}"
             )
 
@@ -180,7 +188,7 @@ def _check_added_tokens(tokenizer: tokenizers.Tokenizer, config: dict[str, Any],
 def _token_id(tokenizer: tokenizers.Tokenizer, token: str, file: str, field: str) -> int:
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
-        raise ValueError(f"{file}: {field} {token!r} is not in the vocabulary of {TOKENIZER_FILE}")
+        raise CheckpointFileError(f"{file}: {field} {token!r} is not in the vocabulary of {TOKENIZER_FILE}")
     return token_id
 
 
@@ -197,7 +205,7 @@ def _generation_eos_ids(path: str, tokenizer: tokenizers.Tokenizer) -> list[int]
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or tokenizer.id_to_token(token_id) is None:
-            raise ValueError(
+            raise CheckpointFileError(
                 f"{file}: eos_token_id {value!r}: {token_id!r} is not a token id of {TOKENIZER_FILE} "
                 f"(vocabulary size {vocab_size})"
             )
@@ -225,7 +233,7 @@ def load_checkpoint_tokenizer(path: str) -> CheckpointTokenizer:
     sources = _special_token_sources(path, config, config_file)
     ids = {field: _token_id(tokenizer, token, file, field) for field, (token, file) in sources.items()}
     if "eos_token" not in sources:
-        raise ValueError(
+        raise CheckpointFileError(
             f"{config_file}: no eos_token (nor in {SPECIAL_TOKENS_MAP_FILE}); cannot tell where generation ends"
         )
     eos_token = sources["eos_token"][0]

@@ -11,8 +11,9 @@ WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) p
 and writes WORKDIR/study.md, curves.png and params.png.
 
 Exit status: 0 done; 1 a run failed or was refused (its workdir in use; the same command resumes)
-or a curve could not be fitted; 2 bad input (flags, study directory, metrics files); 143 / 130
-stopped by SIGTERM / SIGINT, passed on to the running run (`driver`).
+or a curve could not be fitted; 2 bad input (flags, study directory, metrics files), with one line
+naming it (`SCALERL_DEBUG=1` prints the traceback too); 143 / 130 stopped by SIGTERM / SIGINT,
+passed on to the running run (`driver`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
+from scalerl_jax.config_argv import line_in_file
 from scalerl_jax.study import driver, report
 from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, analyze_variant, pair_orders
 from scalerl_jax.study.variants import expand_variants
@@ -69,7 +72,10 @@ def analyze(study_dir: Path, *, cut_fraction: float, bootstrap: int, a_range: tu
 def _a_range(text: str | None) -> tuple[float, float] | None:
     if text is None:
         return None
-    low, high = (float(x) for x in text.split(","))
+    try:
+        low, high = (float(x) for x in text.split(","))
+    except ValueError:  # not two numbers
+        raise ValueError(f"--a-range must be LO,HI with 0 <= LO <= HI <= 1, got {text!r}") from None
     if not 0.0 <= low <= high <= 1.0:
         raise ValueError(f"--a-range must be LO,HI with 0 <= LO <= HI <= 1, got {text!r}")
     return low, high
@@ -106,8 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             study_dir = study.study_dir
         return analyze(study_dir, cut_fraction=args.cut, bootstrap=args.bootstrap, a_range=a_range)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report_error(f"error: {error}", EXIT_INPUT_ERROR)
+    except (KeyError, AttributeError, TypeError) as error:  # only when the base config file raised it
+        base = (args.config or "").partition(":")[0]
+        line = line_in_file(error, base) if base else None
+        if line is None:
+            raise
+        message = f"error: --config {base}: get_config() raised {type(error).__name__}: {error} (line {line})"
+        return report_error(message, EXIT_INPUT_ERROR)
+    except SyntaxError as error:  # the base config file is not Python
+        where = f"{error.filename}, line {error.lineno}" if error.lineno else error.filename
+        return report_error(f"error: --config {where}: {error.msg} (expected a Python file)", EXIT_INPUT_ERROR)
 
 
 if __name__ == "__main__":
