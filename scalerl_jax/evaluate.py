@@ -44,6 +44,7 @@ from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import (
     check_think_end,
+    check_token_ids,
     make_prompt_encoder,
     make_sample_fn,
 )
@@ -167,6 +168,7 @@ def evaluate_policy(
     (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`)."""
     tok = load_checkpoint_tokenizer(policy.checkpoint_dir)
     check_think_end(config, tok, policy.checkpoint_dir)
+    check_token_ids(config, tok, policy.checkpoint_dir)
     encoded = make_prompt_encoder(config, tok, policy.checkpoint_dir).encode(benchmark.problems)
     if not encoded.tokens:
         raise EvaluateError(
