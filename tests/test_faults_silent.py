@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import jax
 import pytest
+from test_main import REPO, SMALL
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import recipe
@@ -37,23 +38,6 @@ from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.run.build import TaskData, build_policy_source, make_reward_fn
 from scalerl_jax.study.variants import study_config
-
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SMALL = {
-    "warm_start.steps": 8,
-    "warm_start.batch_size": 16,
-    "synthetic.sft_size": 64,
-    "synthetic.train_size": 64,
-    "synthetic.heldout_size": 8,
-    "num_steps": 3,
-    "batch.prompts_per_step": 4,
-    "batch.generations_per_prompt": 2,
-    "sampler.num_slots": 8,
-    "eval.every": 2,
-    "eval.num_prompts": 4,
-    "eval.samples_per_prompt": 2,
-    "checkpoint.every": 2,
-}
 
 
 def config_with(base: str, overrides: dict):
