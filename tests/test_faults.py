@@ -61,6 +61,8 @@ Input mistakes at the entry points (tests/test_faults_input.py; SCALERL_DEBUG=1 
   I9 tired-user inputs (missing, directory or wrong-suffix files, missing --out directory, run without
      checkpoints, missing --step, empty study dir, study config raising, non-UTF-8 metrics, --workdir a
      file, data.path pointing nowhere): exit 2, one line each
+  I10 main on a checkpoint missing tokenizer.json, or whose config.json has a field that is not a number:
+     exit 2, one line naming the file (and field)
 Nothing silent (tests/test_faults_silent.py: config_validation.check_irrelevant, data.rewards.RewardTallies,
 sampling_setup.check_token_ids)
   N1 model.checkpoint beside a warm_start section: refused at start-up (exit 2) naming both keys

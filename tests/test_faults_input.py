@@ -367,3 +367,36 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
             assert "data.path" in line and str(tmp_path / "nope.jsonl") in line, line
         else:
             assert line == expected, (args, line)
+
+
+def break_tokenizer_file(model: str) -> str:
+    path = os.path.join(model, "tokenizer.json")
+    os.remove(path)
+    return f"error: {path} does not exist"
+
+
+def break_config_field(model: str) -> str:
+    path = os.path.join(model, "config.json")
+    config = json.loads(open(path).read())
+    config["num_attention_heads"] = "four"
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return f"error: {path}: field 'num_attention_heads' = 'four'; expected an integer"
+
+
+@pytest.mark.parametrize("fault", [break_tokenizer_file, break_config_field], ids=["no_tokenizer", "bad_field"])
+def test_i10_main_on_a_checkpoint_missing_a_file_or_with_a_bad_field_exits_2(base, tmp_path, fault):
+    model = copy_base(base[0], tmp_path / "model")
+    expected = fault(model)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    config = tmp_path / "run_config.py"
+    config.write_text(DATA_RUN_CONFIG)
+    result = cli(
+        "scalerl_jax.main",
+        f"--config={config}",
+        f"--workdir={tmp_path / 'run'}",
+        f"--config.model.checkpoint={model}",
+        f"--config.data.path={data}",
+    )
+    assert one_line(result, 2) == expected

@@ -30,7 +30,7 @@ from numpy.typing import DTypeLike
 
 from scalerl_jax.models import hf_tokenizer, sharding
 from scalerl_jax.models.config import DTYPES, ModelConfig
-from scalerl_jax.models.hf_tokenizer import CheckpointFileError
+from scalerl_jax.models.hf_tokenizer import CheckpointFileError, MissingCheckpointFile
 from scalerl_jax.models.transformer import Transformer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -137,6 +137,15 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, float] | None]:
     return theta, {k: float(merged[k]) for k in keys}
 
 
+def _as_number(key: str, value: Any, kind: type[int] | type[float]) -> Any:
+    """`kind(value)` for config.json field `key`; a value it cannot convert is named."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        noun = "an integer" if kind is int else "a number"
+        raise CheckpointFileError(f"config.json: field {key!r} = {value!r}; expected {noun}") from None
+
+
 def config_from_hf(
     hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_head: bool = True, **overrides: Any
 ) -> ModelConfig:
@@ -157,27 +166,29 @@ def config_from_hf(
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if key not in hf:
             raise CheckpointFileError(f"config.json: missing required field {key!r}")
-    heads = int(hf["num_attention_heads"])
+    heads = _as_number("num_attention_heads", hf["num_attention_heads"], int)
     attention_bias = bool(hf.get("attention_bias", False))
     theta, scaling = _rope_from_hf(hf)
     checkpoint_dtype = hf.get("dtype") or hf.get("torch_dtype")
     fields = dict(
         family=family,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=_as_number("vocab_size", hf["vocab_size"], int),
+        hidden_size=_as_number("hidden_size", hf["hidden_size"], int),
+        intermediate_size=_as_number("intermediate_size", hf["intermediate_size"], int),
+        num_layers=_as_number("num_hidden_layers", hf["num_hidden_layers"], int),
         num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        num_kv_heads=_as_number("num_key_value_heads", hf.get("num_key_value_heads") or heads, int),
+        head_dim=_as_number(
+            "head_dim", hf.get("head_dim") or _as_number("hidden_size", hf["hidden_size"], int) // heads, int
+        ),
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_as_number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6), float),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
         qk_norm=family == "qwen3",
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        max_position_embeddings=_as_number("max_position_embeddings", hf.get("max_position_embeddings", 8192), int),
         dtype=dtype or (checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else "float32"),
         fp32_head=fp32_head,
         initializer_range=float(hf.get("initializer_range", 0.02)),
@@ -243,7 +254,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
 def _weight_files(path: str) -> list[str]:
     """Safetensors files of a checkpoint directory (index file, single file, or all *.safetensors)."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+        raise MissingCheckpointFile(f"checkpoint directory {path!r} does not exist")
     index = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.exists(index):
         weight_map = hf_tokenizer.read_json(index).get("weight_map")
@@ -252,7 +263,7 @@ def _weight_files(path: str) -> list[str]:
         files = sorted(set(weight_map.values()))
         missing = [name for name in files if not os.path.exists(os.path.join(path, name))]
         if missing:
-            raise FileNotFoundError(f"{index} lists missing shard files {missing}")
+            raise MissingCheckpointFile(f"{index} lists missing shard files {missing}")
         return [os.path.join(path, name) for name in files]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if files:
@@ -263,7 +274,7 @@ def _weight_files(path: str) -> list[str]:
             f"{path}: only pickled weights {pickled}; refusing to unpickle (arbitrary code execution). "
             "Convert the checkpoint to safetensors (e.g. save_pretrained(..., safe_serialization=True))."
         )
-    raise FileNotFoundError(f"{path}: no *.safetensors weights and no {SAFETENSORS_INDEX}")
+    raise MissingCheckpointFile(f"{path}: no *.safetensors weights and no {SAFETENSORS_INDEX}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,7 +452,7 @@ def load_hf_config(
     """ModelConfig from `path/config.json` (`dtype`: any dtype-like, see `dtype_name`)."""
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
-        raise FileNotFoundError(f"{config_file} does not exist")
+        raise MissingCheckpointFile(f"{config_file} does not exist")
     hf = hf_tokenizer.read_json(config_file)
     if not isinstance(hf, dict):
         raise CheckpointFileError(f"{config_file}: expected a JSON object, got {type(hf).__name__}")

@@ -48,6 +48,11 @@ class CheckpointFileError(ValueError):
     field and what was expected."""
 
 
+class MissingCheckpointFile(CheckpointFileError, FileNotFoundError):
+    """A file the checkpoint directory must have is not there: bad input like any other
+    `CheckpointFileError`, and a `FileNotFoundError` for callers that ask for that."""
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointTokenizer:
     """A checkpoint's tokenizer with its special tokens, stop ids and chat template.
@@ -139,7 +144,7 @@ def load_tokenizer_file(path: str) -> tokenizers.Tokenizer:
     """`tokenizers.Tokenizer` of `path/tokenizer.json` (errors name the file)."""
     file = os.path.join(path, TOKENIZER_FILE)
     if not os.path.exists(file):
-        raise FileNotFoundError(f"{file} does not exist")
+        raise MissingCheckpointFile(f"{file} does not exist")
     try:
         return tokenizers.Tokenizer.from_file(file)
     except Exception as e:  # tokenizers raises a bare Exception on bad files
