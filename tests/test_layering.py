@@ -16,9 +16,10 @@ ALLOWED = {
     "rl": set(),
     "threads": set(),  # the first failure among cooperating threads
     "scaling": set(),
-    "models": set(),
+    "hardware": set(),  # published accelerator facts: the bottom layer
+    "models": {"hardware"},
     "sampler": {"models"},
-    "train": {"batch_layout", "models", "rl"},
+    "train": {"batch_layout", "hardware", "models", "rl"},
     "data": {"rl"},
     "pipeline": {"batch_layout", "data", "rl", "sampler", "threads"},
     "distributed": {"models", "pipeline", "sampler"},
