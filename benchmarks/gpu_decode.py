@@ -22,7 +22,7 @@ and tokens are read from the slots' positions on the device), and reports per sl
                       and timed steps from the device's positions before and after, divided by the
                       steps. Dead cache (pages past a slot's length, idle slots) is NOT counted.
   HBM fraction      = (weights + live KV) per step / step time / peak HBM bandwidth
-                      (H200 4.8 TB/s, H100 SXM 3.35 TB/s; `--peak_tbs` overrides).
+                      (`hardware.facts`: H200 4.8 TB/s, H100 SXM 3.35 TB/s; `--peak_tbs` overrides).
 Goal: >= 50% at 64 slots, max_len 16,384.
 
 `--num_pages -1` (default) sizes the shared pool for this run's live tokens: slots x
@@ -49,12 +49,10 @@ import jax
 import numpy as np
 from flax import nnx
 
+from scalerl_jax.hardware.facts import facts_for_device_kind
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.models.memory import kv_bytes_per_token
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
-
-# Peak HBM bandwidth in TB/s by device-kind substring (NVIDIA data sheets); first match wins.
-PEAK_HBM_TBS = (("H100 PCIe", 2.0), ("H200", 4.8), ("GH200", 4.0), ("H100", 3.35), ("B200", 8.0), ("A100", 2.0))
 
 
 # jax.Device aliases a class of jaxlib's compiled _jax module, which ships no type stubs.
@@ -62,9 +60,9 @@ def peak_tbs(device: jax.Device, override: float | None) -> float:  # pyright: i
     if override:
         return override
     kind = getattr(device, "device_kind", "")
-    for name, tbs in PEAK_HBM_TBS:
-        if name in kind:
-            return tbs
+    facts = facts_for_device_kind(kind)  # data-sheet bandwidth, hardware.facts
+    if facts is not None:
+        return facts.hbm_bytes_per_s / 1e12
     raise ValueError(f"unknown peak HBM bandwidth for device kind {kind!r}: pass --peak_tbs")
 
 

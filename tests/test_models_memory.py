@@ -69,7 +69,7 @@ def test_cli_prints_fit(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "H100 80GB: fits" in out and "H200 141GB: fits" in out and "optimizer" in out
+    assert "H100 SXM 80GB: fits" in out and "H200 SXM 141GB: fits" in out and "optimizer" in out
 
 
 def test_decode_plan_llama31_8b_h200_by_hand():
@@ -115,4 +115,40 @@ def test_cli_decode_report(capsys):
     out = capsys.readouterr().out
     assert "-> 49 slots" in out and "-> 105 slots" in out and "num_pages=50400" in out
     assert "mean completion 11,264" in out  # the recipe's think budget midpoint, stated
-    assert "H100 80GB" not in out  # the training plan is not printed
+    assert "H100 SXM 80GB" not in out  # the training plan is not printed
+
+
+def test_tpu_plan_keeps_the_attention_score_matrix():
+    # attention_impl='auto' is cuDNN flash on GPU and XLA on TPU (layers.resolve_attention_impl). One layer's
+    # working set per token then holds H/tp * T * (4 + e) bytes of scores and probabilities on TPU instead
+    # of flash's H/tp * (4 + hd e): b = 8 / 8 = 1 sequence of T = 4,096 tokens per device, H = 32, hd = 128,
+    # e = 2 (bf16): 4,096 * 32 * (4,096 * 6 - (4 + 256)) = 3,187,146,752 bytes more.
+    config = get_preset("llama3.1-8b", attention_impl="auto")
+    plans = {
+        platform: plan_memory(config, (1, 8, 1), microbatch=8, seq_len=4096, remat_policy="full", platform=platform)
+        for platform in ("gpu", "tpu")
+    }
+    difference = {
+        term: plans["tpu"].activation_terms[term] - plans["gpu"].activation_terms[term]
+        for term in plans["gpu"].activation_terms
+    }
+    assert difference == {
+        "layer_inputs": 0,
+        "saved_by_remat_policy": 0,
+        "one_layer_working_set": 3_187_146_752,
+        "head_hidden_fp32": 0,
+        "logprob_chunk": 0,
+    }
+    with pytest.raises(ValueError, match="unknown platform 'tpuv5'"):
+        plan_memory(config, (1, 8, 1), microbatch=8, seq_len=4096, platform="tpuv5")
+
+
+def test_cli_plans_for_a_tpu_device(capsys):
+    # --device v5e: a TPU v5e chip has 16 GB (Cloud TPU v5e page); the 8B model's fsdp=8 shards alone are
+    # params 2.14 GB + Adam 8.03 GB + gradients 6.16 GB = 16.3 GB > 0.9 * 16 GB, so it does not fit; 'auto'
+    # attention resolves to XLA on TPU.
+    main(["--report", "train", "--preset", "llama3.1-8b", "--mesh", "1,8,1", "--seq_len", "4096", "--device", "v5e"])
+    out = capsys.readouterr().out
+    assert "TPU v5e: does NOT fit" in out and "x 16 GB" in out
+    assert "-> xla on tpu" in out
+    assert "H100" not in out and "H200" not in out

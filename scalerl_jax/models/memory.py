@@ -9,8 +9,9 @@ moments sharded like the parameters; gradients are a float32 accumulator over mi
 microbatch's gradient in the parameter dtype. Activations are an estimate (stated per term in
 `activation_terms`): what `jax.checkpoint` keeps per layer under the remat policy, one layer's full
 working set during its backward pass, and the chunked log-prob head. The plan is for a device
-`platform` ('gpu' by default: the H100 / H200 it is checked against), which decides what
-`attention_impl='auto'` means (`layers.resolve_attention_impl`).
+`platform` ('gpu' by default: the H100 / H200 it is checked against; 'tpu' for a TPU slice), which
+decides what `attention_impl='auto'` means (`layers.resolve_attention_impl`). Device memory comes
+from `hardware.facts` (`--device h100 | h200 | v4 | v5e | v5p | v6e` on the command line).
 
 The decode report (`plan_decode`) is for one generator device holding the whole model: how many
 decode slots fit next to the weights, (a) without paging, each slot owning max_len tokens of KV, and
@@ -28,13 +29,23 @@ import jax
 import numpy as np
 from flax import nnx
 
+from scalerl_jax.hardware.facts import TARGETS, DeviceFacts, facts_for_target
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig, get_preset
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.transformer import Transformer
 
 GIB = 1024**3
-DEVICE_MEMORY_GB = {"H100 80GB": 80, "H200 141GB": 141}
+# Platforms a plan is for, as `jax.default_backend()` / `Device.platform` name them ('cuda' is a GPU).
+PLATFORMS = ("gpu", "cuda", "tpu", "cpu")
+# The training plan is checked against the 8B run's GPUs unless a device is named; decode plans for an H200.
+DEFAULT_FIT_TARGETS = ("h100", "h200")
+DEFAULT_DECODE_TARGET = "h200"
+
+
+def memory_gb(facts: DeviceFacts) -> float:
+    """Memory of one device in GB (1e9 bytes), the unit of `MemoryPlan.fits` and `plan_decode`."""
+    return facts.memory_bytes / 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +138,8 @@ def activation_terms(
     tp = mesh.get("tensor", 1)
     b = -(-microbatch // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
     tokens = b * seq_len
+    if platform not in PLATFORMS:
+        raise ValueError(f"activation_terms: unknown platform {platform!r}; expected one of {PLATFORMS}")
     flash = resolve_attention_impl(config, platform) == "cudnn"
     scores = (h / tp) * (4 + hd * e) if flash else (h / tp) * seq_len * (4 + e)
     everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
@@ -246,7 +259,7 @@ def plan_decode(
     page_size: int,
     mean_prompt: float,
     mean_completion: float,
-    device_gb: float = DEVICE_MEMORY_GB["H200 141GB"],
+    device_gb: float = memory_gb(facts_for_target(DEFAULT_DECODE_TARGET)),
     usable_fraction: float = 0.9,
     workspace_gb: float = 4.0,
 ) -> DecodePlan:
@@ -333,8 +346,13 @@ def plan_memory(
     )
 
 
-def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> str:
-    """Human-readable table of a MemoryPlan in GiB."""
+def format_plan(
+    plan: MemoryPlan,
+    title: str,
+    usable_fraction: float = 0.9,
+    devices: Sequence[DeviceFacts] = tuple(facts_for_target(t) for t in DEFAULT_FIT_TARGETS),
+) -> str:
+    """Human-readable table of a MemoryPlan in GiB, with whether it fits each of `devices`."""
     lines = [
         title,
         f"  {'params':<28}{plan.params / GIB:10.2f} GiB",
@@ -346,9 +364,10 @@ def format_plan(plan: MemoryPlan, title: str, usable_fraction: float = 0.9) -> s
     lines.append(f"  {'total per device':<28}{plan.total / GIB:10.2f} GiB")
     if plan.kv_cache:
         lines.append(f"  {'sampler KV cache':<28}{plan.kv_cache / GIB:10.2f} GiB (generator devices)")
-    for name, gb in DEVICE_MEMORY_GB.items():
+    for facts in devices:
+        gb = memory_gb(facts)
         verdict = "fits" if plan.fits(gb, usable_fraction) else "does NOT fit"
-        lines.append(f"  {name}: {verdict} ({plan.total / 1e9:.1f} GB of {usable_fraction:.0%} x {gb} GB)")
+        lines.append(f"  {facts.name}: {verdict} ({plan.total / 1e9:.1f} GB of {usable_fraction:.0%} x {gb:g} GB)")
     return "\n".join(lines)
 
 
@@ -379,7 +398,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--remat", default="full", help="remat policy name")
     parser.add_argument("--dtype", default=None, help="override the preset's body dtype")
     parser.add_argument("--attention_impl", default="auto", help="auto | xla | cudnn")
-    parser.add_argument("--platform", default="gpu", help="device platform 'auto' attention resolves for")
+    parser.add_argument(
+        "--device",
+        default=None,
+        choices=tuple(TARGETS),
+        help=f"the device to plan for (default: train fit on {' and '.join(DEFAULT_FIT_TARGETS)}, decode on "
+        f"{DEFAULT_DECODE_TARGET}); sets --platform and --device_gb unless they are given",
+    )
+    parser.add_argument(
+        "--platform",
+        default=None,
+        choices=PLATFORMS,
+        help="device platform 'auto' attention resolves for (default: the device's, else gpu)",
+    )
     parser.add_argument("--logprob_chunk", type=int, default=512)
     parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
     parser.add_argument("--usable_fraction", type=float, default=0.9)
@@ -405,12 +436,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="decode: mean completion tokens (default: the recipe's think budget midpoint)",
     )
     parser.add_argument(
-        "--device_gb", type=float, default=DEVICE_MEMORY_GB["H200 141GB"], help="decode: device memory (GB)"
+        "--device_gb", type=float, default=None, help="decode: device memory (GB; default: the device's)"
     )
     parser.add_argument(
         "--workspace_gb", type=float, default=4.0, help="decode: scratch kept free for the decode step and prefill"
     )
     args = parser.parse_args(argv)
+    device = facts_for_target(args.device or DEFAULT_DECODE_TARGET)
+    args.platform = args.platform or (device.platform if args.device else "gpu")
+    device_label = f" ({device.name})" if args.device_gb is None else ""
+    args.device_gb = args.device_gb or memory_gb(device)
+    fit_devices = [device] if args.device else [facts_for_target(t) for t in DEFAULT_FIT_TARGETS]
     overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
     config = get_preset(args.preset, **overrides)
     if args.report in ("all", "decode"):
@@ -428,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             format_decode_plan(
                 plan,
                 f"decode: {args.preset} ({config.dtype}, fp32_head={config.fp32_head}) on "
-                f"one {args.device_gb:g} GB device, max_len {args.max_len}",
+                f"one {args.device_gb:g} GB device{device_label}, max_len {args.max_len}",
             )
         )
     if args.report == "decode":
@@ -450,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"{args.remat}, attention {config.attention_impl} -> "
         f"{resolve_attention_impl(config, args.platform)} on {args.platform}"
     )
-    print(format_plan(plan, title, args.usable_fraction))
+    print(format_plan(plan, title, args.usable_fraction, fit_devices))
 
 
 if __name__ == "__main__":

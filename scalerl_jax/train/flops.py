@@ -17,6 +17,7 @@ halve it to compare) and never counts recomputation (remat), so it is the MODEL 
 
 from __future__ import annotations
 
+from scalerl_jax.hardware.facts import facts_for_device_kind
 from scalerl_jax.models.config import ModelConfig
 
 
@@ -46,38 +47,16 @@ def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int) -> floa
     return train_flops_per_token(config, seq_len) * batch_size * seq_len
 
 
-# Peak dense (no sparsity) bf16 matmul FLOP/s of one device, by a substring of JAX's
-# `device.device_kind`, from the vendors' data sheets. The first match wins, so the more specific
-# names come first ("H100 PCIe" before "H100", "TPU v5 lite" before "TPU v5").
-PEAK_BF16_FLOPS_PER_S: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H200 NVL", 835e12),
-    ("H100", 989e12),  # SXM, e.g. 'NVIDIA H100 80GB HBM3'
-    ("H200", 989e12),  # SXM, and GH200
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("TPU v4", 275e12),
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5e", 197e12),
-    ("TPU v5", 459e12),  # v5p
-    ("TPU v6 lite", 918e12),  # v6e (Trillium)
-    ("TPU v6e", 918e12),
-)
-
-
 def peak_bf16_flops_per_s(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one device of this `device_kind`; None when unknown (e.g. CPU)."""
-    for name, flops in PEAK_BF16_FLOPS_PER_S:
-        if name in device_kind:
-            return flops
-    return None
+    """Peak dense bf16 FLOP/s of one device of this `device_kind` (`hardware.facts`, from the vendors'
+    data sheets); None when unknown (e.g. CPU)."""
+    facts = facts_for_device_kind(device_kind)
+    return None if facts is None else facts.peak_bf16_flops_per_s
 
 
 def devices_peak_flops_per_s(devices) -> float | None:
     """Summed peak dense bf16 FLOP/s of `devices` (e.g. the trainer's), the denominator of MFU;
-    None when any device's kind is not in `PEAK_BF16_FLOPS_PER_S`."""
+    None when any device's kind is not in `hardware.facts.DEVICES`."""
     peaks = [peak_bf16_flops_per_s(device.device_kind) for device in devices]
     known = [peak for peak in peaks if peak is not None]
     if not peaks or len(known) != len(peaks):
