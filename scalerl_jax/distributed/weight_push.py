@@ -62,12 +62,14 @@ from scalerl_jax.models.reshard import (
     assemble,
     bounds_of,
     cut_locally,
+    cut_programs,
     devices_per_slice,
     local_shards,
     overlap,
     slices_of,
     take_slice,
 )
+from scalerl_jax.models.sharding import LoweredProgram
 
 _VERSION_BITS, _PROCESS_BITS = 32, 16
 
@@ -248,15 +250,12 @@ class ParamsSender:
         """
         flat_params = self._flat_params(params)
         plans = self.plans(params)
-        owners_of: dict[tuple[int, Bounds], set[int]] = {}  # (leaf, bounds) -> trainer processes serving it
-        for transfers in plans.values():
-            for transfer in transfers:
-                owners_of.setdefault((transfer.leaf, transfer.bounds), set()).add(transfer.owner)
+        owners_of = slice_owners(plans)
         local_copies: dict[tuple[int, Bounds], jax.Array] = {}
         for key in sorted(owners_of):  # identical sequence of collective jits on every trainer process
             leaf, bounds = key
             array, owners = flat_params[leaf], owners_of[key]
-            if all(_holds_every_overlap(array, bounds, owner) for owner in owners):
+            if not needs_collective(array, bounds, owners):
                 if self._process in owners:  # no collective needed: cut from this process's own shards
                     local_copies[key] = cut_locally(local_shards(array), bounds, landing=None)
             else:
@@ -279,6 +278,50 @@ class ParamsSender:
                 self._server.await_pull(uuid, mine, timeout=timeout)
             offered_bytes += sum(array.nbytes for array in mine)
         return offered_bytes
+
+
+def slice_owners(plans: Mapping[int, list[SliceTransfer]]) -> dict[tuple[int, Bounds], set[int]]:
+    """{(leaf, slice bounds): the trainer processes serving it to some generator} over all `plans`."""
+    owners_of: dict[tuple[int, Bounds], set[int]] = {}
+    for transfers in plans.values():
+        for transfer in transfers:
+            owners_of.setdefault((transfer.leaf, transfer.bounds), set()).add(transfer.owner)
+    return owners_of
+
+
+def needs_collective(array: Any, bounds: Bounds, owners: set[int]) -> bool:
+    """Whether a slice must be replicated over the trainer mesh (a collective) before its owners can
+    serve it: some owner lacks a trainer shard overlapping it."""
+    return not all(_holds_every_overlap(array, bounds, owner) for owner in owners)
+
+
+def sender_programs(params: Any, trainer_mesh: Mesh, generator_shardings: Mapping[int, Any]) -> list[LoweredProgram]:
+    """Every program `ParamsSender.offer` runs on the trainer processes, lowered ahead of time, one
+    per distinct shape: the collective replication of each slice some owner cannot cut alone, and
+    the local cuts and placements of the others. `params` may be abstract (ShapeDtypeStructs with
+    shardings on `trainer_mesh`); `generator_shardings`: {generator process: target shardings}."""
+    leaves, treedef = jax.tree.flatten(params)
+    trainer_processes = sorted({d.process_index for d in trainer_mesh.devices.flat})
+    plans = {}
+    for g, tree in sorted(generator_shardings.items()):
+        shardings = treedef.flatten_up_to(tree)
+        plans[g] = plan(
+            shardings, [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves], g, trainer_processes
+        )
+    replicate = _replicated_slicer(trainer_mesh)
+    lowered: dict[tuple, LoweredProgram] = {}
+    for (leaf, bounds), owners in sorted(slice_owners(plans).items()):
+        array = leaves[leaf]
+        if needs_collective(array, bounds, owners):
+            key = ("replicate", tuple(array.shape), str(array.dtype), bounds)
+            if key not in lowered:
+                size = tuple(stop - start for start, stop in bounds)
+                lowered[key] = LoweredProgram(
+                    "push/replicate_slice", f"{tuple(array.shape)}->{size}", replicate.lower(array, bounds)
+                )
+        else:
+            cut_programs(array, bounds, None, lowered)
+    return list(lowered.values())
 
 
 def _pull_into(connection: Any, uuid: int, structs: list[jax.ShapeDtypeStruct], result: dict) -> None:

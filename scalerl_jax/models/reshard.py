@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
-from scalerl_jax.models.sharding import Device
+from scalerl_jax.models.sharding import Device, LoweredProgram
 
 Bounds = tuple[tuple[int, int], ...]  # per dimension (start, stop): hashable form of a slice tuple
 
@@ -170,3 +170,55 @@ def _push_leaf_local(leaf: jax.Array, target: Sharding, position: int) -> jax.Ar
         bounds: cut_locally(shards, bounds, landing=devices[0]) for bounds, devices in slice_devices.items()
     }
     return assemble(shape, target, slice_devices, fresh_slices)
+
+
+def cut_programs(leaf: Any, bounds: Bounds, landing: Device | None, lowered: dict[tuple, LoweredProgram]) -> None:
+    """The programs `cut_locally(local_shards(leaf), bounds, landing)` runs, lowered ahead of time
+    into `lowered` (keyed by signature, so a shape met twice is lowered once): a cut on the source
+    device of every overlap that is not a whole shard, and the placement of several pieces on the
+    landing device. `leaf` may be abstract (a ShapeDtypeStruct with a sharding); every shard of it
+    counts as local (the caller decides which process cuts)."""
+    shape = tuple(leaf.shape)
+    by_bounds: dict[Bounds, Device] = {}
+    for device, index in sorted(leaf.sharding.devices_indices_map(shape).items(), key=lambda item: item[0].id):
+        by_bounds.setdefault(bounds_of(index, shape), device)
+    pieces: list[jax.ShapeDtypeStruct] = []
+    offsets = []
+    for shard_bounds, device in by_bounds.items():
+        box = overlap(bounds, shard_bounds)
+        if box is None:
+            continue
+        landing = device if landing is None else landing
+        size = tuple(stop - start for start, stop in box)
+        if box != shard_bounds:
+            source = jax.ShapeDtypeStruct(
+                tuple(stop - start for start, stop in shard_bounds),
+                leaf.dtype,
+                sharding=jax.sharding.SingleDeviceSharding(device),
+            )
+            relative = _relative(box, shard_bounds)
+            key = ("cut", source.shape, str(leaf.dtype), relative)
+            if key not in lowered:
+                lowered[key] = LoweredProgram("push/cut", f"{source.shape}->{size}", _cut.lower(source, relative))
+        pieces.append(jax.ShapeDtypeStruct(size, leaf.dtype, sharding=jax.sharding.SingleDeviceSharding(landing)))
+        offsets.append(tuple(start for start, _ in _relative(box, bounds)))
+    if len(pieces) > 1:
+        size = tuple(stop - start for start, stop in bounds)
+        key = ("place", size, str(leaf.dtype), tuple(offsets), tuple(p.shape for p in pieces))
+        if key not in lowered:
+            lowered[key] = LoweredProgram(
+                "push/place_pieces",
+                f"{len(pieces)} pieces->{size}",
+                _place_pieces.lower(size, leaf.dtype, tuple(offsets), *pieces),
+            )
+
+
+def push_local_programs(params: Any, target_shardings: Any) -> list[LoweredProgram]:
+    """Every program `push_local(params, target_shardings)` runs, lowered ahead of time (one per
+    distinct shape); `params` may be abstract (ShapeDtypeStructs with shardings)."""
+    lowered: dict[tuple, LoweredProgram] = {}
+    leaves, treedef = jax.tree.flatten(params)
+    for leaf, target in zip(leaves, treedef.flatten_up_to(target_shardings)):
+        for bounds, devices in devices_per_slice(target, tuple(leaf.shape)).items():
+            cut_programs(leaf, bounds, devices[0], lowered)
+    return list(lowered.values())

@@ -14,7 +14,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 import jax
 import numpy as np
@@ -59,6 +59,15 @@ KV_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 PAGED_KV_CACHE_AXES = ("layers", "batch", "kv_pages", "length", "kv_heads", "head_dim")
 
 _SHARDING_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+class LoweredProgram(NamedTuple):
+    """One jitted program lowered ahead of time for one input shape (e.g. for a mesh of devices
+    that are not attached: `scalerl_jax.compile_check`)."""
+
+    name: str  # e.g. 'train/accumulate'
+    shape: str  # the sizes that pick this compile, e.g. 'R=16 T=2048'
+    lowered: jax.stages.Lowered
 
 
 def _rules_dict(rules: Rules) -> dict[str, MeshAxes]:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -70,7 +71,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
-from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
+from scalerl_jax.models.sharding import DEFAULT_RULES, LoweredProgram, Rules, logical_to_spec, use_mesh_rules
 from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
@@ -291,6 +292,18 @@ class SlotSettings(NamedTuple):
     temperature: jax.Array | np.ndarray  # float32[N]
     stop_tokens: jax.Array | np.ndarray  # int32[N, K], -1 padded
     interrupt: jax.Array | np.ndarray  # bool[N] apply forced interruption to this request
+
+
+class DecodeCall(NamedTuple):
+    """One jitted call of the decode path (`Engine.decode_path_calls`): `jitted(params, state,
+    *args)` (without params when not `takes_params`), compiled once per `shape`."""
+
+    name: str  # the `compile_counts` key
+    shape: tuple[int, ...]
+    shape_names: tuple[str, ...]
+    jitted: Any
+    takes_params: bool
+    args: tuple
 
 
 class ChunkResult(NamedTuple):
@@ -524,43 +537,58 @@ class Engine:
             return self._evict_jit(state, mask)
 
     def warm_up(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> DecodeState:
-        """Compile, before decoding starts, every call the decode path can make later: prefill_insert
-        for every (row bucket, length bucket) up to `max_prompt_length`, generate for every window,
-        and evict. Runs them on no slot (every row dropped, every slot idle), so `state`, which must
-        have no live slot, comes back unchanged; donates `state`."""
-        cfg = self.config
+        """Compile, before decoding starts, every call the decode path can make later
+        (`decode_path_calls`), by running each on no slot (every row dropped, every slot idle), so
+        `state`, which must have no live slot, comes back unchanged; donates `state`."""
         if self._live_bound.any():
             raise ValueError("Engine.warm_up needs a decode state with no live slot")
+        with self._mesh_context():
+            for call in self.decode_path_calls(max_prompt_length):
+                self._count(call.name, call.shape)
+                out = call.jitted(*((params,) if call.takes_params else ()), state, *call.args)
+                state = out[0] if call.name == "generate" else out
+        return state
+
+    def lower_programs(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> Iterator[LoweredProgram]:
+        """Every call of `decode_path_calls` lowered ahead of time, one at a time; `params` and
+        `state` may be abstract (ShapeDtypeStructs with shardings, e.g. `jax.eval_shape` of
+        `init_decode_state`)."""
+        for call in self.decode_path_calls(max_prompt_length):
+            with self._mesh_context():
+                lowered = call.jitted.lower(*((params,) if call.takes_params else ()), state, *call.args)
+            shape = " ".join(f"{key}={value}" for key, value in zip(call.shape_names, call.shape))
+            yield LoweredProgram(f"generator/{call.name}", shape or "state", lowered)
+
+    def decode_path_calls(self, max_prompt_length: int) -> Iterator[DecodeCall]:
+        """Every jitted call the decode path can make for prompts up to `max_prompt_length`, with
+        arguments that touch no slot: prefill_insert for every (row bucket, length bucket), generate
+        for every window (all slots idle), and evict (of no slot)."""
+        cfg = self.config
         idle_table = np.full((cfg.num_slots, self.pages_per_slot), self.pages_per_group, np.int32)
         top = prefill_bucket(max_prompt_length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
-        with self._mesh_context():
-            for bucket in _doublings(min(cfg.min_prefill_bucket, top), top):
-                for rows in _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows)):
-                    dropped = np.full((rows,), cfg.num_slots, np.int32)
-                    settings = host_settings(
-                        seeds=np.zeros(rows),
-                        streams=np.zeros(rows),
-                        max_new_tokens=np.ones(rows),
-                        temperature=np.zeros(rows),
-                        stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
-                        interrupt=np.zeros(rows, bool),
-                    )
-                    self._count("prefill_insert", (rows, bucket))
-                    state = self._prefill_insert_jit(
-                        params,
-                        state,
-                        np.zeros((rows, bucket), np.int32),
-                        np.ones((rows,), np.int32),
-                        dropped,
-                        settings,
-                        self._table_rows(dropped),
-                    )
-            for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
-                self._count("generate", (window,))
-                state, _ = self._generate_jit(params, state, window, idle_table, np.zeros((cfg.num_slots,), np.int32))
-            self._count("evict", ())
-            state = self._evict_jit(state, np.zeros((cfg.num_slots,), bool))
-        return state
+        for bucket in _doublings(min(cfg.min_prefill_bucket, top), top):
+            for rows in _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows)):
+                dropped = np.full((rows,), cfg.num_slots, np.int32)
+                settings = host_settings(
+                    seeds=np.zeros(rows),
+                    streams=np.zeros(rows),
+                    max_new_tokens=np.ones(rows),
+                    temperature=np.zeros(rows),
+                    stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
+                    interrupt=np.zeros(rows, bool),
+                )
+                args = (
+                    np.zeros((rows, bucket), np.int32),
+                    np.ones((rows,), np.int32),
+                    dropped,
+                    settings,
+                    self._table_rows(dropped),
+                )
+                yield DecodeCall("prefill_insert", (rows, bucket), ("rows", "T"), self._prefill_insert_jit, True, args)
+        for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
+            args = (window, idle_table, np.zeros((cfg.num_slots,), np.int32))
+            yield DecodeCall("generate", (window,), ("window",), self._generate_jit, True, args)
+        yield DecodeCall("evict", (), (), self._evict_jit, False, (np.zeros((cfg.num_slots,), bool),))
 
     def decode_window(self) -> int:
         """W of the next chunk: covers positions up to max(live bound) + chunk_size - 2 (module doc)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -44,9 +44,23 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scalerl_jax.batch_layout import MICROBATCH_SPEC, deal_microbatches, split_sorted_batch, validate_batch
+from scalerl_jax.batch_layout import (
+    BATCH_SPEC,
+    MICROBATCH_SPEC,
+    SORTED_ROW_SPEC,
+    deal_microbatches,
+    split_sorted_batch,
+    validate_batch,
+)
 from scalerl_jax.models import sequence_logprobs
-from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, param_shardings, use_mesh_rules
+from scalerl_jax.models.sharding import (
+    DEFAULT_RULES,
+    LoweredProgram,
+    Rules,
+    logical_to_spec,
+    param_shardings,
+    use_mesh_rules,
+)
 from scalerl_jax.rl import (
     AGGREGATIONS,
     NORMALIZATIONS,
@@ -390,6 +404,18 @@ def train_step(
     return apply_update(optimizer, config, state, grads, metrics, learning_rate_schedule)
 
 
+_ABSTRACT_DTYPES = {"int": np.int32, "float": np.float32, "bool": np.bool_}  # what `pipeline.batching` builds
+
+
+def abstract_arrays(spec: dict[str, tuple[int, str]], shape_of_rank: dict[int, tuple[int, ...]], sharding) -> dict:
+    """ShapeDtypeStructs of a batch layout's arrays (`batch_layout` spec: name -> (rank, kind)), the
+    shape by rank, every array on `sharding` (None: no sharding)."""
+    return {
+        name: jax.ShapeDtypeStruct(shape_of_rank[rank], _ABSTRACT_DTYPES[kind], sharding=sharding)
+        for name, (rank, kind) in spec.items()
+    }
+
+
 class _StepShardings(NamedTuple):
     """Where a step's inputs and outputs live on its mesh."""
 
@@ -489,6 +515,14 @@ class TrainStep(_JittedStep):
         with use_mesh_rules(self.mesh, self.rules):
             return self._jitted.lower(state, batch)
 
+    def lower_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[LoweredProgram]:
+        """The step lowered ahead of time, one at a time, for every batch shape a run can produce:
+        [rows, T] for each length bucket T in `lengths`; `state` may be abstract (ShapeDtypeStructs
+        with shardings)."""
+        for length in lengths:
+            batch = abstract_arrays(BATCH_SPEC, {1: (rows,), 2: (rows, length)}, self.batch_sharding)
+            yield LoweredProgram("train/step", f"B={rows} T={length}", self.lower(state, batch))
+
 
 class SortedTrainStep(_JittedStep):
     """The jitted step on length-sorted batches (`batch_layout.split_sorted_batch`), as three
@@ -539,6 +573,30 @@ class SortedTrainStep(_JittedStep):
             for index, microbatch in enumerate(microbatches):
                 accumulator = self._accumulate(accumulator, state.params, terms, np.int32(index), microbatch)
             return self._update(state, accumulator, row_stats)
+
+    def lower_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[LoweredProgram]:
+        """Every program a step on `rows` rows can run, lowered ahead of time one at a time:
+        `prepare_rows` and the accumulator's zeros, `accumulate_microbatch` for [R, T] with
+        R = rows / M and each length bucket T in `lengths`, and the update. `state` may be
+        abstract (ShapeDtypeStructs with shardings); the later programs take the earlier ones'
+        output shapes."""
+        self._check_rows(rows)
+        per_microbatch = rows // self.config.num_microbatches
+        prepare = self._lower(self._prepare, abstract_arrays(SORTED_ROW_SPEC, {1: (rows,)}, self.batch_sharding))
+        yield LoweredProgram("train/prepare_rows", f"B={rows}", prepare)
+        zeros = self._lower(self._zeros, state.params)
+        yield LoweredProgram("train/zero_accumulator", "params", zeros)
+        (terms, row_stats), accumulator = prepare.out_info, zeros.out_info
+        index = jax.ShapeDtypeStruct((), np.int32)
+        for length in lengths:
+            microbatch = abstract_arrays(MICROBATCH_SPEC, {2: (per_microbatch, length)}, self.batch_sharding)
+            lowered = self._lower(self._accumulate, accumulator, state.params, terms, index, microbatch)
+            yield LoweredProgram("train/accumulate", f"R={per_microbatch} T={length}", lowered)
+        yield LoweredProgram("train/update", "params", self._lower(self._update, state, accumulator, row_stats))
+
+    def _lower(self, jitted, *args) -> jax.stages.Lowered:
+        with use_mesh_rules(self.mesh, self.rules):
+            return jitted.lower(*args)
 
 
 def make_train_step(

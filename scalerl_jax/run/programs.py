@@ -1,0 +1,279 @@
+"""Every program a run executes, lowered ahead of time for the run's devices, attached or not.
+
+Given the run config and all devices of the run (e.g. a deviceless TPU or GPU topology), the
+devices are split and meshed as `main` does (`assign_roles`, `build_meshes`'s shapes, the same
+logical-axis rules), and each program is lowered with abstract inputs (ShapeDtypeStructs with the
+run's shardings), one at a time:
+
+- trainer (the trainer mesh, SPMD over every trainer process): the train step's programs for the
+  batch of B = prompts_per_step x generations_per_prompt rows and every length bucket the batch
+  builder can produce (`SortedTrainStep.lower_programs`: one microbatch gradient per bucket);
+- generator (one generator process's local mesh, one per distinct generator mesh size): every
+  decode-path program (`Engine.lower_programs`: prefill + insert per (rows, length) bucket, decode
+  per window, eviction). Evaluation runs through these same programs (the evaluator samples with
+  the generators' batchers), so it adds none;
+- push: the weight push from the trainer layout to the generator layout, as the run does it
+  (`push_local` on one process, `ParamsSender.offer` between processes).
+
+Each program also carries the bytes per device that stay resident while it runs without being its
+argument (the train state's optimizer moments during a microbatch gradient, the generator's params
+while a push assembles the new ones), so that a program's XLA peak plus those bytes is what its
+device must hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from scalerl_jax.distributed.roles import Roles, assign_roles
+from scalerl_jax.distributed.transport import plan_routes
+from scalerl_jax.distributed.weight_push import sender_programs
+from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
+from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models.hf import load_hf_config
+from scalerl_jax.models.reshard import push_local_programs
+from scalerl_jax.models.sharding import LoweredProgram
+from scalerl_jax.pipeline.batching import octave_buckets
+from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
+from scalerl_jax.policy_source import run_model_overrides
+from scalerl_jax.sampler import Engine, EngineConfig
+from scalerl_jax.sampler.engine import InterruptionConfig, interrupts, max_sequence_length
+from scalerl_jax.train import OptimizerConfig, TrainStepConfig, create_train_state, make_optimizer, make_train_step
+from scalerl_jax.train.optimizer import learning_rate_schedule
+from scalerl_jax.train.step import train_state_shardings
+
+# Config keys that size each kind of program: what to change when one does not fit.
+SIZED_BY = {
+    "train/accumulate": (
+        "batch.prompts_per_step",
+        "batch.generations_per_prompt",
+        "batch.microbatches",
+        "data.max_prompt_tokens",
+        "sampler.max_new_tokens",
+        "model.remat_policy",
+        "model.attention_impl",
+        "model.logprob_chunk",
+        "mesh.trainer_shape",
+        "mesh.generator_fraction",
+    ),
+    "train/step": (
+        "batch.prompts_per_step",
+        "batch.generations_per_prompt",
+        "batch.microbatches",
+        "data.max_prompt_tokens",
+        "sampler.max_new_tokens",
+        "model.remat_policy",
+        "model.attention_impl",
+        "mesh.trainer_shape",
+        "mesh.generator_fraction",
+    ),
+    "train/": ("mesh.trainer_shape", "mesh.generator_fraction", "model.dtype"),
+    "generator/prefill_insert": (
+        "sampler.num_slots",
+        "sampler.num_pages",
+        "data.max_prompt_tokens",
+        "model.attention_impl",
+        "mesh.generator_shape",
+        "mesh.generator_fraction",
+    ),
+    "generator/": (
+        "sampler.num_slots",
+        "sampler.num_pages",
+        "sampler.chunk_steps",
+        "sampler.max_new_tokens",
+        "mesh.generator_shape",
+        "mesh.generator_fraction",
+    ),
+    "push/": ("mesh.trainer_shape", "mesh.generator_shape", "mesh.generator_fraction"),
+}
+
+
+def sized_by(program_name: str) -> tuple[str, ...]:
+    """The config keys that size the program `program_name` (its own entry, else its role's)."""
+    if program_name in SIZED_BY:
+        return SIZED_BY[program_name]
+    return SIZED_BY[program_name.split("/")[0] + "/"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunProgram:
+    """A lowered program of the run, where it runs, and what else its devices hold meanwhile."""
+
+    role: str  # 'trainer' | 'generator' | 'push'
+    program: LoweredProgram
+    devices: int  # devices the program runs on
+    resident_bytes: int  # per device: long-lived buffers that are not among its arguments
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of abstract arrays with shardings: for each leaf, the
+    largest shard, prod(shard shape) x itemsize (leaves without a sharding count whole)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+    """`abstract` (ShapeDtypeStructs, or arrays) with each leaf on the matching sharding."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The policy's architecture as the run builds it, without its weights: the checkpoint's
+    config.json when `model.checkpoint` is set, else the warm start's model (the preset with
+    `warm_start.model_overrides` and the tokenizer's vocabulary size), else the preset; with the
+    run's overrides (dtype, head, scan, remat, attention)."""
+    overrides = run_model_overrides(config)
+    if config.model.checkpoint and "warm_start" not in config:
+        return load_hf_config(config.model.checkpoint, **overrides)
+    if "warm_start" in config:
+        ws = config.warm_start
+        return get_preset(
+            config.model.preset, **ws.model_overrides.to_dict(), vocab_size=ws.tokenizer_vocab_size, **overrides
+        )
+    return get_preset(config.model.preset, **overrides)
+
+
+def engine_config_of(
+    config: ml_collections.ConfigDict, stop_tokens: int, interruption_lengths: tuple[int, int]
+) -> EngineConfig:
+    """`EngineConfig.from_config` with token counts instead of a tokenizer: `stop_tokens` stop ids,
+    and an interruption phrase and think-end tag of `interruption_lengths` tokens (they size
+    constant arrays of the decode program only)."""
+    phrase, end_think = interruption_lengths
+    s = config.sampler
+    interruption = (
+        InterruptionConfig(
+            tuple(range(1, phrase + 1)),
+            tuple(range(1, end_think + 1)),
+            s.think_budget_min,
+            s.think_budget_max,
+            s.answer_budget,
+        )
+        if interrupts(config)
+        else None
+    )
+    return EngineConfig(
+        num_slots=s.num_slots,
+        max_len=max_sequence_length(config),
+        chunk_size=s.chunk_steps,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_stop_tokens=stop_tokens,
+        interruption=interruption,
+        page_size=s.page_size,
+        num_pages=s.num_pages,
+        decode_kernel=s.decode_kernel,
+    )
+
+
+def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Every padded row length the run's batch builder can produce (the pipeline's buckets)."""
+    pipeline = PipelineConfig.from_config(config, stop_tokens=(0,), start_step=0)
+    return octave_buckets(
+        min(pipeline.min_length_bucket, pipeline.max_seq_len), pipeline.max_seq_len, pipeline.length_buckets_per_octave
+    )
+
+
+def run_roles(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> Roles:
+    """The run's split of `devices` (all processes', ordered by process then id), seen from process 0."""
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    num_processes = len({d.process_index for d in ordered})
+    return assign_roles(ordered, config.mesh.generator_fraction, 0, num_processes)
+
+
+def run_programs(
+    config: ml_collections.ConfigDict,
+    devices: Sequence[Any],
+    *,
+    model_config: ModelConfig,
+    stop_tokens: int,
+    interruption_lengths: tuple[int, int],
+) -> Iterator[RunProgram]:
+    """Every program of the run on `devices`, lowered one at a time (module docstring)."""
+    roles = run_roles(config, devices)
+    trainer_mesh = make_mesh(config.mesh.trainer_shape, devices=list(roles.trainer_devices))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+    trainer_params = with_shardings(abstract, param_shardings(abstract, trainer_mesh))
+
+    optimizer_config = OptimizerConfig.from_config(config)
+    optimizer = make_optimizer(optimizer_config)
+    abstract_state = jax.eval_shape(lambda p: create_train_state(p, optimizer), trainer_params)
+    state_shardings = train_state_shardings(
+        abstract_state, optimizer, param_shardings(abstract, trainer_mesh), trainer_mesh
+    )
+    state = with_shardings(abstract_state, state_shardings)
+    step = make_train_step(
+        graphdef,
+        optimizer,
+        TrainStepConfig.from_config(config),
+        mesh=trainer_mesh,
+        state_shardings=state_shardings,
+        learning_rate_schedule=learning_rate_schedule(optimizer_config),
+    )
+    rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
+    state_bytes = per_device_bytes(state)
+    params_bytes = per_device_bytes(trainer_params)
+    # What each train program takes of the resident state: the update takes all of it, the
+    # zeros and the microbatch gradient take the params, the row preparation none.
+    state_in_args = {"train/update": state_bytes, "train/step": state_bytes, "train/prepare_rows": 0}
+    for lowered in step.lower_programs(state, rows, train_length_buckets(config)):
+        resident = state_bytes - state_in_args.get(lowered.name, params_bytes)
+        yield RunProgram("trainer", lowered, trainer_mesh.size, resident)
+
+    engine_config = engine_config_of(config, stop_tokens, interruption_lengths)
+    generator_meshes = {}
+    for process in roles.generator_processes:
+        local = roles.local_generator_devices(process)
+        generator_meshes.setdefault(len(local), make_mesh(config.mesh.generator_shape, devices=local))
+    generator_resident = 0
+    for mesh in generator_meshes.values():
+        engine = Engine(graphdef, model_config, engine_config, mesh=mesh)
+        generator_params = with_shardings(abstract, param_shardings(abstract, mesh))
+        decode_state = jax.eval_shape(engine.init_decode_state)
+        params_bytes = per_device_bytes(generator_params)
+        generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state))
+        for lowered in engine.lower_programs(
+            generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens
+        ):
+            # Every decode-path program takes the params and the decode state, but eviction the state only.
+            resident = params_bytes if lowered.name == "generator/evict" else 0
+            yield RunProgram("generator", lowered, mesh.size, resident)
+
+    # A push's pieces are cut on trainer devices and placed on trainer (offer) or generator
+    # (push_local) devices, which keep their whole state meanwhile: the larger of the two counts.
+    push_resident = max(state_bytes, generator_resident)
+    for lowered in push_programs(config, roles, abstract, trainer_params, trainer_mesh):
+        collective = lowered.name == "push/replicate_slice"
+        yield RunProgram("push", lowered, trainer_mesh.size if collective else 1, push_resident)
+
+
+def push_programs(
+    config: ml_collections.ConfigDict, roles: Roles, abstract: Any, trainer_params: Any, trainer_mesh: jax.sharding.Mesh
+) -> list[LoweredProgram]:
+    """The weight push's programs: `ParamsSender.offer`'s for the generator processes fed by
+    transfer, `push_local`'s for a generator process that holds every trainer device."""
+    routes = plan_routes(roles)
+    by_transfer = set(routes.transfer_generators)
+    targets = {
+        g: param_shardings(abstract, make_mesh(config.mesh.generator_shape, devices=roles.local_generator_devices(g)))
+        for g in roles.generator_processes
+    }
+    programs = []
+    if by_transfer:
+        programs += sender_programs(trainer_params, trainer_mesh, {g: targets[g] for g in sorted(by_transfer)})
+    local = [g for g in roles.generator_processes if g not in by_transfer]
+    if local:
+        programs += push_local_programs(trainer_params, targets[local[0]])
+    return programs
