@@ -28,6 +28,7 @@ from scalerl_jax.models.layers import (
 )
 from scalerl_jax.models.memory import activation_terms
 from scalerl_jax.models.transformer import fp32_logits
+from scalerl_jax.sampler.engine import Engine, EngineConfig
 
 FLOAT32_ATOL = 1e-5
 
@@ -331,3 +332,27 @@ def test_memory_plan_counts_flash_attention_for_splash_on_tpu():
     assert working_set(auto.replace(head_dim=64), "tpu") == working_set(
         auto.replace(head_dim=64, attention_impl="xla"), "tpu"
     )
+
+
+def test_engine_decode_chunk_compiles_for_v5e_with_the_xla_paged_kernel():
+    """An Engine on the v5e mesh resolves 'auto' decode to 'xla' and its jitted decode chunk
+    (`_generate_jit`, state sharded as `init_decode_state` makes it) compiles for TPU without the
+    splash kernel; asking that mesh for 'pallas' decode is a ValueError."""
+    config = _tpu_config()
+    mesh = _v5e_mesh()
+    graphdef, params = _abstract_params(config, mesh)
+    engine = Engine(graphdef, config, EngineConfig(num_slots=8, max_len=512, chunk_size=4), mesh=mesh)
+    assert engine.decode_kernel == "xla"
+    init = jax.jit(engine.init_decode_state).lower().compile()
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        jax.eval_shape(engine.init_decode_state),
+        init.output_shardings,
+    )
+    window = engine.decode_window()
+    with sharding.use_mesh_rules(mesh):
+        lowered = engine._generate_jit.lower(params, state, window, engine.pages.table.copy(), engine._held_lengths())
+    text = lowered.compile().as_text()
+    assert text is not None and "tpu_custom_call" not in text
+    with pytest.raises(ValueError, match="cannot run on TPU"):
+        Engine(graphdef, config, EngineConfig(num_slots=8, max_len=512, decode_kernel="pallas"), mesh=mesh)
