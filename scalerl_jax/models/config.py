@@ -11,7 +11,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # The dtypes a run trains in (`model.dtype`): float16 would need loss scaling, which the train step lacks.
 RUN_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -24,13 +24,15 @@ class ModelConfig:
     float32 (for tied embeddings the shared table is float32 and cast to `dtype` for the lookup)
     and the head matmul runs in float32 at `head_precision`: 'highest' (default) is true float32 on
     every backend (on GPU without tensor cores); 'bf16x3' lowers to the tensor-core algorithm
-    `DotAlgorithmPreset.BF16_BF16_F32_X3` on CUDA (each fp32 operand split as hi + lo in bf16,
-    hi*hi + hi*lo + lo*hi accumulated in fp32: relative error ~1e-5 instead of bf16's ~4e-3) and to
-    true float32 on every other backend, so CPU stays exact; 'high' / 'default' are XLA's
+    `DotAlgorithmPreset.BF16_BF16_F32_X3` on CUDA and to `Precision.HIGH` (the MXU's 3-pass bf16)
+    on TPU (each fp32 operand split as hi + lo in bf16, hi*hi + hi*lo + lo*hi accumulated in fp32:
+    relative error ~1e-5 instead of bf16's ~4e-3) and to true float32 on every other backend, so
+    CPU stays exact; 'high' / 'default' are XLA's
     backend-defined precisions (speed knobs). `attention_impl` is the training / prefill attention
     (the non-cached forward): 'xla' materializes the T x T scores, 'cudnn' is cuDNN flash attention
-    (GPU, bf16/fp16 only), 'auto' resolves per backend at trace time (see
-    `layers.resolve_attention_impl`). `rope_scaling` is None or the
+    (GPU, bf16/fp16 only), 'splash' is the Pallas TPU splash (flash) kernel (TPU; head_dim a
+    multiple of 128; interpreted, slowly, elsewhere), 'auto' resolves at trace time for the
+    platform of the active mesh's devices (see `layers.resolve_attention_impl`). `rope_scaling` is None or the
     Llama 3.1 scaling dict with the keys in `ROPE_SCALING_KEYS`. `qkv_bias` adds biases to the
     q/k/v projections (Qwen2.5), `o_bias` to the output projection (Llama `attention_bias`),
     `qk_norm` applies a per-head RMSNorm to q and k before RoPE (Qwen3).

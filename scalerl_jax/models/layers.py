@@ -127,20 +127,116 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
 
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128  # cuDNN flash attention: head_dim <= 128 before Hopper (256 from Hopper on)
+TPU_PLATFORMS = ("tpu",)
+FLASH_IMPLS = ("cudnn", "splash")  # attention impls without a T x T buffer
+SPLASH_DTYPES = ("bfloat16", "float32")
+SPLASH_LANES = 128  # TPU vector lanes: splash's head_dim and sequence tiles are multiples of this
+SPLASH_MAX_BLOCK = 512  # largest query / key tile tried (multiples of SPLASH_LANES dividing the padded T)
 
 
-def resolve_attention_impl(config: ModelConfig, platform: str) -> str:
-    """'xla' or 'cudnn': the non-cached attention `config.attention_impl` means on `platform`.
+def resolve_attention_impl(config: ModelConfig, platform: str, seq_len: int | None = None) -> str:
+    """'xla', 'cudnn' or 'splash': the non-cached attention `config.attention_impl` means on `platform`.
 
-    'xla' and 'cudnn' are taken as given. 'auto' is 'cudnn' (flash attention, no T x T buffer) when
-    the platform is a CUDA GPU ('gpu' or 'cuda', as `jax.default_backend()` names it) and cuDNN's
-    flash kernel accepts the shapes: body dtype in `CUDNN_DTYPES` and head_dim a multiple of 8 that
-    is <= `CUDNN_MAX_HEAD_DIM`; otherwise 'xla' (CPU, TPU, a float32 model on GPU).
+    'xla', 'cudnn' and 'splash' are taken as given. 'auto' is:
+    - 'cudnn' (flash attention, no T x T buffer) when the platform is a CUDA GPU ('gpu' or 'cuda')
+      and cuDNN's flash kernel accepts the shapes: body dtype in `CUDNN_DTYPES` and head_dim a
+      multiple of 8 that is <= `CUDNN_MAX_HEAD_DIM`;
+    - 'splash' (`splash_attention`: the Pallas TPU flash kernel, no T x T buffer) when the platform
+      is 'tpu', the body dtype is in `SPLASH_DTYPES` (TPUs have no float16 kernel), head_dim is a
+      multiple of `SPLASH_LANES` (128: the kernel's tiles keep head_dim on the TPU's 128 lanes;
+      Llama 3 / Qwen2.5-7B / Qwen3 have 128) and the call's `seq_len` (None: not known, e.g. for
+      the memory planner's per-config answer) is at least `SPLASH_LANES`. Any longer length is
+      padded up to the kernel's tile (exact under the causal mask, see `splash_attention`), so
+      shorter calls (a 16-token prefill) stay on 'xla', whose T x T scores are then small;
+    - 'xla' otherwise (CPU, a float32 model on GPU, head_dim 64 on TPU, ...).
     """
     if config.attention_impl != "auto":
         return config.attention_impl
-    cudnn_fits = config.dtype in CUDNN_DTYPES and config.head_dim % 8 == 0 and config.head_dim <= CUDNN_MAX_HEAD_DIM
-    return "cudnn" if platform in ("gpu", "cuda") and cudnn_fits else "xla"
+    if platform in ("gpu", "cuda"):
+        cudnn_fits = config.head_dim % 8 == 0 and config.head_dim <= CUDNN_MAX_HEAD_DIM
+        return "cudnn" if config.dtype in CUDNN_DTYPES and cudnn_fits else "xla"
+    if platform in TPU_PLATFORMS:
+        long_enough = seq_len is None or seq_len >= SPLASH_LANES
+        splash_fits = config.dtype in SPLASH_DTYPES and config.head_dim % SPLASH_LANES == 0
+        return "splash" if splash_fits and long_enough else "xla"
+    return "xla"
+
+
+def splash_block(length: int) -> int:
+    """The query / key tile of `splash_attention` for a sequence of `length`: with T' = `length`
+    rounded up to a multiple of `SPLASH_LANES`, the largest of SPLASH_MAX_BLOCK, ..., 256, 128
+    (multiples of 128) that divides T'."""
+    padded = -(-length // SPLASH_LANES) * SPLASH_LANES
+    block = SPLASH_MAX_BLOCK
+    while padded % block:
+        block -= SPLASH_LANES
+    return block
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, *, interpret: bool) -> jax.Array:
+    """Causal GQA attention of one device's q [B, T, H, D], k/v [B, T, K, D] by the splash kernel."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash  # TPU Pallas: imported on use
+
+    batch, length, heads, dim = q.shape
+    block = splash_block(length)
+    padded = -(-length // block) * block
+    pad = ((0, 0), (0, padded - length), (0, 0), (0, 0))
+    # The kernel takes head-major [H, T, D] per example and does not scale the scores.
+    q = jnp.pad(q * jnp.asarray(1.0 / np.sqrt(dim), q.dtype), pad).transpose(0, 2, 1, 3)
+    k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k, v))
+    sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    mask = splash.MultiHeadMask([splash.CausalMask((padded, padded)) for _ in range(heads)])
+    # Grouped heads natively: query head h reads KV head h // (H / K), no repeated K/V.
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    out = jax.vmap(kernel)(q, k, v)  # [B, H, T', D] (no residuals: save_residuals is off)
+    assert isinstance(out, jax.Array)
+    return out.transpose(0, 2, 1, 3)[:, :length]
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal `grouped_attention` (query t attends to keys s <= t) by the Pallas TPU splash kernel.
+
+    q [B, T, H, D], k/v [B, T, K, D] with H = K * G; out = softmax(q k^T / sqrt(D) + causal mask) v,
+    computed by tiles with an online softmax in float32, so no [T, T] buffer exists, forward or
+    backward (the kernel's own custom VJP). T is padded with zeros up to a multiple of the tile
+    (`splash_block`): a padded key sits at s >= T > t for every real query t, so the causal mask
+    hides it, and padded query rows are cut off, which makes the padding exact.
+
+    Under an active mesh (`sharding.use_mesh_rules`) the kernel runs per device in `jax.shard_map`
+    on the local batch rows (the rules' 'batch' axes) and local heads (the 'activation_heads' /
+    'activation_kv_heads' axes when both H and K divide by them, else heads are replicated so each
+    query head still meets its KV head); the sequence is never split. The kernel is compiled for
+    TPU when `sharding.trace_platform()` is 'tpu' and runs in Pallas interpret mode elsewhere
+    (CPU tests only: slow).
+    """
+    interpret = sharding.trace_platform() not in TPU_PLATFORMS
+    mesh = sharding.active_mesh()
+    q_spec = sharding.activation_spec(q.shape, ("batch", None, "activation_heads", None))
+    kv_spec = sharding.activation_spec(k.shape, ("batch", None, "activation_kv_heads", None))
+    if mesh is None or q_spec is None or kv_spec is None:
+        return _splash_local(q, k, v, interpret=interpret)
+    q_entries, kv_entries = list(q_spec) + [None] * 4, list(kv_spec) + [None] * 4
+    batch_axes = q_entries[0] if q_entries[0] == kv_entries[0] else None
+    head_axes = q_entries[2] if q_entries[2] == kv_entries[2] else None
+    q_spec = jax.sharding.PartitionSpec(batch_axes, None, head_axes, None)
+    kv_spec = jax.sharding.PartitionSpec(batch_axes, None, head_axes, None)
+    local = jax.shard_map(
+        lambda q_, k_, v_: _splash_local(q_, k_, v_, interpret=interpret),
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )
+    return local(q, k, v)
 
 
 def decode_attention(
@@ -270,10 +366,21 @@ DECODE_KERNELS = ("auto", "xla", "pallas")
 
 
 def resolve_decode_kernel(name: str, platform: str) -> str:
-    """'xla' or 'pallas': the paged decode attention `name` means on `platform`. 'auto' is 'xla'
-    everywhere until the Pallas kernel has been measured on a GPU (benchmarks/gpu_check.sh)."""
+    """'xla' or 'pallas': the paged decode attention `name` means on `platform`.
+
+    'auto' is 'xla' (`paged_decode_attention_xla`: blockwise online softmax over only the live
+    pages below the decode window, one block of scratch) on every platform: on TPU it is the
+    decode kernel, and on GPU it stays so until the Pallas kernel has been measured there
+    (benchmarks/gpu_check.sh). 'pallas' is the Triton (GPU) kernel of `paged_attention`: on
+    'tpu' it is a ValueError (Triton does not target TPU); on CPU it runs interpreted (tests).
+    """
     if name not in DECODE_KERNELS:
         raise ValueError(f"decode kernel {name!r}: expected one of {DECODE_KERNELS}")
+    if name == "pallas" and platform in TPU_PLATFORMS:
+        raise ValueError(
+            "decode kernel 'pallas' is the Triton (GPU) paged attention kernel and cannot run on TPU; "
+            "use 'xla' or 'auto' (the blockwise XLA kernel over the live pages)"
+        )
     return "xla" if name == "auto" else name
 
 
@@ -304,7 +411,7 @@ def grouped_paged_attention(
         return x.reshape(groups, slots // groups, *x.shape[1:])
 
     if kernel == "pallas":
-        interpret = jax.default_backend() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
+        interpret = sharding.trace_platform() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
         layer_index = jnp.asarray(layer, jnp.int32)  # the kernel takes it as an int32 scalar array
 
         def attend(q_g, k_g, v_g, table_g, lengths_g):
@@ -383,16 +490,19 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Causal self-attention within x [B, T, D] (query t attends to keys s <= t), by
-        `resolve_attention_impl(config, jax.default_backend())`: cuDNN flash attention never builds
-        the T x T scores; 'xla' (`grouped_attention`) does, in float32."""
+        `resolve_attention_impl(config, sharding.trace_platform(), T)`: cuDNN flash attention and
+        the splash kernel never build the T x T scores; 'xla' (`grouped_attention`) does, in float32."""
         q, k, v = self._project(x, positions)
         return self._output(self._causal_attention(q, k, v))
 
     def _causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Query t attends to keys s <= t of the same call (see `__call__`)."""
         batch, length = q.shape[:2]
-        if resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
+        impl = resolve_attention_impl(self.config, sharding.trace_platform(), length)
+        if impl == "cudnn":
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        if impl == "splash":
+            return splash_attention(q, k, v)
         causal = jnp.tril(jnp.ones((length, length), dtype=bool))
         return grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, length, length)))
 
@@ -406,9 +516,9 @@ class Attention(nnx.Module):
         `window` positions of layer `layer` (every query position must be < window): one query
         row (decode) streams them `block` at a time from the cache (`decode_attention`), several
         rows (prefill) copy the window out and use `grouped_attention`, or, where the attention
-        impl resolves to 'cudnn', attend causally within the call's own k/v by flash attention (no
-        T x T scores), which is the same only for a prefill at positions 0..T-1 of a fresh sequence
-        (the engine's only multi-row use).
+        impl resolves to 'cudnn' or 'splash' (for this call's T), attend causally within the call's
+        own k/v by flash attention (no T x T scores), which is the same only for a prefill at
+        positions 0..T-1 of a fresh sequence (the engine's only multi-row use).
         """
         q, k, v = self._project(x, positions)
         cache = {
@@ -417,7 +527,7 @@ class Attention(nnx.Module):
         }
         if x.shape[1] == 1:
             attended = decode_attention(q, cache["k"], cache["v"], layer, positions, window=window, block=block)
-        elif resolve_attention_impl(self.config, jax.default_backend()) == "cudnn":
+        elif resolve_attention_impl(self.config, sharding.trace_platform(), x.shape[1]) in FLASH_IMPLS:
             attended = self._causal_attention(q, k, v)  # a prefill: positions 0..T-1, nothing before
         else:
             keys, values = (read_kv_window(cache[name], layer, window).astype(q.dtype) for name in ("k", "v"))

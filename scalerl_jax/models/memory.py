@@ -32,7 +32,7 @@ from flax import nnx
 from scalerl_jax.hardware.facts import TARGETS, DeviceFacts, facts_for_target
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig, get_preset
-from scalerl_jax.models.layers import resolve_attention_impl
+from scalerl_jax.models.layers import FLASH_IMPLS, resolve_attention_impl
 from scalerl_jax.models.transformer import Transformer
 
 GIB = 1024**3
@@ -122,7 +122,7 @@ def activation_terms(
       dots_with_no_batch_dims: e (H hd/tp + 2 K hd/tp + 2D + 2F/tp) (weight-matmul outputs)
       dots: that + attention scores and output; save_qkv_attn: e (2 H hd/tp + 2 K hd/tp); full: 0
       attention scores/probs, when `config.attention_impl` resolves to 'xla' on `platform`:
-      H/tp * T * (4 + e); cudnn (flash) keeps a float32 softmax statistic and the output instead:
+      H/tp * T * (4 + e); cudnn / splash (flash) keep a float32 softmax statistic and the output instead:
       H/tp * (4 + hd e)
     Working set of one layer during its backward: the `none` amount for one layer. Head: the
     float32 hidden states (b T D 4) and ~4 float32 [b, chunk, V/tp] buffers per log-prob chunk.
@@ -140,7 +140,7 @@ def activation_terms(
     tokens = b * seq_len
     if platform not in PLATFORMS:
         raise ValueError(f"activation_terms: unknown platform {platform!r}; expected one of {PLATFORMS}")
-    flash = resolve_attention_impl(config, platform) == "cudnn"
+    flash = resolve_attention_impl(config, platform, seq_len) in FLASH_IMPLS
     scores = (h / tp) * (4 + hd * e) if flash else (h / tp) * seq_len * (4 + e)
     everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
     weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * f / tp)

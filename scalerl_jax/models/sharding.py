@@ -246,14 +246,29 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE.mesh
 
 
+def trace_platform() -> str:
+    """The platform being traced for: that of the active mesh's devices (`use_mesh_rules`), else
+    `jax.default_backend()`. Kernels are chosen by it, so a program compiled on a CPU host for a
+    mesh of TPU (or GPU) devices takes that accelerator's kernels."""
+    mesh = _ACTIVE.mesh
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def activation_spec(shape: Sequence[int], logical_axes: Sequence[str | None]) -> PartitionSpec | None:
+    """The PartitionSpec `constrain` gives an activation of `shape` under the active mesh, None without one."""
+    mesh = _ACTIVE.mesh
+    if mesh is None:
+        return None
+    return _build_spec(logical_axes, _ACTIVE.rules, dict(mesh.shape), shape, "activation", strict=False)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """`with_sharding_constraint` of `x` to its logical axes under the active mesh; else `x`.
 
     Dimensions whose size the mapped mesh axes do not divide are left unconstrained (an
     activation's size, e.g. a decode batch of 1, may legitimately not divide the mesh).
     """
-    mesh = _ACTIVE.mesh
-    if mesh is None:
+    mesh, spec = _ACTIVE.mesh, activation_spec(x.shape, logical_axes)
+    if mesh is None or spec is None:
         return x
-    spec = _build_spec(logical_axes, _ACTIVE.rules, dict(mesh.shape), x.shape, "activation", strict=False)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -54,8 +54,11 @@ def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> ja
 
     'bf16x3' chooses per lowering platform (`lax.platform_dependent`, so one traced program lowers
     right for each backend): on CUDA the tensor-core algorithm `DotAlgorithmPreset.BF16_BF16_F32_X3`
-    (x = x_hi + x_lo in bf16; x.y ~ x_hi.y_hi + x_hi.y_lo + x_lo.y_hi, accumulated in float32);
-    everywhere else `Precision.HIGHEST` (exact float32). The gradients' dots inherit the algorithm.
+    (x = x_hi + x_lo in bf16; x.y ~ x_hi.y_hi + x_hi.y_lo + x_lo.y_hi, accumulated in float32); on
+    TPU `Precision.HIGH`, which is that same 3-pass bf16 product on the MXU (compiled HLO:
+    `operand_precision={high,high}`; the X3 preset is not used there because XLA:TPU compiled the
+    forward dot of d/d(h, W) sum(logits * g) to one bf16 pass, checked deviceless on v5e);
+    everywhere else `Precision.HIGHEST` (exact float32). The gradients' dots inherit the setting.
     Other names are `lax.Precision` members ('highest', 'high', 'default').
     """
     hidden, weight = hidden.astype(jnp.float32), weight.astype(jnp.float32)
@@ -68,6 +71,7 @@ def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> ja
             hidden,
             weight,
             cuda=dot_at(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3),
+            tpu=dot_at(jax.lax.Precision.HIGH),
             default=dot_at(jax.lax.Precision.HIGHEST),
         )
     return dot_at(jax.lax.Precision[head_precision.upper()])(hidden, weight)
