@@ -38,7 +38,6 @@ from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_erro
 GIB = 1024**3
 GPU_TARGET = re.compile(r"^(h100|h200):(\d+)x(\d+)$")
 TPU_TARGET = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$")
-TPU_CHIPS_PER_HOST = (2, 2, 1)  # 4 chips per host (v4, v5p, and multi-host v5e / v6e slices)
 
 
 class CompileCheckError(ValueError):
@@ -95,8 +94,10 @@ def parse_target(text: str) -> tuple[str, tuple[int, ...]]:
             "or a TPU slice v5e:AxB, v6e:AxB, v4:AxBxC, v5p:AxBxC (e.g. v5e:2x2, v5p:4x4x4)"
         )
     kind = match.group(1)
-    dims = tuple(int(d) for d in match.groups()[1:]) if kind in ("h100", "h200") else tuple(
-        int(d) for d in match.group(2).split("x")
+    dims = (
+        tuple(int(d) for d in match.groups()[1:])
+        if kind in ("h100", "h200")
+        else tuple(int(d) for d in match.group(2).split("x"))
     )
     if min(dims) < 1:
         raise CompileCheckError(f"--target={text!r}: every size must be >= 1")
@@ -134,11 +135,11 @@ def target_devices(kind: str, dims: tuple[int, ...]) -> list[Any]:
         )
     else:
         axes = dims + (1,) * (3 - len(dims))
-        bounds = tuple(min(b, a) for b, a in zip(TPU_CHIPS_PER_HOST, axes))
+        bounds = tuple(min(b, a) for b, a in zip(facts.chips_per_host_bounds or (2, 2, 1), axes))
         topology = topologies.get_topology_desc(
-            topology_name=f"{facts.tpu_topology_prefix}:{'x'.join(map(str, dims))}",
+            topology_name=f"{facts.topology_prefix}:{'x'.join(map(str, dims))}",
             platform="tpu",
-            chip_config_name=facts.tpu_chip_config,
+            chip_config_name=facts.chip_config_name,
             chips_per_host_bounds=bounds,
             num_slices=1,
             wrap=(False, False, False),
@@ -172,13 +173,13 @@ def gib(n: float) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """The per-program table (GiB per device)."""
     header = (
-        f"{'role':<9} {'program':<26} {'shape':<24} {'devs':>5} {'compile s':>9} "
+        f"{'role':<14} {'program':<26} {'shape':<24} {'devs':>5} {'compile s':>9} "
         f"{'args':>8} {'temp':>8} {'peak':>8} {'resident':>8} {'total':>8} {'device':>8}  fits"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.role:<9} {r.name:<26} {r.shape[:24]:<24} {r.devices:>5} {r.compile_s:>9.1f} "
+            f"{r.role:<14} {r.name:<26} {r.shape[:24]:<24} {r.devices:>5} {r.compile_s:>9.1f} "
             f"{gib(r.argument_bytes)} {gib(r.temp_bytes)} {gib(r.peak_bytes)} {gib(r.resident_bytes)} "
             f"{gib(r.total_bytes)} {gib(r.device_bytes)}  {'yes' if r.fits else 'NO'}"
         )
@@ -207,12 +208,14 @@ def compile_rows(config: Any, devices: Sequence[Any], device_bytes: int, pattern
     )
     for program in programs:
         lowered = program.program
-        if pattern is not None and not pattern.search(lowered.name):
+        if pattern is not None and not pattern.search(f"{lowered.name} {lowered.shape}"):
             continue
         begin = time.perf_counter()
         error = ""
         try:
             memory = lowered.lowered.compile().memory_analysis()
+            if memory is None:
+                raise CompileCheckError(f"{lowered.name}: the compiler reports no memory analysis for this target")
             arguments, temp, peak = memory.argument_size_in_bytes, memory.temp_size_in_bytes, peak_bytes(memory)
         except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a result
             if not out_of_memory(e):
@@ -254,7 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="--config=FILE and --config.KEY=VALUE overrides are read as main reads them.",
     )
     parser.add_argument("--target", required=True, help="h100:HOSTSxGPUS, h200:HOSTSxGPUS, v5e:AxB, v6e:AxB, v5p:AxBxC")
-    parser.add_argument("--programs", help="only programs whose name matches this regular expression")
+    parser.add_argument(
+        "--programs",
+        help="only programs whose 'name shape' matches this regular expression (e.g. 'accumulate.*T=16384$')",
+    )
     parser.add_argument("--out", help="write the table as JSON here")
     return parser
 
@@ -281,6 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (module docstring)."""
     # Deviceless compilation needs no attached device; the CUDA plugin would otherwise try to start one.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # libtpu probes the host for a TPU it would not use here (the topology is given explicitly) and
+    # logs a page of warnings without these; and it needs no exclusive lock to only compile.
+    for name, value in (("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # XLA's own warnings about programs too large would bury the progress lines; the table says it.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     from scalerl_jax.config_validation import ConfigError, check_devices
     from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 
@@ -304,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = compile_rows(config, devices, facts.memory_bytes, pattern)
     except (CompileCheckError, ConfigError, CheckpointFileError, re.error, FileNotFoundError) as e:
         return report_error(f"error: {e}", EXIT_INPUT_ERROR)
+    except ValueError as e:  # a run part refusing the config's sizes, e.g. slots that do not split over devices
+        return report_error(f"error: the run cannot be built from this config on {args.target}: {e}", EXIT_INPUT_ERROR)
     print(format_table(rows))
     if args.out:
         with open(args.out, "w") as f:

@@ -96,7 +96,7 @@ def start(config) -> None:
     except LaunchEnvError as e:
         raise ConfigError(str(e)) from e
     if init_kwargs is not None:
-        configure_cpu_collectives(init_kwargs["num_processes"])
+        configure_cpu_collectives(init_kwargs.get("num_processes"))
         jax.distributed.initialize(**init_kwargs)
     check_backend(config, jax.default_backend())
     logging.info(

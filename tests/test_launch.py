@@ -73,6 +73,13 @@ def test_single_process_unless_asked(environ):
     assert distributed_init_kwargs(environ) is None
 
 
+def test_auto_leaves_the_peers_to_jax_with_the_run_timeouts():
+    """On a TPU VM slice JAX reads coordinator, count and id from the TPU metadata: nothing of them
+    is passed (a None would not be filled in), and cluster detection stays on."""
+    kwargs = distributed_init_kwargs({"SCALERL_DISTRIBUTED": "auto", "SCALERL_HEARTBEAT_TIMEOUT_S": "15"})
+    assert kwargs == {"initialization_timeout": 300, "heartbeat_timeout_seconds": 15, "shutdown_timeout_seconds": 60}
+
+
 def test_explicit_variables():
     environ = {
         "SCALERL_DISTRIBUTED": "1",
@@ -422,3 +429,29 @@ def test_dead_peer_stops_the_others_within_60_s_by_default(tmp_path):
     assert results[1][0] == -signal.SIGKILL
     assert results[0][0] != 0 and "stopped sending heartbeats" in results[0][1], results[0][1][-3000:]
     assert seconds < 60
+
+
+def test_tpu_sh_runs_main_with_peers_found_by_jax(tmp_path):
+    """`launch/tpu.sh` runs the main module once per TPU VM with SCALERL_DISTRIBUTED=auto, which
+    leaves the peers to JAX's TPU metadata and keeps the run's timeouts."""
+    result = subprocess.run(
+        [os.path.join(REPO, "launch", "tpu.sh"), "configs/tiny.py", str(tmp_path), "--config.num_steps=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "PYTHON": sys.executable,
+            "SCALERL_MAIN_MODULE": "launch_env_probe",
+            "PYTHONPATH": os.path.join(REPO, "tests"),
+        },
+    )
+    assert result.returncode == 0, result.stderr
+    probe = json.loads(result.stdout.split("PROBE ", 1)[1])
+    assert probe["kwargs"] == {
+        "initialization_timeout": 300,
+        "heartbeat_timeout_seconds": 30,
+        "shutdown_timeout_seconds": 60,
+    }
+    assert probe["argv"] == ["--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.num_steps=3"]

@@ -16,10 +16,11 @@ def test_llama31_8b_fsdp8_bytes_by_hand():
     #   2 norms [32, 4096] bf16 replicated:             2 * 32*4096*2        =       524,288
     #   final norm [4096] bf16:                                                         8,192
     #   total                                                                 = 2,139,365,376
-    # The same in fp32 (Adam moments, gradient accumulator): 4,016,062,464.
+    # The same in fp32 (Adam moments, the optimizer's master copy of a bf16 body, gradient
+    # accumulator): 4,016,062,464.
     plan = plan_memory(get_preset("llama3.1-8b"), (1, 8, 1), microbatch=8, seq_len=4096, remat_policy="full")
     assert plan.params == 2_139_365_376
-    assert plan.optimizer == 2 * 4_016_062_464
+    assert plan.optimizer == 3 * 4_016_062_464  # mu, nu and the fp32 master
     assert plan.gradients == 4_016_062_464 + 2_139_365_376
     assert plan.total == plan.params + plan.optimizer + plan.gradients + plan.activations
 
@@ -118,19 +119,25 @@ def test_cli_decode_report(capsys):
     assert "H100 SXM 80GB" not in out  # the training plan is not printed
 
 
-def test_tpu_plan_keeps_the_attention_score_matrix():
-    # attention_impl='auto' is cuDNN flash on GPU and XLA on TPU (layers.resolve_attention_impl). One layer's
-    # working set per token then holds H/tp * T * (4 + e) bytes of scores and probabilities on TPU instead
-    # of flash's H/tp * (4 + hd e): b = 8 / 8 = 1 sequence of T = 4,096 tokens per device, H = 32, hd = 128,
-    # e = 2 (bf16): 4,096 * 32 * (4,096 * 6 - (4 + 256)) = 3,187,146,752 bytes more.
-    config = get_preset("llama3.1-8b", attention_impl="auto")
+def test_tpu_plan_keeps_the_attention_score_matrix_only_for_xla_attention():
+    # On TPU attention_impl='auto' is the Pallas splash kernel (flash-like, layers.resolve_attention_impl);
+    # 'xla' keeps the scores: one layer's working set per token holds H/tp * T * (4 + e) bytes of scores
+    # and probabilities instead of flash's H/tp * (4 + hd e): b = 8 / 8 = 1 sequence of T = 4,096 tokens
+    # per device, H = 32, hd = 128, e = 2 (bf16): 4,096 * 32 * (4,096 * 6 - (4 + 256)) = 3,187,146,752 bytes more.
     plans = {
-        platform: plan_memory(config, (1, 8, 1), microbatch=8, seq_len=4096, remat_policy="full", platform=platform)
-        for platform in ("gpu", "tpu")
+        impl: plan_memory(
+            get_preset("llama3.1-8b", attention_impl=impl),
+            (1, 8, 1),
+            microbatch=8,
+            seq_len=4096,
+            remat_policy="full",
+            platform="tpu",
+        )
+        for impl in ("auto", "xla")
     }
     difference = {
-        term: plans["tpu"].activation_terms[term] - plans["gpu"].activation_terms[term]
-        for term in plans["gpu"].activation_terms
+        term: plans["xla"].activation_terms[term] - plans["auto"].activation_terms[term]
+        for term in plans["auto"].activation_terms
     }
     assert difference == {
         "layer_inputs": 0,
@@ -139,16 +146,17 @@ def test_tpu_plan_keeps_the_attention_score_matrix():
         "head_hidden_fp32": 0,
         "logprob_chunk": 0,
     }
+    config = get_preset("llama3.1-8b")
     with pytest.raises(ValueError, match="unknown platform 'tpuv5'"):
         plan_memory(config, (1, 8, 1), microbatch=8, seq_len=4096, platform="tpuv5")
 
 
 def test_cli_plans_for_a_tpu_device(capsys):
     # --device v5e: a TPU v5e chip has 16 GB (Cloud TPU v5e page); the 8B model's fsdp=8 shards alone are
-    # params 2.14 GB + Adam 8.03 GB + gradients 6.16 GB = 16.3 GB > 0.9 * 16 GB, so it does not fit; 'auto'
-    # attention resolves to XLA on TPU.
+    # params 2.14 GB + Adam and master 12.05 GB + gradients 6.16 GB = 20.3 GB > 0.9 * 16 GB, so it does not
+    # fit; 'auto' attention resolves to the splash kernel on TPU.
     main(["--report", "train", "--preset", "llama3.1-8b", "--mesh", "1,8,1", "--seq_len", "4096", "--device", "v5e"])
     out = capsys.readouterr().out
     assert "TPU v5e: does NOT fit" in out and "x 16 GB" in out
-    assert "-> xla on tpu" in out
+    assert "-> splash on tpu" in out
     assert "H100" not in out and "H200" not in out

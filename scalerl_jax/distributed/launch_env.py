@@ -11,7 +11,9 @@ count and its own id. They come from, in this order:
    (the nodes of this `srun` step; `SLURM_JOB_NODELIST` outside a step) on port
    `SCALERL_COORDINATOR_PORT`, or by default a port derived from the job id as JAX derives it
    (`61440 + SLURM_JOB_ID mod 4096`, so every task computes the same one); the count is
-   `SLURM_NTASKS` and the id `SLURM_PROCID`.
+   `SLURM_NTASKS` and the id `SLURM_PROCID`;
+3. `SCALERL_DISTRIBUTED=auto` (TPU VM slices, `launch/tpu.sh`): none; JAX's own cluster detection
+   reads them from the TPU metadata, one process per TPU VM holding all of its chips.
 
 Why not let `jax.distributed.initialize()` detect SLURM itself: JAX then sets
 `local_device_ids=[SLURM_LOCALID]` (jax/_src/clusters/cluster.py), which becomes the CUDA plugin's
@@ -66,17 +68,32 @@ class LaunchEnvError(ValueError):
 def distributed_init_kwargs(environ: Mapping[str, str]) -> dict | None:
     """Keyword arguments for `jax.distributed.initialize`, or None when the run is a single process.
 
-    None unless `SCALERL_DISTRIBUTED` is "1" ("" or "0" mean single process). Raises
+    None unless `SCALERL_DISTRIBUTED` is "1" or "auto" ("" or "0" mean single process). With
+    "auto" only the three timeouts: `jax.distributed.initialize` finds the peers itself (on TPU VM
+    slices, from the TPU metadata; `launch/tpu.sh`). Raises
     `LaunchEnvError` naming the variable for a partial explicit set, missing SLURM variables or a
     malformed value. The result always has `coordinator_address`, `num_processes`, `process_id`,
     `local_device_ids=None` (every device the process can see), `cluster_detection_method="deactivate"`,
     `initialization_timeout`, `heartbeat_timeout_seconds` and `shutdown_timeout_seconds`.
     """
     switch = environ.get("SCALERL_DISTRIBUTED", "")
-    if switch not in ("", "0", "1"):
-        raise LaunchEnvError(f"SCALERL_DISTRIBUTED={switch!r}: expected 1 (distributed) or 0 (single process)")
-    if switch != "1":
+    if switch not in ("", "0", "1", "auto"):
+        raise LaunchEnvError(
+            f"SCALERL_DISTRIBUTED={switch!r}: expected 1 (distributed, peers from the variables or SLURM), "
+            "auto (distributed, peers found by JAX: TPU VM slices) or 0 (single process)"
+        )
+    if switch not in ("1", "auto"):
         return None
+    timeouts = {
+        "initialization_timeout": _positive_int(environ, "SCALERL_INIT_TIMEOUT_S", DEFAULT_INIT_TIMEOUT_S),
+        "heartbeat_timeout_seconds": _positive_int(environ, "SCALERL_HEARTBEAT_TIMEOUT_S", DEFAULT_HEARTBEAT_TIMEOUT_S),
+        "shutdown_timeout_seconds": _positive_int(environ, "SCALERL_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
+    }
+    if switch == "auto":
+        # On a TPU VM slice every worker runs the same command and JAX reads the coordinator, the
+        # process count and this worker's id from the TPU metadata itself; every device of the
+        # worker is local to it, so there is nothing to override.
+        return timeouts
     explicit = [name for name in EXPLICIT_VARS if name in environ]
     if explicit:
         coordinator, num_processes, process_id = _explicit_peers(environ, explicit)
@@ -94,9 +111,7 @@ def distributed_init_kwargs(environ: Mapping[str, str]) -> dict | None:
         "process_id": process_id,
         "local_device_ids": None,
         "cluster_detection_method": "deactivate",
-        "initialization_timeout": _positive_int(environ, "SCALERL_INIT_TIMEOUT_S", DEFAULT_INIT_TIMEOUT_S),
-        "heartbeat_timeout_seconds": _positive_int(environ, "SCALERL_HEARTBEAT_TIMEOUT_S", DEFAULT_HEARTBEAT_TIMEOUT_S),
-        "shutdown_timeout_seconds": _positive_int(environ, "SCALERL_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S),
+        **timeouts,
     }
 
 
@@ -261,18 +276,23 @@ def installed_accelerator_plugins() -> list[str]:
     return sorted(names)
 
 
-def configure_cpu_collectives(num_processes: int) -> bool:
+def configure_cpu_collectives(num_processes: int | None) -> bool:
     """Selects gloo for cross-process CPU collectives when the run is multi-process on the CPU.
 
     JAX's CPU backend has no cross-process collectives by default: a computation over devices of
     several processes fails. gloo (over TCP, rendezvous through the jax.distributed key-value
     store) provides them. Must run before the CPU backend starts. Returns whether gloo was chosen.
+    `num_processes` None (peers found by JAX, `SCALERL_DISTRIBUTED=auto`): never the CPU.
     """
     import jax
 
     # jax.config's options are dynamic attributes, which its type stubs do not declare.
     platforms = jax.config.jax_platforms or ""  # pyright: ignore[reportAttributeAccessIssue]
-    if num_processes <= 1 or not platform_will_be_cpu(platforms, installed_accelerator_plugins()):
+    if (
+        num_processes is None
+        or num_processes <= 1
+        or not platform_will_be_cpu(platforms, installed_accelerator_plugins())
+    ):
         return False
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     return True

@@ -338,7 +338,9 @@ def plan_memory(
     )
     return MemoryPlan(
         params=params,
-        optimizer=2 * params_fp32,
+        # AdamW's fp32 mu and nu, and the optimizer's fp32 master copy of every param whenever some
+        # param is not fp32 (`train.optimizer`: a bf16 body).
+        optimizer=(2 if params == params_fp32 else 3) * params_fp32,
         gradients=params_fp32 + params,
         activations=sum(terms.values()),
         activation_terms=terms,
@@ -356,7 +358,7 @@ def format_plan(
     lines = [
         title,
         f"  {'params':<28}{plan.params / GIB:10.2f} GiB",
-        f"  {'optimizer (AdamW mu, nu fp32)':<28}{plan.optimizer / GIB:10.2f} GiB",
+        f"  {'optimizer (mu, nu, master)':<28}{plan.optimizer / GIB:10.2f} GiB",
         f"  {'gradients (fp32 acc + 1 mb)':<28}{plan.gradients / GIB:10.2f} GiB",
         f"  {'activations (estimate)':<28}{plan.activations / GIB:10.2f} GiB",
     ]

@@ -312,9 +312,16 @@ def init_kv_pages(
 
     if mesh is None:
         return zeros()
-    spec = sharding.logical_to_spec(sharding.PAGED_KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="paged kv_cache")
-    out = NamedSharding(mesh, spec)
+    out = kv_pages_sharding(shape, mesh, rules)
     return jax.jit(zeros, out_shardings={"k": out, "v": out})()
+
+
+def kv_pages_sharding(
+    shape: tuple[int, ...], mesh: Mesh, rules: sharding.Rules = sharding.DEFAULT_RULES
+) -> NamedSharding:
+    """Where a paged KV pool of `shape` lives on `mesh` (logical axes `sharding.PAGED_KV_CACHE_AXES`)."""
+    spec = sharding.logical_to_spec(sharding.PAGED_KV_CACHE_AXES, rules, mesh=mesh, shape=shape, name="paged kv_cache")
+    return NamedSharding(mesh, spec)
 
 
 def init_transformer(

@@ -30,7 +30,6 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 from flax import nnx
 
 from scalerl_jax.distributed.roles import Roles, assign_roles
@@ -107,7 +106,7 @@ def sized_by(program_name: str) -> tuple[str, ...]:
 class RunProgram:
     """A lowered program of the run, where it runs, and what else its devices hold meanwhile."""
 
-    role: str  # 'trainer' | 'generator' | 'push'
+    role: str  # 'trainer' | 'generator' | 'push:trainer' | 'push:generator' (the push, on that side's devices)
     program: LoweredProgram
     devices: int  # devices the program runs on
     resident_bytes: int  # per device: long-lived buffers that are not among its arguments
@@ -120,7 +119,7 @@ def per_device_bytes(tree: Any) -> int:
     for leaf in jax.tree.leaves(tree):
         sharding = getattr(leaf, "sharding", None)
         shape = sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else tuple(leaf.shape)
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        total += math.prod(shape) * leaf.dtype.itemsize  # a PRNG key dtype has an itemsize too
     return total
 
 
@@ -241,7 +240,7 @@ def run_programs(
     for mesh in generator_meshes.values():
         engine = Engine(graphdef, model_config, engine_config, mesh=mesh)
         generator_params = with_shardings(abstract, param_shardings(abstract, mesh))
-        decode_state = jax.eval_shape(engine.init_decode_state)
+        decode_state = engine.abstract_decode_state()
         params_bytes = per_device_bytes(generator_params)
         generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state))
         for lowered in engine.lower_programs(
@@ -251,19 +250,21 @@ def run_programs(
             resident = params_bytes if lowered.name == "generator/evict" else 0
             yield RunProgram("generator", lowered, mesh.size, resident)
 
-    # A push's pieces are cut on trainer devices and placed on trainer (offer) or generator
-    # (push_local) devices, which keep their whole state meanwhile: the larger of the two counts.
-    push_resident = max(state_bytes, generator_resident)
-    for lowered in push_programs(config, roles, abstract, trainer_params, trainer_mesh):
+    # A push runs beside each side's whole state: the old params and decode state stay on the
+    # generator devices until the new params are in place.
+    resident = {"trainer": state_bytes, "generator": generator_resident}
+    for side, lowered in push_programs(config, roles, abstract, trainer_params, trainer_mesh):
         collective = lowered.name == "push/replicate_slice"
-        yield RunProgram("push", lowered, trainer_mesh.size if collective else 1, push_resident)
+        yield RunProgram(f"push:{side}", lowered, trainer_mesh.size if collective else 1, resident[side])
 
 
 def push_programs(
     config: ml_collections.ConfigDict, roles: Roles, abstract: Any, trainer_params: Any, trainer_mesh: jax.sharding.Mesh
-) -> list[LoweredProgram]:
-    """The weight push's programs: `ParamsSender.offer`'s for the generator processes fed by
-    transfer, `push_local`'s for a generator process that holds every trainer device."""
+) -> list[tuple[str, LoweredProgram]]:
+    """The weight push's programs, each with the side whose devices run it ('trainer' or
+    'generator'): `ParamsSender.offer`'s for the generator processes fed by transfer (all on
+    trainer devices), `push_local`'s for a generator process that holds every trainer device
+    (cuts on trainer devices, placements on generator devices)."""
     routes = plan_routes(roles)
     by_transfer = set(routes.transfer_generators)
     targets = {
@@ -272,8 +273,10 @@ def push_programs(
     }
     programs = []
     if by_transfer:
-        programs += sender_programs(trainer_params, trainer_mesh, {g: targets[g] for g in sorted(by_transfer)})
+        sent = sender_programs(trainer_params, trainer_mesh, {g: targets[g] for g in sorted(by_transfer)})
+        programs += [("trainer", program) for program in sent]
     local = [g for g in roles.generator_processes if g not in by_transfer]
     if local:
-        programs += push_local_programs(trainer_params, targets[local[0]])
+        placed = push_local_programs(trainer_params, targets[local[0]])
+        programs += [("generator" if p.name == "push/place_pieces" else "trainer", p) for p in placed]
     return programs

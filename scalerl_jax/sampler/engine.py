@@ -72,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
 from scalerl_jax.models.sharding import DEFAULT_RULES, LoweredProgram, Rules, logical_to_spec, use_mesh_rules
-from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
+from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages, kv_pages_sharding
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
 
@@ -85,6 +85,10 @@ PHASE_ANSWER = 2
 
 PAD_TOKEN = -1  # Entry of ChunkResult.tokens where a slot emitted nothing at that step.
 CPU_DECODE_BLOCK = 256  # EngineConfig.decode_block=0 on CPU
+# EngineConfig.decode_block=0 on TPU: `compile_check` of the 8B decode chunk at window 16,384 on
+# v5p (64 slots per chip) needs 9.5 GiB of temporaries per chip reading the whole window at once,
+# 1.9 GiB in 512-key pieces (3.0 GiB in 2,048-key ones).
+TPU_DECODE_BLOCK = 512
 PALLAS_PAGES_PER_BLOCK = 8  # pages the Pallas decode kernel reads per block
 
 
@@ -163,8 +167,9 @@ class EngineConfig:
     `interruption`: None disables forced interruption for every request.
     `decode_block`: keys a decode step reads per piece of a cache layer (bounds its scratch memory
     to one piece); 0 picks by backend: `CPU_DECODE_BLOCK` on CPU (where XLA would otherwise copy the
-    whole window out of the cache), the whole window elsewhere (on GPU XLA fuses the cache slice
-    into the attention reductions; unmeasured here).
+    whole window out of the cache), `TPU_DECODE_BLOCK` on TPU (measured by compilation), the whole
+    window on GPU (XLA fuses the cache slice into the attention reductions: 0.13 GiB of
+    temporaries for the 8B chunk at window 16,384 in `compile_check`).
     `min_decode_window`: smallest decode attention window (see `Engine.generate`; windows double
     up to `max_len`, one `generate` compile each).
     `page_size`: tokens per KV page. `num_pages`: pages in the shared pool (0 = num_slots x
@@ -455,6 +460,28 @@ class Engine:
             )
         )
 
+    def abstract_decode_state(self) -> DecodeState:
+        """`init_decode_state`'s shapes and dtypes without building it, each on the sharding
+        `init_decode_state` gives it (the KV pages by the rules, the rest replicated; none without a
+        mesh): what `lower_programs` takes."""
+        abstract = jax.eval_shape(self.init_decode_state)
+        if self.mesh is None:
+            return abstract
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def place(leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+        fields = {
+            name: jax.tree.map(lambda leaf: place(leaf, replicated), value)
+            for name, value in abstract._asdict().items()
+        }
+        fields["cache"] = {
+            name: place(leaf, kv_pages_sharding(leaf.shape, self.mesh, self.rules))
+            for name, leaf in abstract.cache.items()
+        }
+        return DecodeState(**fields)
+
     def prefill(self, params: Any, tokens: Any, true_length: Any) -> Prefix:
         """K/V of right-padded host prompts `tokens` int32[N, Tb] (or [Tb]), lengths `true_length`."""
         tokens = np.asarray(tokens, np.int32)
@@ -657,7 +684,7 @@ class Engine:
         if self.config.decode_block:
             return self.config.decode_block
         platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
-        return CPU_DECODE_BLOCK if platform == "cpu" else None
+        return {"cpu": CPU_DECODE_BLOCK, "tpu": TPU_DECODE_BLOCK}.get(platform)
 
     def _prefill(self, params: Any, tokens: jax.Array, true_length: jax.Array) -> Prefix:
         model = nnx.merge(self.graphdef, params)
