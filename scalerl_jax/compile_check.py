@@ -173,13 +173,13 @@ def gib(n: float) -> str:
 def format_table(rows: Sequence[Row]) -> str:
     """The per-program table (GiB per device)."""
     header = (
-        f"{'role':<14} {'program':<26} {'shape':<24} {'devs':>5} {'compile s':>9} "
+        f"{'role':<14} {'program':<26} {'shape':<34} {'devs':>5} {'compile s':>9} "
         f"{'args':>8} {'temp':>8} {'peak':>8} {'resident':>8} {'total':>8} {'device':>8}  fits"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r.role:<14} {r.name:<26} {r.shape[:24]:<24} {r.devices:>5} {r.compile_s:>9.1f} "
+            f"{r.role:<14} {r.name:<26} {r.shape[:34]:<34} {r.devices:>5} {r.compile_s:>9.1f} "
             f"{gib(r.argument_bytes)} {gib(r.temp_bytes)} {gib(r.peak_bytes)} {gib(r.resident_bytes)} "
             f"{gib(r.total_bytes)} {gib(r.device_bytes)}  {'yes' if r.fits else 'NO'}"
         )

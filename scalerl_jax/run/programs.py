@@ -35,7 +35,7 @@ from flax import nnx
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.weight_push import sender_programs
-from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
+from scalerl_jax.models import Transformer, get_preset, param_shardings
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.models.reshard import push_local_programs
@@ -43,6 +43,7 @@ from scalerl_jax.models.sharding import LoweredProgram
 from scalerl_jax.pipeline.batching import octave_buckets
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 from scalerl_jax.policy_source import run_model_overrides
+from scalerl_jax.run.build import build_meshes, generator_mesh
 from scalerl_jax.sampler import Engine, EngineConfig
 from scalerl_jax.sampler.engine import InterruptionConfig, interrupts, max_sequence_length
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, create_train_state, make_optimizer, make_train_step
@@ -202,7 +203,8 @@ def run_programs(
 ) -> Iterator[RunProgram]:
     """Every program of the run on `devices`, lowered one at a time (module docstring)."""
     roles = run_roles(config, devices)
-    trainer_mesh = make_mesh(config.mesh.trainer_shape, devices=list(roles.trainer_devices))
+    trainer_mesh = build_meshes(config, roles).trainer
+    assert trainer_mesh is not None  # process 0 always holds trainer devices (`assign_roles`)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
     trainer_params = with_shardings(abstract, param_shardings(abstract, trainer_mesh))
 
@@ -235,7 +237,7 @@ def run_programs(
     generator_meshes = {}
     for process in roles.generator_processes:
         local = roles.local_generator_devices(process)
-        generator_meshes.setdefault(len(local), make_mesh(config.mesh.generator_shape, devices=local))
+        generator_meshes.setdefault(len(local), generator_mesh(config, roles, process))
     generator_resident = 0
     for mesh in generator_meshes.values():
         engine = Engine(graphdef, model_config, engine_config, mesh=mesh)
@@ -267,10 +269,7 @@ def push_programs(
     (cuts on trainer devices, placements on generator devices)."""
     routes = plan_routes(roles)
     by_transfer = set(routes.transfer_generators)
-    targets = {
-        g: param_shardings(abstract, make_mesh(config.mesh.generator_shape, devices=roles.local_generator_devices(g)))
-        for g in roles.generator_processes
-    }
+    targets = {g: param_shardings(abstract, generator_mesh(config, roles, g)) for g in roles.generator_processes}
     programs = []
     if by_transfer:
         sent = sender_programs(trainer_params, trainer_mesh, {g: targets[g] for g in sorted(by_transfer)})
