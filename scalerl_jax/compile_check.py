@@ -171,7 +171,7 @@ def gib(n: float) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The per-program table (GiB per device)."""
+    """The per-program table (GiB per device; 'compile s': XLA's compile of the lowered program)."""
     header = (
         f"{'role':<14} {'program':<26} {'shape':<34} {'devs':>5} {'compile s':>9} "
         f"{'args':>8} {'temp':>8} {'peak':>8} {'resident':>8} {'total':>8} {'device':>8}  fits"
@@ -212,16 +212,17 @@ def compile_rows(config: Any, devices: Sequence[Any], device_bytes: int, pattern
             continue
         begin = time.perf_counter()
         error = ""
+        arguments = temp = peak = 0
         try:
             memory = lowered.lowered.compile().memory_analysis()
-            if memory is None:
-                raise CompileCheckError(f"{lowered.name}: the compiler reports no memory analysis for this target")
-            arguments, temp, peak = memory.argument_size_in_bytes, memory.temp_size_in_bytes, peak_bytes(memory)
         except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a result
             if not out_of_memory(e):
                 raise
             error = str(e).strip().splitlines()[0]
-            arguments = temp = peak = 0
+        else:
+            if memory is None:
+                raise CompileCheckError(f"{lowered.name}: the compiler reports no memory analysis for this target")
+            arguments, temp, peak = memory.argument_size_in_bytes, memory.temp_size_in_bytes, peak_bytes(memory)
         row = Row(
             program.role,
             lowered.name,

@@ -191,3 +191,27 @@ def test_gpu_route_compiles_the_tiny_run_for_an_h200_node(tmp_path):
     # of the four fp32 copies each.
     assert abs(update["argument_bytes"] - 4 * F32 * PARAMS / 4) < 0.05 * 4 * F32 * PARAMS / 4 + SMALL
     assert all(r["device_bytes"] == 141 * 10**9 for r in rows)
+
+
+def test_a_trainer_over_two_hosts_pushes_by_collective_replication(tmp_path, capsys):
+    # v5e:4x4 is 4 hosts of 4 chips; half of the 16 chips train, on hosts 0 and 1, so a generator
+    # host's slice (a whole leaf: its params are replicated) is held by no single trainer process
+    # and is first replicated over the trainer mesh, as `ParamsSender.offer` does.
+    status, rows, captured = run_check(
+        [
+            "--config=configs/tiny.py",
+            "--target=v5e:4x4",
+            "--config.batch.length_buckets_per_octave=1",
+            "--programs=push",
+        ],
+        tmp_path,
+        capsys,
+    )
+    assert status == 0, captured.err
+    assert "over 4 host process(es)" in captured.out
+    replicated = {shape: row for (name, shape), row in rows.items() if name == "push/replicate_slice"}
+    assert "(300, 128)->(300, 128)" in replicated  # the embedding, whole
+    embedding = replicated["(300, 128)->(300, 128)"]
+    assert embedding["role"] == "push:trainer" and embedding["devices"] == 8
+    # Every trainer chip ends up holding the whole fp32 embedding: 300 x 128 x 4 bytes.
+    assert embedding["peak_bytes"] >= VOCAB * HIDDEN * F32
