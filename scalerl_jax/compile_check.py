@@ -171,7 +171,7 @@ def gib(n: float) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    """The per-program table (GiB per device; 'compile s': XLA's compile of the lowered program)."""
+    """The per-program table (GiB per device; 'compile s': tracing and XLA's compile of the program)."""
     header = (
         f"{'role':<14} {'program':<26} {'shape':<34} {'devs':>5} {'compile s':>9} "
         f"{'args':>8} {'temp':>8} {'peak':>8} {'resident':>8} {'total':>8} {'device':>8}  fits"
@@ -207,26 +207,26 @@ def compile_rows(config: Any, devices: Sequence[Any], device_bytes: int, pattern
         config, devices, model_config=model_config, stop_tokens=stop_tokens, interruption_lengths=interruption_lengths
     )
     for program in programs:
-        lowered = program.program
-        if pattern is not None and not pattern.search(f"{lowered.name} {lowered.shape}"):
+        aot = program.program
+        if pattern is not None and not pattern.search(f"{aot.name} {aot.shape}"):
             continue
         begin = time.perf_counter()
         error = ""
         arguments = temp = peak = 0
         try:
-            memory = lowered.lowered.compile().memory_analysis()
+            memory = aot.lower().compile().memory_analysis()
         except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a result
             if not out_of_memory(e):
                 raise
             error = str(e).strip().splitlines()[0]
         else:
             if memory is None:
-                raise CompileCheckError(f"{lowered.name}: the compiler reports no memory analysis for this target")
+                raise CompileCheckError(f"{aot.name}: the compiler reports no memory analysis for this target")
             arguments, temp, peak = memory.argument_size_in_bytes, memory.temp_size_in_bytes, peak_bytes(memory)
         row = Row(
             program.role,
-            lowered.name,
-            lowered.shape,
+            aot.name,
+            aot.shape,
             program.devices,
             time.perf_counter() - begin,
             int(arguments),

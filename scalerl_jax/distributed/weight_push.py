@@ -69,7 +69,7 @@ from scalerl_jax.models.reshard import (
     slices_of,
     take_slice,
 )
-from scalerl_jax.models.sharding import LoweredProgram
+from scalerl_jax.models.sharding import AotProgram
 
 _VERSION_BITS, _PROCESS_BITS = 32, 16
 
@@ -295,8 +295,8 @@ def needs_collective(array: Any, bounds: Bounds, owners: set[int]) -> bool:
     return not all(_holds_every_overlap(array, bounds, owner) for owner in owners)
 
 
-def sender_programs(params: Any, trainer_mesh: Mesh, generator_shardings: Mapping[int, Any]) -> list[LoweredProgram]:
-    """Every program `ParamsSender.offer` runs on the trainer processes, lowered ahead of time, one
+def sender_programs(params: Any, trainer_mesh: Mesh, generator_shardings: Mapping[int, Any]) -> list[AotProgram]:
+    """Every program `ParamsSender.offer` runs on the trainer processes, to lower ahead of time, one
     per distinct shape: the collective replication of each slice some owner cannot cut alone, and
     the local cuts and placements of the others. `params` may be abstract (ShapeDtypeStructs with
     shardings on `trainer_mesh`); `generator_shardings`: {generator process: target shardings}."""
@@ -309,19 +309,21 @@ def sender_programs(params: Any, trainer_mesh: Mesh, generator_shardings: Mappin
             shardings, [leaf.shape for leaf in leaves], [leaf.dtype for leaf in leaves], g, trainer_processes
         )
     replicate = _replicated_slicer(trainer_mesh)
-    lowered: dict[tuple, LoweredProgram] = {}
+    programs: dict[tuple, AotProgram] = {}
     for (leaf, bounds), owners in sorted(slice_owners(plans).items()):
         array = leaves[leaf]
         if needs_collective(array, bounds, owners):
             key = ("replicate", tuple(array.shape), str(array.dtype), bounds)
-            if key not in lowered:
+            if key not in programs:
                 size = tuple(stop - start for start, stop in bounds)
-                lowered[key] = LoweredProgram(
-                    "push/replicate_slice", f"{tuple(array.shape)}->{size}", replicate.lower(array, bounds)
+                programs[key] = AotProgram(
+                    "push/replicate_slice",
+                    f"{tuple(array.shape)}->{size}",
+                    functools.partial(replicate.lower, array, bounds),
                 )
         else:
-            cut_programs(array, bounds, None, lowered)
-    return list(lowered.values())
+            cut_programs(array, bounds, None, programs)
+    return list(programs.values())
 
 
 def _pull_into(connection: Any, uuid: int, structs: list[jax.ShapeDtypeStruct], result: dict) -> None:

@@ -9,13 +9,14 @@ target device holding that slice (`assemble`). No data passes through the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Sharding
 
-from scalerl_jax.models.sharding import Device, LoweredProgram
+from scalerl_jax.models.sharding import AotProgram, Device
 
 Bounds = tuple[tuple[int, int], ...]  # per dimension (start, stop): hashable form of a slice tuple
 
@@ -172,9 +173,9 @@ def _push_leaf_local(leaf: jax.Array, target: Sharding, position: int) -> jax.Ar
     return assemble(shape, target, slice_devices, fresh_slices)
 
 
-def cut_programs(leaf: Any, bounds: Bounds, landing: Device | None, lowered: dict[tuple, LoweredProgram]) -> None:
-    """The programs `cut_locally(local_shards(leaf), bounds, landing)` runs, lowered ahead of time
-    into `lowered` (keyed by signature, so a shape met twice is lowered once): a cut on the source
+def cut_programs(leaf: Any, bounds: Bounds, landing: Device | None, programs: dict[tuple, AotProgram]) -> None:
+    """The programs `cut_locally(local_shards(leaf), bounds, landing)` runs, to lower ahead of time,
+    into `programs` (keyed by signature, so a shape met twice counts once): a cut on the source
     device of every overlap that is not a whole shard, and the placement of several pieces on the
     landing device. `leaf` may be abstract (a ShapeDtypeStruct with a sharding); every shard of it
     counts as local (the caller decides which process cuts)."""
@@ -198,27 +199,29 @@ def cut_programs(leaf: Any, bounds: Bounds, landing: Device | None, lowered: dic
             )
             relative = _relative(box, shard_bounds)
             key = ("cut", source.shape, str(leaf.dtype), relative)
-            if key not in lowered:
-                lowered[key] = LoweredProgram("push/cut", f"{source.shape}->{size}", _cut.lower(source, relative))
+            if key not in programs:
+                programs[key] = AotProgram(
+                    "push/cut", f"{source.shape}->{size}", functools.partial(_cut.lower, source, relative)
+                )
         pieces.append(jax.ShapeDtypeStruct(size, leaf.dtype, sharding=jax.sharding.SingleDeviceSharding(landing)))
         offsets.append(tuple(start for start, _ in _relative(box, bounds)))
     if len(pieces) > 1:
         size = tuple(stop - start for start, stop in bounds)
         key = ("place", size, str(leaf.dtype), tuple(offsets), tuple(p.shape for p in pieces))
-        if key not in lowered:
-            lowered[key] = LoweredProgram(
+        if key not in programs:
+            programs[key] = AotProgram(
                 "push/place_pieces",
                 f"{len(pieces)} pieces->{size}",
-                _place_pieces.lower(size, leaf.dtype, tuple(offsets), *pieces),
+                functools.partial(_place_pieces.lower, size, leaf.dtype, tuple(offsets), *pieces),
             )
 
 
-def push_local_programs(params: Any, target_shardings: Any) -> list[LoweredProgram]:
-    """Every program `push_local(params, target_shardings)` runs, lowered ahead of time (one per
+def push_local_programs(params: Any, target_shardings: Any) -> list[AotProgram]:
+    """Every program `push_local(params, target_shardings)` runs, to lower ahead of time (one per
     distinct shape); `params` may be abstract (ShapeDtypeStructs with shardings)."""
-    lowered: dict[tuple, LoweredProgram] = {}
+    programs: dict[tuple, AotProgram] = {}
     leaves, treedef = jax.tree.flatten(params)
     for leaf, target in zip(leaves, treedef.flatten_up_to(target_shardings)):
         for bounds, devices in devices_per_slice(target, tuple(leaf.shape)).items():
-            cut_programs(leaf, bounds, devices[0], lowered)
-    return list(lowered.values())
+            cut_programs(leaf, bounds, devices[0], programs)
+    return list(programs.values())

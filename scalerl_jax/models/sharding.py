@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 import jax
@@ -61,13 +61,13 @@ PAGED_KV_CACHE_AXES = ("layers", "batch", "kv_pages", "length", "kv_heads", "hea
 _SHARDING_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 
-class LoweredProgram(NamedTuple):
-    """One jitted program lowered ahead of time for one input shape (e.g. for a mesh of devices
-    that are not attached: `scalerl_jax.compile_check`)."""
+class AotProgram(NamedTuple):
+    """One jitted program for one input shape, to lower and compile ahead of time (e.g. for a mesh
+    of devices that are not attached: `scalerl_jax.compile_check`). `lower()` traces it."""
 
     name: str  # e.g. 'train/accumulate'
     shape: str  # the sizes that pick this compile, e.g. 'R=16 T=2048'
-    lowered: jax.stages.Lowered
+    lower: Callable[[], jax.stages.Lowered]
 
 
 def _rules_dict(rules: Rules) -> dict[str, MeshAxes]:

@@ -1,15 +1,15 @@
-"""Every program a run executes, lowered ahead of time for the run's devices, attached or not.
+"""Every program a run executes, to compile ahead of time for the run's devices, attached or not.
 
 Given the run config and all devices of the run (e.g. a deviceless TPU or GPU topology), the
 devices are split and meshed as `main` does (`assign_roles`, `build_meshes`'s shapes, the same
-logical-axis rules), and each program is lowered with abstract inputs (ShapeDtypeStructs with the
-run's shardings), one at a time:
+logical-axis rules), and each program is given with abstract inputs (ShapeDtypeStructs with the
+run's shardings), to lower (trace) only when asked, one at a time:
 
 - trainer (the trainer mesh, SPMD over every trainer process): the train step's programs for the
   batch of B = prompts_per_step x generations_per_prompt rows and every length bucket the batch
-  builder can produce (`SortedTrainStep.lower_programs`: one microbatch gradient per bucket);
+  builder can produce (`SortedTrainStep.aot_programs`: one microbatch gradient per bucket);
 - generator (one generator process's local mesh, one per distinct generator mesh size): every
-  decode-path program (`Engine.lower_programs`: prefill + insert per (rows, length) bucket, decode
+  decode-path program (`Engine.aot_programs`: prefill + insert per (rows, length) bucket, decode
   per window, eviction). Evaluation runs through these same programs (the evaluator samples with
   the generators' batchers), so it adds none;
 - push: the weight push from the trainer layout to the generator layout, as the run does it
@@ -39,7 +39,7 @@ from scalerl_jax.models import Transformer, get_preset, param_shardings
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.models.reshard import push_local_programs
-from scalerl_jax.models.sharding import LoweredProgram
+from scalerl_jax.models.sharding import AotProgram
 from scalerl_jax.pipeline.batching import octave_buckets
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 from scalerl_jax.policy_source import run_model_overrides
@@ -105,10 +105,10 @@ def sized_by(program_name: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class RunProgram:
-    """A lowered program of the run, where it runs, and what else its devices hold meanwhile."""
+    """A program of the run, where it runs, and what else its devices hold meanwhile."""
 
     role: str  # 'trainer' | 'generator' | 'push:trainer' | 'push:generator' (the push, on that side's devices)
-    program: LoweredProgram
+    program: AotProgram
     devices: int  # devices the program runs on
     resident_bytes: int  # per device: long-lived buffers that are not among its arguments
 
@@ -201,7 +201,7 @@ def run_programs(
     stop_tokens: int,
     interruption_lengths: tuple[int, int],
 ) -> Iterator[RunProgram]:
-    """Every program of the run on `devices`, lowered one at a time (module docstring)."""
+    """Every program of the run on `devices`, one at a time (module docstring)."""
     roles = run_roles(config, devices)
     trainer_mesh = build_meshes(config, roles).trainer
     assert trainer_mesh is not None  # process 0 always holds trainer devices (`assign_roles`)
@@ -229,9 +229,9 @@ def run_programs(
     # What each train program takes of the resident state: the update takes all of it, the
     # zeros and the microbatch gradient take the params, the row preparation none.
     state_in_args = {"train/update": state_bytes, "train/step": state_bytes, "train/prepare_rows": 0}
-    for lowered in step.lower_programs(state, rows, train_length_buckets(config)):
-        resident = state_bytes - state_in_args.get(lowered.name, params_bytes)
-        yield RunProgram("trainer", lowered, trainer_mesh.size, resident)
+    for aot in step.aot_programs(state, rows, train_length_buckets(config)):
+        resident = state_bytes - state_in_args.get(aot.name, params_bytes)
+        yield RunProgram("trainer", aot, trainer_mesh.size, resident)
 
     engine_config = engine_config_of(config, stop_tokens, interruption_lengths)
     generator_meshes = {}
@@ -245,24 +245,22 @@ def run_programs(
         decode_state = engine.abstract_decode_state()
         params_bytes = per_device_bytes(generator_params)
         generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state))
-        for lowered in engine.lower_programs(
-            generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens
-        ):
+        for aot in engine.aot_programs(generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens):
             # Every decode-path program takes the params and the decode state, but eviction the state only.
-            resident = params_bytes if lowered.name == "generator/evict" else 0
-            yield RunProgram("generator", lowered, mesh.size, resident)
+            resident = params_bytes if aot.name == "generator/evict" else 0
+            yield RunProgram("generator", aot, mesh.size, resident)
 
     # A push runs beside each side's whole state: the old params and decode state stay on the
     # generator devices until the new params are in place.
     resident = {"trainer": state_bytes, "generator": generator_resident}
-    for side, lowered in push_programs(config, roles, abstract, trainer_params, trainer_mesh):
-        collective = lowered.name == "push/replicate_slice"
-        yield RunProgram(f"push:{side}", lowered, trainer_mesh.size if collective else 1, resident[side])
+    for side, aot in push_programs(config, roles, abstract, trainer_params, trainer_mesh):
+        collective = aot.name == "push/replicate_slice"
+        yield RunProgram(f"push:{side}", aot, trainer_mesh.size if collective else 1, resident[side])
 
 
 def push_programs(
     config: ml_collections.ConfigDict, roles: Roles, abstract: Any, trainer_params: Any, trainer_mesh: jax.sharding.Mesh
-) -> list[tuple[str, LoweredProgram]]:
+) -> list[tuple[str, AotProgram]]:
     """The weight push's programs, each with the side whose devices run it ('trainer' or
     'generator'): `ParamsSender.offer`'s for the generator processes fed by transfer (all on
     trainer devices), `push_local`'s for a generator process that holds every trainer device

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -71,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
-from scalerl_jax.models.sharding import DEFAULT_RULES, LoweredProgram, Rules, logical_to_spec, use_mesh_rules
+from scalerl_jax.models.sharding import DEFAULT_RULES, AotProgram, Rules, logical_to_spec, use_mesh_rules
 from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages, kv_pages_sharding
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
@@ -463,7 +464,7 @@ class Engine:
     def abstract_decode_state(self) -> DecodeState:
         """`init_decode_state`'s shapes and dtypes without building it, each on the sharding
         `init_decode_state` gives it (the KV pages by the rules, the rest replicated; none without a
-        mesh): what `lower_programs` takes."""
+        mesh): what `aot_programs` takes."""
         abstract = jax.eval_shape(self.init_decode_state)
         if self.mesh is None:
             return abstract
@@ -576,15 +577,18 @@ class Engine:
                 state = out[0] if call.name == "generate" else out
         return state
 
-    def lower_programs(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> Iterator[LoweredProgram]:
-        """Every call of `decode_path_calls` lowered ahead of time, one at a time; `params` and
-        `state` may be abstract (ShapeDtypeStructs with shardings, e.g. `jax.eval_shape` of
-        `init_decode_state`)."""
+    def aot_programs(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> Iterator[AotProgram]:
+        """Every call of `decode_path_calls`, to lower ahead of time; `params` and `state` may be
+        abstract (ShapeDtypeStructs with shardings: `abstract_decode_state`)."""
         for call in self.decode_path_calls(max_prompt_length):
-            with self._mesh_context():
-                lowered = call.jitted.lower(*((params,) if call.takes_params else ()), state, *call.args)
             shape = " ".join(f"{key}={value}" for key, value in zip(call.shape_names, call.shape))
-            yield LoweredProgram(f"generator/{call.name}", shape or "state", lowered)
+            yield AotProgram(
+                f"generator/{call.name}", shape or "state", functools.partial(self._lower, params, state, call)
+            )
+
+    def _lower(self, params: Any, state: DecodeState, call: DecodeCall) -> jax.stages.Lowered:
+        with self._mesh_context():
+            return call.jitted.lower(*((params,) if call.takes_params else ()), state, *call.args)
 
     def decode_path_calls(self, max_prompt_length: int) -> Iterator[DecodeCall]:
         """Every jitted call the decode path can make for prompts up to `max_prompt_length`, with

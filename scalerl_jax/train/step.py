@@ -55,7 +55,7 @@ from scalerl_jax.batch_layout import (
 from scalerl_jax.models import sequence_logprobs
 from scalerl_jax.models.sharding import (
     DEFAULT_RULES,
-    LoweredProgram,
+    AotProgram,
     Rules,
     logical_to_spec,
     param_shardings,
@@ -515,13 +515,12 @@ class TrainStep(_JittedStep):
         with use_mesh_rules(self.mesh, self.rules):
             return self._jitted.lower(state, batch)
 
-    def lower_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[LoweredProgram]:
-        """The step lowered ahead of time, one at a time, for every batch shape a run can produce:
-        [rows, T] for each length bucket T in `lengths`; `state` may be abstract (ShapeDtypeStructs
-        with shardings)."""
+    def aot_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[AotProgram]:
+        """The step for every batch shape a run can produce, to lower ahead of time: [rows, T] for
+        each length bucket T in `lengths`; `state` may be abstract (ShapeDtypeStructs with shardings)."""
         for length in lengths:
             batch = abstract_arrays(BATCH_SPEC, {1: (rows,), 2: (rows, length)}, self.batch_sharding)
-            yield LoweredProgram("train/step", f"B={rows} T={length}", self.lower(state, batch))
+            yield AotProgram("train/step", f"B={rows} T={length}", functools.partial(self.lower, state, batch))
 
 
 class SortedTrainStep(_JittedStep):
@@ -574,25 +573,28 @@ class SortedTrainStep(_JittedStep):
                 accumulator = self._accumulate(accumulator, state.params, terms, np.int32(index), microbatch)
             return self._update(state, accumulator, row_stats)
 
-    def lower_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[LoweredProgram]:
-        """Every program a step on `rows` rows can run, lowered ahead of time one at a time:
-        `prepare_rows` and the accumulator's zeros, `accumulate_microbatch` for [R, T] with
-        R = rows / M and each length bucket T in `lengths`, and the update. `state` may be
-        abstract (ShapeDtypeStructs with shardings); the later programs take the earlier ones'
-        output shapes."""
+    def aot_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[AotProgram]:
+        """Every program a step on `rows` rows can run, to lower ahead of time: `prepare_rows` and
+        the accumulator's zeros (lowered here: the later programs take their output shapes),
+        `accumulate_microbatch` for [R, T] with R = rows / M and each length bucket T in
+        `lengths`, and the update. `state` may be abstract (ShapeDtypeStructs with shardings)."""
         self._check_rows(rows)
         per_microbatch = rows // self.config.num_microbatches
         prepare = self._lower(self._prepare, abstract_arrays(SORTED_ROW_SPEC, {1: (rows,)}, self.batch_sharding))
-        yield LoweredProgram("train/prepare_rows", f"B={rows}", prepare)
+        yield AotProgram("train/prepare_rows", f"B={rows}", lambda: prepare)
         zeros = self._lower(self._zeros, state.params)
-        yield LoweredProgram("train/zero_accumulator", "params", zeros)
+        yield AotProgram("train/zero_accumulator", "params", lambda: zeros)
         (terms, row_stats), accumulator = prepare.out_info, zeros.out_info
         index = jax.ShapeDtypeStruct((), np.int32)
         for length in lengths:
             microbatch = abstract_arrays(MICROBATCH_SPEC, {2: (per_microbatch, length)}, self.batch_sharding)
-            lowered = self._lower(self._accumulate, accumulator, state.params, terms, index, microbatch)
-            yield LoweredProgram("train/accumulate", f"R={per_microbatch} T={length}", lowered)
-        yield LoweredProgram("train/update", "params", self._lower(self._update, state, accumulator, row_stats))
+            lower = functools.partial(
+                self._lower, self._accumulate, accumulator, state.params, terms, index, microbatch
+            )
+            yield AotProgram("train/accumulate", f"R={per_microbatch} T={length}", lower)
+        yield AotProgram(
+            "train/update", "params", functools.partial(self._lower, self._update, state, accumulator, row_stats)
+        )
 
     def _lower(self, jitted, *args) -> jax.stages.Lowered:
         with use_mesh_rules(self.mesh, self.rules):
