@@ -200,18 +200,24 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
     model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
-    optimizer_config = OptimizerConfig.from_config(config)
-    optimizer = make_optimizer(optimizer_config)
+    optimizer = make_optimizer(OptimizerConfig.from_config(config))
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_fn = make_train_step(
+    return Trainer(graphdef, model.config, state, build_train_step(config, graphdef, optimizer, mesh, state_shardings))
+
+
+def build_train_step(
+    config: ml_collections.ConfigDict, graphdef: Any, optimizer: Any, mesh: jax.sharding.Mesh, state_shardings: Any
+):
+    """The run's jitted train step on `mesh` for a state on `state_shardings` (`make_train_step`
+    with the config's step settings and the optimizer's learning-rate schedule for 'train/lr')."""
+    return make_train_step(
         graphdef,
         optimizer,
         TrainStepConfig.from_config(config),
         mesh=mesh,
         state_shardings=state_shardings,
-        learning_rate_schedule=learning_rate_schedule(optimizer_config),
+        learning_rate_schedule=learning_rate_schedule(OptimizerConfig.from_config(config)),
     )
-    return Trainer(graphdef, model.config, state, step_fn)
 
 
 def build_engine(

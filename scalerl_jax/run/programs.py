@@ -43,38 +43,28 @@ from scalerl_jax.models.sharding import AotProgram
 from scalerl_jax.pipeline.batching import octave_buckets
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 from scalerl_jax.policy_source import run_model_overrides
-from scalerl_jax.run.build import build_meshes, generator_mesh
+from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh
 from scalerl_jax.sampler import Engine, EngineConfig
-from scalerl_jax.sampler.engine import InterruptionConfig, interrupts, max_sequence_length
-from scalerl_jax.train import OptimizerConfig, TrainStepConfig, create_train_state, make_optimizer, make_train_step
-from scalerl_jax.train.optimizer import learning_rate_schedule
+from scalerl_jax.sampler.engine import InterruptionConfig, interrupts
+from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
 from scalerl_jax.train.step import train_state_shardings
 
 # Config keys that size each kind of program: what to change when one does not fit.
+_TRAIN_BATCH_KEYS = (
+    "batch.prompts_per_step",
+    "batch.generations_per_prompt",
+    "batch.microbatches",
+    "data.max_prompt_tokens",
+    "sampler.max_new_tokens",
+    "model.remat_policy",
+    "model.attention_impl",
+    "model.logprob_chunk",
+    "mesh.trainer_shape",
+    "mesh.generator_fraction",
+)
 SIZED_BY = {
-    "train/accumulate": (
-        "batch.prompts_per_step",
-        "batch.generations_per_prompt",
-        "batch.microbatches",
-        "data.max_prompt_tokens",
-        "sampler.max_new_tokens",
-        "model.remat_policy",
-        "model.attention_impl",
-        "model.logprob_chunk",
-        "mesh.trainer_shape",
-        "mesh.generator_fraction",
-    ),
-    "train/step": (
-        "batch.prompts_per_step",
-        "batch.generations_per_prompt",
-        "batch.microbatches",
-        "data.max_prompt_tokens",
-        "sampler.max_new_tokens",
-        "model.remat_policy",
-        "model.attention_impl",
-        "mesh.trainer_shape",
-        "mesh.generator_fraction",
-    ),
+    "train/accumulate": _TRAIN_BATCH_KEYS,
+    "train/step": _TRAIN_BATCH_KEYS,
     "train/": ("mesh.trainer_shape", "mesh.generator_fraction", "model.dtype"),
     "generator/prefill_insert": (
         "sampler.num_slots",
@@ -164,18 +154,7 @@ def engine_config_of(
         if interrupts(config)
         else None
     )
-    return EngineConfig(
-        num_slots=s.num_slots,
-        max_len=max_sequence_length(config),
-        chunk_size=s.chunk_steps,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_stop_tokens=stop_tokens,
-        interruption=interruption,
-        page_size=s.page_size,
-        num_pages=s.num_pages,
-        decode_kernel=s.decode_kernel,
-    )
+    return EngineConfig.from_sampler_config(config, max_stop_tokens=stop_tokens, interruption=interruption)
 
 
 def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -208,21 +187,13 @@ def run_programs(
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
     trainer_params = with_shardings(abstract, param_shardings(abstract, trainer_mesh))
 
-    optimizer_config = OptimizerConfig.from_config(config)
-    optimizer = make_optimizer(optimizer_config)
+    optimizer = make_optimizer(OptimizerConfig.from_config(config))
     abstract_state = jax.eval_shape(lambda p: create_train_state(p, optimizer), trainer_params)
     state_shardings = train_state_shardings(
         abstract_state, optimizer, param_shardings(abstract, trainer_mesh), trainer_mesh
     )
     state = with_shardings(abstract_state, state_shardings)
-    step = make_train_step(
-        graphdef,
-        optimizer,
-        TrainStepConfig.from_config(config),
-        mesh=trainer_mesh,
-        state_shardings=state_shardings,
-        learning_rate_schedule=learning_rate_schedule(optimizer_config),
-    )
+    step = build_train_step(config, graphdef, optimizer, trainer_mesh, state_shardings)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
     state_bytes = per_device_bytes(state)
     params_bytes = per_device_bytes(trainer_params)

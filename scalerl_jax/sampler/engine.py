@@ -240,13 +240,22 @@ class EngineConfig:
             if interrupts(config)
             else None
         )
+        return cls.from_sampler_config(config, max_stop_tokens=len(tokens.stop_ids), interruption=interruption)
+
+    @classmethod
+    def from_sampler_config(
+        cls, config: ml_collections.ConfigDict, *, max_stop_tokens: int, interruption: InterruptionConfig | None
+    ) -> EngineConfig:
+        """The engine of a run config's `sampler` section, given what a tokenizer decides: room for
+        `max_stop_tokens` stop ids and the encoded `interruption` (None: off)."""
+        s = config.sampler
         return cls(
             num_slots=s.num_slots,
             max_len=max_sequence_length(config),
             chunk_size=s.chunk_steps,
             top_k=s.top_k,
             top_p=s.top_p,
-            max_stop_tokens=len(tokens.stop_ids),
+            max_stop_tokens=max_stop_tokens,
             interruption=interruption,
             page_size=s.page_size,
             num_pages=s.num_pages,
