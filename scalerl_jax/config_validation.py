@@ -64,6 +64,7 @@ BOOLS = (
     "batch.sort_by_length",
     "mesh.require_accelerator",
     "sampler.compile_ahead",
+    "eval.concurrent",
 )
 STRINGS = (
     "model.preset",
@@ -452,6 +453,7 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
 RESUMABLE_CHANGES = (
     "num_steps",
     "eval.every",
+    "eval.concurrent",
     "checkpoint.every",
     "checkpoint.keep",
     "log_every",

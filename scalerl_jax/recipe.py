@@ -137,6 +137,11 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.eval.samples_per_prompt = 16
     c.eval.fit_a_range = (0.45, 0.8)  # the sigmoid fit's grid over the asymptote A (the paper's)
     c.eval.samples_logged = 4  # prompts per evaluation written with their completions to samples.jsonl
+    # True: evaluate while training goes on; each generator gets a second batcher (its own KV pool, as
+    # large as the sampler's) that decodes the evaluated version's retained params (2 extra copies of
+    # the params on the generator devices at most), and an evaluation's row is written when it is done.
+    # False: the trainer waits for each evaluation.
+    c.eval.concurrent = False
     # Extra evaluation sets, logged as eval_<name>/...: {'aime24': '/data/aime24.jsonl', ...}
     # (jsonl or parquet with data.problem_field / data.answer_field).
     c.eval.extra = ml_collections.ConfigDict()

@@ -1,7 +1,10 @@
 """Optional Weights & Biases logging of the run's metrics (`--config.logging.wandb_project=NAME`).
 
-JSONL and TensorBoard stay the record of a run; this is a third sink for those who use W&B. It
-runs offline by default (`logging.wandb_mode='offline'`: files under `WORKDIR/wandb`, synced
+JSONL and TensorBoard stay the record of a run; this is a third sink for those who use W&B.
+W&B drops a row logged at a step older than one it has seen, and an evaluation that ran beside
+training (`eval.concurrent`) writes its row after later steps' rows: such a row is logged at the
+newest step seen, with its own step as `step_evaluated`, the x-axis W&B is told to use for the
+evaluation metrics (`eval*`: `eval/...`, `eval_<set>/...`). It runs offline by default (`logging.wandb_mode='offline'`: files under `WORKDIR/wandb`, synced
 later with `wandb sync`), so nothing needs the network. The package is an optional extra
 (`pip install -e '.[wandb]'`); asking for W&B without it is a clear error at start-up.
 """
@@ -16,6 +19,7 @@ from typing import Any, Literal
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 WANDB_MODES = ("offline", "online", "disabled")  # `wandb.init(mode=...)` values a run may pass
+EVAL_STEP_KEY = "step_evaluated"  # the step an evaluation row belongs to (module docstring)
 
 
 class WandbSink:
@@ -40,15 +44,22 @@ class WandbSink:
             name=run_id,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        self._run.define_metric(EVAL_STEP_KEY)
+        self._run.define_metric("eval*", step_metric=EVAL_STEP_KEY)  # W&B takes suffix globs only
+        self._newest_step = -1
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Logs the numeric values of one step's metrics row at `step`."""
+        """Logs the numeric values of one step's metrics row at `step` (an evaluation row older than
+        the newest step at that step, with `step_evaluated`: module docstring)."""
         numbers = {
             key: value
             for key, value in metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
-        self._run.log(numbers, step=int(step))
+        if any(key.startswith("eval/") or (key.startswith("eval_") and "/" in key) for key in numbers):
+            numbers[EVAL_STEP_KEY] = int(step)
+        self._newest_step = max(self._newest_step, int(step))
+        self._run.log(numbers, step=self._newest_step)
 
     def close(self) -> None:
         """Finishes the run and shuts W&B's service process down, which returns only once the run

@@ -344,3 +344,105 @@ def test_link_service_serves_evaluation_requests_with_the_leader_prompts():
     service._answer(link, {"op": "finish_evaluations", "completions": [sent]})
     thread.join(5)
     assert out["value"][0].prompt_tokens == [5, 6] and out["value"][0].request_id == ("eval", 0, 0)
+
+
+def test_concurrent_evaluation_samples_a_retained_version_while_the_trainer_moves_on(setup):
+    # Each evaluation of version v starts only once the trainer has pushed v + 1, so the
+    # generator's batcher no longer decodes with v: the evaluation batcher must get the params of v
+    # that it retained, and its samples must equal a direct run on the trainer's params of v.
+    batcher = ContinuousBatcher(setup.engine, jax.device_put(setup.copy_params(), jax.devices()[0]), seed=0)
+    evaluate_at = {2, 3}
+    batcher.retain_versions(lambda version: version in evaluate_at, limit=2)
+    eval_engine = Engine(setup.graphdef, setup.config, setup.engine.config)
+    eval_batcher = ContinuousBatcher(eval_engine, batcher.params, seed=0)
+    eval_chunks_at = []  # (version evaluated, the generator batcher's version) per evaluation chunk
+    run_eval_chunk = eval_batcher.run_chunk
+
+    def recording_chunk():
+        eval_chunks_at.append((eval_batcher.version, batcher.version))
+        return run_eval_chunk()
+
+    eval_batcher.run_chunk = recording_chunk
+    _, state = setup.fresh()
+    params_at, evaluations, threads = {}, {}, []
+    trainer_at = {"version": 0}
+    moved_on = threading.Condition()
+
+    def evaluate_later(version, sample_eval):
+        with moved_on:
+            moved_on.wait_for(lambda: trainer_at["version"] > version, timeout=60)
+        evaluations[version] = sample_eval(version, EVAL_PROMPTS)
+
+    def on_step(record, sample_eval):
+        version = record.version + 1
+        with moved_on:
+            trainer_at["version"] = version
+            moved_on.notify_all()
+        if version in evaluate_at:
+            params_at[version] = jax.device_put(jax.tree.map(lambda x: x.copy(), record.train_state.params))
+            sample_eval.pin(version)
+            thread = threading.Thread(target=evaluate_later, args=(version, sample_eval))
+            thread.start()
+            threads.append(thread)
+
+    def on_end():
+        for thread in threads:
+            thread.join(timeout=120)
+
+    pipeline = Pipeline(
+        PipelineConfig(
+            schedule="pipeline",
+            k=2,
+            prompts_per_step=GROUPS,
+            samples_per_prompt=SAMPLES,
+            num_steps=5,
+            max_new_tokens=MAX_NEW,
+            max_seq_len=24,
+            min_length_bucket=24,
+            temperature=1.0,
+            stop_tokens=STOP,
+            poll_s=0.01,
+        ),
+        batcher=batcher,
+        prompt_source=prompt_source(),
+        reward_fn=parity_reward,
+        train_step=setup.step,
+        train_state=state,
+        on_step=on_step,
+        on_end=on_end,
+        eval_batcher=eval_batcher,
+        concurrent_evaluation=True,
+    )
+    result = pipeline.run()
+    assert result.version == 5 and sorted(evaluations) == [2, 3]
+    for version, completions in evaluations.items():
+        assert_same_samples(completions, reference_samples(setup, params_at[version], version), version)
+    assert [c.tokens for c in evaluations[2]] != [c.tokens for c in evaluations[3]]
+    # Evaluation chunks ran on the evaluated version while the generator's batcher decoded a newer one.
+    assert any(evaluated == 2 and current > 2 for evaluated, current in eval_chunks_at)
+
+
+def test_a_batcher_retains_the_newest_versions_it_is_asked_to_keep(setup):
+    params = [jax.tree.map(lambda x, i=i: x + i, setup.copy_params()) for i in range(5)]
+    batcher = ContinuousBatcher(setup.engine, params[0], seed=0)
+    batcher.retain_versions(lambda version: version % 2 == 0, limit=2)
+    for version in range(1, 5):
+        batcher.update_params(params[version], version, copy=False)
+        batcher.run_chunk()  # adopts it
+    # Kept: 2 and 4 (0 dropped beyond the limit of 2); 4 is also the current version; 1 and 3 never kept.
+    assert batcher.params_at(0) is None and batcher.params_at(1) is None and batcher.params_at(3) is None
+    assert batcher.params_at(2) is params[2] and batcher.params_at(4) is params[4]
+    with pytest.raises(ValueError, match="at least one"):
+        batcher.retain_versions(lambda version: True, limit=0)
+
+
+def test_a_push_not_waited_for_still_copies_the_params_a_train_step_then_donates(setup):
+    batcher = ContinuousBatcher(setup.engine, jax.device_put(setup.copy_params(), jax.devices()[0]), seed=0)
+    _, state = setup.fresh()
+    before = jax.tree.map(np.asarray, state.params)
+    batcher.update_params(state.params, 1, wait=False)  # dispatched, not waited for
+    donate = jax.jit(lambda params: jax.tree.map(lambda x: x * 0 - 7, params), donate_argnums=0)
+    donate(state.params)  # overwrites the pushed buffers in place once the copy has read them
+    batcher.run_chunk()  # adopts version 1
+    for got, expected in zip(jax.tree.leaves(batcher.params_at(1)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), expected)

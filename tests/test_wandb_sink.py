@@ -20,3 +20,15 @@ def test_offline_run_records_the_numeric_metrics(tmp_path):
     data = open(run_file, "rb").read()
     assert b"eval/pass_rate" in data and b"train/loss" in data
     assert b"compute/unit" not in data  # strings stay in metrics.jsonl only
+
+
+def test_an_evaluation_row_written_after_later_steps_keeps_its_step(tmp_path):
+    sink = WandbSink(project="scalerl-test", mode="offline", workdir=str(tmp_path), config={})
+    sink.write(4, {"train/loss": -0.5})
+    sink.write(5, {"train/loss": -0.4})
+    sink.write(4, {"eval/pass_rate": 0.625, "eval_aime/pass_rate": 0.125})  # evaluated beside training
+    sink.close()
+    (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data = open(run_file, "rb").read()
+    # W&B drops a row logged at an older step: it went in at step 5, its own step 4 as step_evaluated.
+    assert b"eval/pass_rate" in data and b"eval_aime/pass_rate" in data and b"step_evaluated" in data

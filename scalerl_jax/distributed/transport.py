@@ -71,7 +71,8 @@ class LeaderTransport:
             run()
 
     def push(self, state: Any, version: int) -> float:
-        """Sends params `version` to every generator; returns when all have them (seconds taken)."""
+        """Sends params `version` to every generator (seconds taken): the local batcher's copy is
+        dispatched, not waited for (the generator's next chunk waits for it, the trainer does not)."""
         start = time.perf_counter()
         if self._routes.transfer_generators:
             self._offer_all(version, state.params)
@@ -79,7 +80,7 @@ class LeaderTransport:
             if self._local_pull is not None:
                 self._local_batcher.update_params(self._local_pull(version), version, copy=False)
             else:
-                self._local_batcher.update_params(state.params, version)
+                self._local_batcher.update_params(state.params, version, wait=False)
         if self._remote is not None:
             self._remote.announce(version)
         return time.perf_counter() - start

@@ -25,7 +25,14 @@ from scalerl_jax.pipeline.lag import (
     default_capacity,
     make_schedule,
 )
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, PipelineResult, SampleEval, StepRecord
+from scalerl_jax.pipeline.pipeline_rl import (
+    EvalSampler,
+    Pipeline,
+    PipelineConfig,
+    PipelineResult,
+    SampleEval,
+    StepRecord,
+)
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.pipeline.sim import ClusterSpec, SimResult, simulate
 
@@ -37,6 +44,7 @@ __all__ = [
     "GeneratorLoop",
     "GeneratorStats",
     "Group",
+    "EvalSampler",
     "GroupBuffer",
     "PPOOffPolicySchedule",
     "LocalLink",

@@ -10,11 +10,17 @@ completions back to `link.finish_evaluations` and every prompt whose n completio
 `link.finish`. With nothing to run and admission refused it waits on the link (back-pressure),
 first adopting any params pushed meanwhile.
 
-Evaluation shares the generator's batcher (its engine, KV cache and params): the trainer pushes
-params version v, then asks for an evaluation of v (`LocalLink.evaluate`) and waits for it, so no
-newer version can reach a generator before the evaluation is back. A generator takes an
-evaluation request only once its batcher decodes with version >= v, hence exactly v, which
-`finish_evaluations` checks token by token. Request i of an evaluation of version v samples with
+Evaluation, two ways. Shared (no evaluation batcher): evaluation requests go to the generator's
+batcher (its engine, KV cache and params): the trainer pushes params version v, then asks for an
+evaluation of v (`LocalLink.evaluate`) and waits for it, so no newer version can reach a
+generator before the evaluation is back; a generator takes an evaluation request only once its
+batcher decodes with version >= v, hence exactly v. Concurrent (`eval_batcher` given): the
+generator's batcher retains the params of every version the run evaluates
+(`ContinuousBatcher.retain_versions`), evaluation requests go to a second batcher on the same
+devices, which decodes one evaluated version at a time with those retained params while the
+first goes on with the newest; the trainer keeps stepping and pushing meanwhile. The loop runs one
+chunk of each batcher that has work per turn. Either way `finish_evaluations` checks every
+token's version against the evaluated one. Request i of an evaluation of version v samples with
 stream `evaluation_seed(run seed, v, i)` and the batcher's run seed, whichever generator serves
 it and whatever else its batch holds.
 
@@ -40,13 +46,18 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard, cast
 
 import numpy as np
 
 from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
 from scalerl_jax.sampler.batcher import Batcher, Completion, Request
+
+# How many evaluated versions a generator's batcher retains for its evaluation batcher beyond the
+# one that batcher holds: the next to evaluate. Each is a copy of the params on the generator's
+# devices; one means an evaluation must be done before the version after next is pushed.
+RETAINED_EVAL_VERSIONS = 1
 
 EVAL_TAG = "eval"  # first element of an evaluation request's id: (EVAL_TAG, job, index)
 
@@ -407,9 +418,16 @@ class SamplingSettings:
     poll_s: float
 
 
+class RetainingBatcher(Batcher, Protocol):
+    """A batcher that can hand out the params of a version it retained (`ContinuousBatcher`)."""
+
+    def params_at(self, version: int) -> Any | None: ...
+
+
 class GeneratorLoop:
     """Keeps `batcher`'s slots busy with evaluation requests and prompts admitted through `link`
-    (module docstring).
+    (module docstring); with `eval_batcher`, evaluation requests run there instead, on the params
+    of their own version that `batcher` retained.
 
     `run(stop)` returns when `stop` is set; it raises whatever the link raises (e.g.
     `PipelineStopped` when the buffer closes, or a lost peer). `counters` receives the chunks run
@@ -423,9 +441,17 @@ class GeneratorLoop:
         settings: SamplingSettings,
         counters: GeneratorCounters,
         clock: Callable[[], float] = time.monotonic,
+        eval_batcher: Batcher | None = None,
     ):
+        if eval_batcher is not None and not hasattr(batcher, "params_at"):
+            raise TypeError(
+                f"GeneratorLoop: an evaluation batcher needs a batcher that retains params, not {batcher!r}"
+            )
         self.batcher, self.link, self.settings = batcher, link, settings
+        self.eval_batcher = eval_batcher
         self._counters, self._clock = counters, clock
+        self._eval_backlog: collections.deque[EvalItem] = collections.deque()
+        self._eval_version: int | None = None  # the version the evaluation batcher was given
 
     def _request(self, request_id: Hashable, prompt: Sequence[int], seed: int) -> Request:
         s = self.settings
@@ -450,41 +476,75 @@ class GeneratorLoop:
             for sample in range(s.samples_per_prompt)
         ]
 
-    def _room(self) -> int:
-        """Requests the batcher may still queue: its free slots plus the slack, less those pending."""
-        return self.batcher.num_free_slots + self.settings.admission_slack - self.batcher.num_pending
+    def _room(self, batcher: Batcher) -> int:
+        """Requests `batcher` may still queue: its free slots plus the slack, less those pending."""
+        return batcher.num_free_slots + self.settings.admission_slack - batcher.num_pending
+
+    def _feed_evaluations(self, version: int) -> None:
+        """Concurrent evaluation: takes the waiting evaluation requests (of any version this
+        generator has seen) into the backlog, and moves those of one version at a time into the
+        evaluation batcher, first giving it that version's retained params."""
+        eval_batcher = self.eval_batcher
+        assert eval_batcher is not None
+        room = self._room(eval_batcher) - len(self._eval_backlog)
+        if room > 0:
+            self._eval_backlog.extend(self.link.take_evaluations(version, room))
+        if not self._eval_backlog:
+            return
+        wanted = self._eval_backlog[0].version
+        if wanted != self._eval_version:
+            if not eval_batcher.idle:
+                return  # the previous version's requests finish first
+            params = cast(RetainingBatcher, self.batcher).params_at(wanted)
+            if params is None:
+                raise RuntimeError(
+                    f"evaluation of params version {wanted}: this generator no longer holds that version "
+                    f"(it retains the newest {RETAINED_EVAL_VERSIONS} evaluated ones; the evaluations fell behind)"
+                )
+            eval_batcher.update_params(params, wanted, copy=False)
+            self._eval_version = wanted
+        while self._eval_backlog and self._eval_backlog[0].version == wanted and self._room(eval_batcher) > 0:
+            item = self._eval_backlog.popleft()
+            eval_batcher.add_request(self._request(item.request_id, item.prompt, item.seed))
+
+    def _run_chunk(self, batcher: Batcher) -> list[Completion]:
+        start = self._clock()
+        completions = batcher.run_chunk()
+        self._counters.add(chunks=1, busy_s=self._clock() - start)
+        evaluated = [c for c in completions if is_evaluation(c.request_id)]
+        if evaluated:
+            self.link.finish_evaluations(evaluated)
+        return [c for c in completions if not is_evaluation(c.request_id)]
 
     def run(self, stop: threading.Event) -> None:
         batcher, s = self.batcher, self.settings
+        eval_batcher = self.eval_batcher
         assembling: dict[int, tuple[Admission, dict[int, Any]]] = {}
         while not stop.is_set():
             version = batcher.version
-            if self._room() > 0:
-                for item in self.link.take_evaluations(version, self._room()):
+            if eval_batcher is not None:
+                self._feed_evaluations(version)
+            elif self._room(batcher) > 0:
+                for item in self.link.take_evaluations(version, self._room(batcher)):
                     batcher.add_request(self._request(item.request_id, item.prompt, item.seed))
-            while self._room() > 0:
+            while self._room(batcher) > 0:
                 admission = self.link.admit(version)
                 if admission is None:
                     break
                 assembling[admission.group_id] = (admission, {})
                 for request in self._requests(admission):
                     batcher.add_request(request)
-            if batcher.idle:
+            evaluating = eval_batcher is not None and not eval_batcher.idle
+            if batcher.idle and not evaluating:
                 epoch = self.link.epoch()
                 batcher.run_chunk()  # nothing to decode: only adopts params pushed meanwhile
                 if batcher.version == version:
                     self.link.wait_admissible(version, epoch=epoch, timeout=s.poll_s)
                 continue
-            start = self._clock()
-            completions = batcher.run_chunk()
-            self._counters.add(chunks=1, busy_s=self._clock() - start)
-            evaluated = [c for c in completions if is_evaluation(c.request_id)]
-            if evaluated:
-                self.link.finish_evaluations(evaluated)
+            completions = self._run_chunk(eval_batcher) if evaluating and eval_batcher is not None else []
+            completions += self._run_chunk(batcher) if not batcher.idle else []
             for completion in completions:
                 request_id = completion.request_id
-                if is_evaluation(request_id):
-                    continue
                 assert isinstance(request_id, tuple), request_id  # (group_id, sample): see `_requests`
                 group_id, sample = request_id
                 admission, done = assembling[group_id]

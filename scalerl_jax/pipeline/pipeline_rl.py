@@ -18,15 +18,21 @@ device-to-device copy onto the sampler's shardings, `models.reshard.push_local`,
 sampler's next chunk boundary while in-flight sequences keep their KV cache; `pipeline/push_s`).
 
 Evaluation. `on_start(sample_eval)` (before the first batch) and `on_step(record, sample_eval)`
-run in the trainer thread and receive the evaluation sampler, `sample_eval(version, prompts) ->
-completions`: it samples on the generators' own batchers through the link (`generator.py`,
-request i with stream `evaluation_seed(seed, version, i)`); it pushes `version` first if the
-schedule did not, and no newer version can be pushed until it returns (the trainer is the only
-pusher and is inside it). The callbacks are given it rather than reaching for the pipeline, so
-the reporting built before the pipeline needs nothing of it. Under
-PPO-off-policy-k admission is held while `on_start` / `on_step` run, so a checkpoint taken there
-at a phase boundary sees no prompt drawn for the next phase yet, and that step's evaluation runs
-alone on the engine (its samples do not depend on a phase's generation beside it).
+run in the trainer thread and receive the evaluation sampler (`EvalSampler`):
+`sample_eval(version, prompts) -> completions` samples on the generators through the link
+(`generator.py`, request i with stream `evaluation_seed(seed, version, i)`). Shared evaluation
+(the default): it runs in the trainer thread on the trainer's newest version, pushing it first if
+the schedule did not, and no newer version can be pushed until it returns (the trainer is the only
+pusher and is inside it). Concurrent evaluation (`concurrent_evaluation`, with an evaluation
+batcher on every generator): `sample_eval.pin(version)` in the trainer thread pushes the newest
+version if needed and marks it evaluable; `sample_eval(version, prompts)` may then be called
+from any thread while the trainer keeps stepping and pushing (the generators evaluate that
+version on the params they retained, `generator.py`). `on_end()` runs in the trainer thread after
+its last step, while the generators still run (e.g. to wait for evaluations in flight). The
+callbacks are given the sampler rather than reaching for the pipeline, so the reporting built
+before the pipeline needs nothing of it. Under PPO-off-policy-k admission is held while
+`on_start` / `on_step` run, so a checkpoint taken there at a phase boundary sees no prompt drawn
+for the next phase yet.
 
 The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by back-pressure)
 and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
@@ -276,7 +282,9 @@ class Pipeline:
     `update_params` of `state.params`) and returns when they have them. `on_step(record,
     sample_eval)` is called in the trainer thread after each step; `on_start(sample_eval)` once
     before the first batch, with the generators running (e.g. the first evaluation); both may
-    evaluate with `sample_eval` (`SampleEval`) while they run. `remote_generators`: (name,
+    evaluate with `sample_eval` (`EvalSampler`). `on_end()` once after the last step.
+    `concurrent_evaluation`: evaluations may run while the trainer steps (module docstring); the
+    local generator then evaluates on `eval_batcher`. `remote_generators`: (name,
     serve(link, stop_event)), each run in its own thread beside the others and guarded the same
     way (an error in one stops all), serving a generator of another process with this pipeline's
     `LocalLink`. `clock` measures
@@ -293,8 +301,11 @@ class Pipeline:
         train_step: Callable[[Any, dict], tuple[Any, dict]],
         train_state: Any,
         push_params: Callable[[Any, int], Any] | None = None,
-        on_step: Callable[[StepRecord, SampleEval], None] | None = None,
-        on_start: Callable[[SampleEval], None] | None = None,
+        on_step: Callable[[StepRecord, EvalSampler], None] | None = None,
+        on_start: Callable[[EvalSampler], None] | None = None,
+        on_end: Callable[[], None] | None = None,
+        eval_batcher: Batcher | None = None,
+        concurrent_evaluation: bool = False,
         remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
         clock: Callable[[], float] = time.monotonic,
         handle_signals: bool = True,
@@ -318,7 +329,11 @@ class Pipeline:
         self.batcher = batcher
         self.train_step = train_step
         self.push_params = push_params
-        self._on_step, self._on_start = on_step, on_start
+        if concurrent_evaluation and batcher is not None and eval_batcher is None:
+            raise ValueError("concurrent_evaluation needs an eval_batcher beside the local batcher")
+        self._on_step, self._on_start, self._on_end = on_step, on_start, on_end
+        self.eval_batcher = eval_batcher
+        self.sample_eval = EvalSampler(self, concurrent=concurrent_evaluation)
         self.clock = clock
         self.length_buckets = octave_buckets(
             min(config.min_length_bucket, config.max_seq_len), config.max_seq_len, config.length_buckets_per_octave
@@ -445,7 +460,9 @@ class Pipeline:
 
     # ------------------------------------------------------------------ generator
     def _generator_loop(self, batcher: Batcher) -> None:
-        GeneratorLoop(batcher, self.link, self.sampling, self._generator_stats, clock=self.clock).run(self._stop)
+        GeneratorLoop(
+            batcher, self.link, self.sampling, self._generator_stats, clock=self.clock, eval_batcher=self.eval_batcher
+        ).run(self._stop)
 
     # ------------------------------------------------------------------ trainer
     @contextlib.contextmanager
@@ -464,18 +481,15 @@ class Pipeline:
         self.buffer.notify()
         return self.clock() - start
 
-    def _sample_eval(self, version: int, prompts: Sequence[Sequence[int]]) -> list[Completion]:
-        """`SampleEval` for `on_start` / `on_step`: each prompt sampled once on the generators'
-        params `version`, the trainer's newest (module docstring). Pushes `version` first if the
-        schedule did not."""
+    def _push_for_evaluation(self, version: int) -> None:
+        """Trainer thread: `version` must be the trainer's newest; pushed now if the schedule did not."""
         if version != self._version:
             raise ValueError(
-                f"sample_eval(version={version}): the trainer holds version {self._version}; "
-                "only the newest version can be evaluated"
+                f"evaluation of version {version}: the trainer holds version {self._version}; "
+                "only the newest version can be evaluated from the trainer"
             )
         if self._pushed_version != version:
             self._push(self._train_state, version)
-        return self.link.evaluate(version, prompts)
 
     def _trainer_loop(self) -> None:
         cfg = self.config
@@ -483,7 +497,7 @@ class Pipeline:
         state = self._train_state
         if self._on_start is not None:
             with self._reporting_step():
-                self._on_start(self._sample_eval)
+                self._on_start(self.sample_eval)
         while self._version - cfg.first_version < cfg.num_steps and not self._stopping():
             wait_before = self.buffer.waits().trainer_waiting_for_data
             version, groups = self.buffer.take_batch(stop=self._stopping)
@@ -503,6 +517,7 @@ class Pipeline:
             state, train_metrics = self.train_step(state, batch)
             train_metrics = {name: float(value) for name, value in jax.device_get(train_metrics).items()}
             step_s = self.clock() - step_start
+            totals.step_s += step_s
             self._train_state = state
             self._version += 1
             with self._reporting_step():
@@ -547,8 +562,43 @@ class Pipeline:
                             groups=tuple(groups),
                             train_state=state,
                         ),
-                        self._sample_eval,
+                        self.sample_eval,
                     )
+        if self._on_end is not None:
+            self._on_end()
+
+
+class EvalSampler:
+    """The evaluation sampler a pipeline hands its callbacks (module docstring):
+    `sample_eval(version, prompts)` -> one completion per prompt, sampled on params `version`.
+
+    Shared (`concurrent` False): called in the trainer thread for its newest version, pushed
+    first if needed; it returns before the trainer goes on. Concurrent: `pin(version)` first, in
+    the trainer thread (the newest version, pushed if needed); then any thread may sample that
+    version while the trainer goes on.
+    """
+
+    def __init__(self, pipeline: Pipeline, *, concurrent: bool):
+        self._pipeline = pipeline
+        self.concurrent = concurrent
+        self._pinned: set[int] = set()
+        self._lock = threading.Lock()
+
+    def pin(self, version: int) -> None:
+        if not self.concurrent:
+            raise ValueError("EvalSampler.pin: this pipeline evaluates in the trainer thread (not concurrent)")
+        self._pipeline._push_for_evaluation(version)
+        with self._lock:
+            self._pinned.add(version)
+
+    def __call__(self, version: int, prompts: Sequence[Sequence[int]]) -> list[Completion]:
+        if self.concurrent:
+            with self._lock:
+                if version not in self._pinned:
+                    raise ValueError(f"sample_eval(version={version}): pin the version in the trainer thread first")
+        else:
+            self._pipeline._push_for_evaluation(version)
+        return self._pipeline.link.evaluate(version, prompts)
 
 
 @dataclasses.dataclass
@@ -559,6 +609,7 @@ class _Totals:
     completions: int = 0
     tokens: int = 0  # prompt + completion tokens trained on
     discarded: int = 0  # buffer's discarded count at the previous step
+    step_s: float = 0.0  # seconds spent in train steps
 
 
 def step_metrics(
@@ -579,7 +630,9 @@ def step_metrics(
 ) -> dict[str, float]:
     """The pipeline's per-step metrics. Lag of a completion = `version` (the params the step ran
     on) - version of its first token; versions spanned = last - first token version + 1; idle
-    fractions and rates are cumulative over the `elapsed` seconds of the run. Over the batch's
+    fractions and rates are cumulative over the `elapsed` seconds of the run; trainer_idle_frac counts
+    the waits for a batch, trainer_step_frac the time in train steps (1 - it is the trainer's time
+    in anything else: waits, pushes, evaluations and checkpoints in the trainer thread, metrics). Over the batch's
     completions (every completion of `groups`, whether or not in the loss): train/reward_std is
     the population std of their rewards, train/completion_len_mean / _max their generated
     tokens (forced phrase tokens included). pipeline/sequence_length: the longest padded length
@@ -604,6 +657,7 @@ def step_metrics(
         "pipeline/versions_spanned_max": float(spans.max()),
         "pipeline/trainer_wait_s": wait_s,
         "pipeline/trainer_idle_frac": waits.trainer_waiting_for_data / elapsed,
+        "pipeline/trainer_step_frac": totals.step_s / elapsed,
         "pipeline/generator_blocked_lag_s": waits.generator_blocked_lag,
         "pipeline/generator_blocked_full_s": waits.generator_blocked_full,
         "pipeline/generator_idle_frac": blocked / elapsed,

@@ -1,10 +1,13 @@
 """Evaluation of the policy at a version: every evaluation set sampled on the generators' own
-batchers, scored, and the first held-out prompts' samples appended to `WORKDIR/samples.jsonl`."""
+batchers, scored, and the first held-out prompts' samples appended to `WORKDIR/samples.jsonl`;
+`EvaluationQueue` runs evaluations one at a time, in order, on a thread of their own."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +15,7 @@ import ml_collections
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.data.rewards import RewardTallies
+from scalerl_jax.pipeline.queue import PipelineStopped
 from scalerl_jax.run.build import EvalSet, PolicySource, TaskData
 from scalerl_jax.sampler import Completion
 
@@ -115,3 +119,81 @@ class Evaluator:
                     "num_tokens": len(completion.tokens),
                 }
                 f.write(json.dumps(row) + "\n")
+
+
+class EvaluationQueue:
+    """Runs submitted evaluations (`submit(version, job)`) one at a time, in submission order, on
+    one worker thread, so the trainer thread goes on meanwhile.
+
+    `wait(before=None)` blocks until every job (or every job of a version < `before`) is done.
+    A job's exception is re-raised in the next `submit` / `wait`; a job ended by the pipeline's
+    stop (`PipelineStopped`) is dropped, counted in `abandoned`. `close()` stops the worker
+    after the job it runs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self._running: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self.abandoned: list[int] = []
+        self._thread = threading.Thread(target=self._work, name="evaluations", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, job: Callable[[], None]) -> None:
+        with self._cond:
+            self._raise_error()
+            self._jobs.append((version, job))
+            self._cond.notify_all()
+
+    def pending(self) -> list[int]:
+        """Versions submitted and not yet done, oldest first."""
+        with self._cond:
+            return self._pending_locked()
+
+    def wait(self, before: int | None = None) -> None:
+        with self._cond:
+            while any(before is None or version < before for version in self._pending_locked()):
+                self._raise_error()
+                self._cond.wait()
+            self._raise_error()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=timeout_s)
+
+    def _pending_locked(self) -> list[int]:
+        running = [] if self._running is None else [self._running]
+        return running + [version for version, _ in self._jobs]
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"evaluation failed: {self._error!r}") from self._error
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    self.abandoned.extend(version for version, _ in self._jobs)
+                    self._jobs.clear()
+                    self._cond.notify_all()
+                    return
+                version, job = self._jobs.popleft()
+                self._running = version
+            try:
+                job()
+            except PipelineStopped:
+                with self._cond:
+                    self.abandoned.append(version)
+            except BaseException as error:  # noqa: BLE001 - re-raised in the trainer thread by submit / wait
+                with self._cond:
+                    self._error = self._error or error
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()

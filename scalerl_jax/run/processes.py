@@ -34,7 +34,7 @@ from scalerl_jax.distributed.wiring import ProcessLinks
 from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.models import param_shardings
 from scalerl_jax.models.reshard import push_local
-from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop
+from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS, GeneratorCounters, GeneratorLoop
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineResult
 from scalerl_jax.pipeline.queue import PipelineStopped
@@ -149,6 +149,7 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals |
         group,
         trainer.state,
         flat_config(config),
+        start_version=start_step,
     )
 
     def prompt_source() -> Prompt:
@@ -169,8 +170,11 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals |
             (f"link-{process}", LinkService(conn, timeout_s=timeout_s).serve)
             for process, conn in (links.of_role("control").items() if links else [])
         ],
-        on_start=reporter.on_start if start_step == 0 else None,
+        on_start=reporter.on_start if start_step == 0 or resumed.evaluation_owed else None,
         on_step=reporter.on_step,
+        on_end=reporter.on_end,
+        eval_batcher=evaluation_batcher(ctx, batcher, start_step) if batcher is not None else None,
+        concurrent_evaluation=config.eval.concurrent,
         handle_signals=signals is None,
     )
     if signals is not None:
@@ -299,6 +303,23 @@ def _follow(ctx: RunContext) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def evaluation_batcher(ctx: RunContext, batcher: ContinuousBatcher, start_version: int) -> ContinuousBatcher | None:
+    """With `eval.concurrent`: a second batcher on the generator's devices, for evaluation requests,
+    and `batcher` made to retain the params of every version the run evaluates (the start, every
+    `eval.every` steps, the last), which the evaluation batcher decodes with (`pipeline/generator.py`).
+    None without."""
+    config = ctx.config
+    if not config.eval.concurrent:
+        return None
+    every, last = config.eval.every, config.num_steps
+    batcher.retain_versions(
+        lambda version: version % every == 0 or version in (start_version, last), RETAINED_EVAL_VERSIONS
+    )
+    assert ctx.meshes.generator is not None  # the batcher's devices
+    engine = build_engine(config, ctx.policy, ctx.source.tokens, ctx.meshes.generator)
+    return build_batcher(config, engine, batcher.params, start_version)
+
+
 def run_generator(ctx: RunContext) -> None:
     """A generator process: its own engine on its local devices, fed by the leader (module doc of
     `distributed/remote_generator.py`); the first announced version starts it."""
@@ -312,6 +333,7 @@ def run_generator(ctx: RunContext) -> None:
         raise RuntimeError(f"generator process {ctx.roles.process} has no weight-transfer route from the trainers")
     params, version = first_version(params_connection, pull=pull, timeout_s=timeout_s)
     batcher = build_batcher(config, engine, params, version)
+    eval_batcher = evaluation_batcher(ctx, batcher, version)
     stop = threading.Event()
     inbox = ParamsInbox(params_connection, pull=pull, batcher=batcher, timeout_s=timeout_s)
     errors = FirstError()
@@ -323,7 +345,9 @@ def run_generator(ctx: RunContext) -> None:
     thread.start()
     counters = GeneratorCounters()
     link = RemoteLink(links.leader["control"], timeout_s=timeout_s, counters=counters)
-    loop = GeneratorLoop(batcher, link, generator_sampling(config, ctx.source.tokens), counters)
+    loop = GeneratorLoop(
+        batcher, link, generator_sampling(config, ctx.source.tokens), counters, eval_batcher=eval_batcher
+    )
     try:
         loop.run(stop)
     except PipelineStopped:

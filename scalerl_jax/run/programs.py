@@ -17,8 +17,9 @@ run's shardings), to lower (trace) only when asked, one at a time:
 
 Each program also carries the bytes per device that stay resident while it runs without being its
 argument (the train state's optimizer moments during a microbatch gradient, the generator's params
-while a push assembles the new ones), so that a program's XLA peak plus those bytes is what its
-device must hold.
+while a push assembles the new ones; with `eval.concurrent`, the other batcher's decode state and
+the evaluated params the generator keeps beside its own), so that a program's XLA peak plus those
+bytes is what its device must hold.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.models.reshard import push_local_programs
 from scalerl_jax.models.sharding import AotProgram
 from scalerl_jax.pipeline.batching import octave_buckets
+from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh
@@ -73,6 +75,7 @@ SIZED_BY = {
         "model.attention_impl",
         "mesh.generator_shape",
         "mesh.generator_fraction",
+        "eval.concurrent",
     ),
     "generator/": (
         "sampler.num_slots",
@@ -81,6 +84,7 @@ SIZED_BY = {
         "sampler.max_new_tokens",
         "mesh.generator_shape",
         "mesh.generator_fraction",
+        "eval.concurrent",
     ),
     "push/": ("mesh.trainer_shape", "mesh.generator_shape", "mesh.generator_fraction"),
 }
@@ -215,10 +219,17 @@ def run_programs(
         generator_params = with_shardings(abstract, param_shardings(abstract, mesh))
         decode_state = engine.abstract_decode_state()
         params_bytes = per_device_bytes(generator_params)
-        generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state))
+        # Concurrent evaluation: the evaluation batcher's decode state and params, and the retained
+        # versions beside them (`run.processes.evaluation_batcher`), whichever batcher decodes.
+        beside = (
+            per_device_bytes(decode_state) + (1 + RETAINED_EVAL_VERSIONS) * params_bytes
+            if config.eval.concurrent
+            else 0
+        )
+        generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state) + beside)
         for aot in engine.aot_programs(generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens):
             # Every decode-path program takes the params and the decode state, but eviction the state only.
-            resident = params_bytes if aot.name == "generator/evict" else 0
+            resident = (params_bytes if aot.name == "generator/evict" else 0) + beside
             yield RunProgram("generator", aot, mesh.size, resident)
 
     # A push runs beside each side's whole state: the old params and decode state stay on the

@@ -3,12 +3,21 @@ step, the evaluations and the checkpoints.
 
 `StepReporter.on_step(record, sample_eval)` runs in the pipeline's trainer thread between steps,
 while the train state is not donated; `on_start(sample_eval)` evaluates step 0 there before the
-first batch of a fresh run.
+first batch of a fresh run (or the step a resumed run's checkpoint left unevaluated).
+
+With a concurrent evaluation sampler, an evaluation due at step v (but the last) is pinned in
+the trainer thread and run on the evaluation thread (`EvaluationQueue`) while training goes on;
+its row, written when it is done, carries step v and the compute of step v. A checkpoint of
+step v first waits for the evaluations of earlier steps; if step v's own is still running it
+records so (`pending_evaluation`), and a run resumed from it evaluates step v first (its row,
+written after the checkpoint's offset, is dropped on resume). The last step's evaluation runs in
+the trainer thread after all others; `on_end` waits for any still running.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -21,9 +30,9 @@ from scalerl_jax import data as data_lib
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.distributed.trainer_group import TrainerGroup
 from scalerl_jax.metrics import MetricsWriter, format_progress
-from scalerl_jax.pipeline.pipeline_rl import StepRecord
+from scalerl_jax.pipeline.pipeline_rl import EvalSampler, StepRecord
 from scalerl_jax.run.build import TaskData, Trainer
-from scalerl_jax.run.evaluation import Evaluator, SampleEval
+from scalerl_jax.run.evaluation import EvaluationQueue, Evaluator
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
@@ -49,10 +58,12 @@ class RunState:
 
 @dataclasses.dataclass(frozen=True)
 class Resumed:
-    """Where a restored run goes on from: the version reached and the metrics file's offset."""
+    """Where a restored run goes on from: the version reached, the metrics file's offset, and
+    whether that version's evaluation is still owed (its checkpoint was taken while it ran)."""
 
     version: int
     metrics_offset: int | None
+    evaluation_owed: bool = False
 
 
 def restore(checkpointer: RunCheckpointer, trainer: Trainer) -> dict | None:
@@ -76,7 +87,9 @@ def resume_run_state(saved: dict | None, run_state: RunState) -> Resumed:
         run_state.rewards.load_state_dict(saved["rewards"])
     else:  # a checkpoint written before the reward counts existed
         logging.warning("the checkpoint has no reward failure counts: data/reward_* count from this resume on")
-    return Resumed(int(saved["version"]), int(saved["metrics_offset"]))
+    return Resumed(
+        int(saved["version"]), int(saved["metrics_offset"]), saved.get("pending_evaluation") == saved["version"]
+    )
 
 
 class StepReporter:
@@ -94,6 +107,7 @@ class StepReporter:
         group: TrainerGroup,
         state: Any,
         fingerprint: dict,
+        start_version: int = 0,
     ):
         self._config, self._task, self._run_state = config, task, run_state
         self._metrics_writer = metrics_writer
@@ -105,43 +119,77 @@ class StepReporter:
         self._step_times: list[float] = []
         self.last_eval: tuple[int, float] | None = None
         self.checkpointed: int | None = None  # the step of the newest checkpoint this run wrote
+        self._start_version = start_version
+        self._write_lock = threading.Lock()  # rows come from the trainer and the evaluation thread
+        self._evaluated: set[int] = set()  # steps whose evaluation row is written
+        self._evaluations = EvaluationQueue()
 
     def write(self, version: int, metrics: Mapping[str, Any]) -> None:
-        for writer in self._writers:
-            writer.write(version, metrics)
+        with self._write_lock:
+            for writer in self._writers:
+                writer.write(version, metrics)
+            if "eval/pass_rate" in metrics:
+                self._evaluated.add(version)
 
     def close(self) -> None:
+        self._evaluations.close()
+        if self._evaluations.abandoned:
+            logging.warning("evaluations of steps %s were abandoned at the stop", self._evaluations.abandoned)
         for writer in self._writers:
             writer.close()
 
-    def evaluate(self, version: int, sample_eval: SampleEval) -> dict[str, float]:
+    def evaluate(self, version: int, sample_eval: EvalSampler) -> dict[str, float]:
         metrics = self._evaluator.evaluate(version, sample_eval)
         self.last_eval = (version, metrics["eval/pass_rate"])
         return metrics
 
+    def _evaluate_row(self, version: int, sample_eval: EvalSampler, compute: Mapping[str, Any]) -> None:
+        """Evaluation thread: evaluates `version` and writes its row with the compute of that step."""
+        metrics = self.evaluate(version, sample_eval)
+        self.write(version, {**metrics, **self._run_state.rewards.metrics(), **compute})
+        logging.info("step %d: held-out pass rate %.3f (evaluated beside training)", version, metrics["eval/pass_rate"])
+
+    def _submit_evaluation(self, version: int, sample_eval: EvalSampler) -> None:
+        """Trainer thread: pins `version` and queues its evaluation (concurrent sampler)."""
+        sample_eval.pin(version)
+        compute = {**self._run_state.meter.metrics(), "compute/unit": "device_hours"}
+        self._evaluations.submit(version, lambda: self._evaluate_row(version, sample_eval, compute))
+
+    def on_end(self) -> None:
+        """Trainer thread, after the last step: waits for the evaluations still running."""
+        self._evaluations.wait()
+
     def checkpoint(self, version: int) -> None:
         rs = self._run_state
-        run_state = {
-            "version": version,
-            "pool": rs.pool.state_dict(),
-            "meter": rs.meter.state_dict(),
-            "metrics_offset": self._metrics_writer.offset(),
-            "nonfinite_steps": rs.nonfinite_steps,
-            "rewards": rs.rewards.state_dict(),
-        }
+        self._evaluations.wait(before=version)
+        with self._write_lock:  # the offset, the reward tallies and this step's evaluation agree
+            owed = version in self._evaluations.pending() and version not in self._evaluated
+            run_state = {
+                "version": version,
+                "pool": rs.pool.state_dict(),
+                "meter": rs.meter.state_dict(),
+                "metrics_offset": self._metrics_writer.offset(),
+                "nonfinite_steps": rs.nonfinite_steps,
+                "rewards": rs.rewards.state_dict(),
+                "pending_evaluation": version if owed else None,
+            }
         self._group.checkpoint(
             version, lambda: self._checkpointer.save(version, self.state, run_state, config=self._fingerprint)
         )
         self.checkpointed = version
 
-    def on_start(self, sample_eval: SampleEval) -> None:
-        """Step 0 of a fresh run: the policy's held-out pass rate before any training."""
-        initial = self.evaluate(0, sample_eval)
+    def on_start(self, sample_eval: EvalSampler) -> None:
+        """The start version's held-out pass rate (step 0 of a fresh run: before any training)."""
+        version = self._start_version
+        if sample_eval.concurrent:
+            self._submit_evaluation(version, sample_eval)
+            return
+        initial = self.evaluate(version, sample_eval)
         rs = self._run_state
-        self.write(0, {**initial, **rs.rewards.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
-        logging.info("step 0: held-out pass rate %.3f", initial["eval/pass_rate"])
+        self.write(version, {**initial, **rs.rewards.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
+        logging.info("step %d: held-out pass rate %.3f", version, initial["eval/pass_rate"])
 
-    def on_step(self, record: StepRecord, sample_eval: SampleEval) -> None:
+    def on_step(self, record: StepRecord, sample_eval: EvalSampler) -> None:
         config, rs = self._config, self._run_state
         version = record.version + 1
         self.state = record.train_state
@@ -175,7 +223,13 @@ class StepReporter:
             logging.warning(
                 "step %d: non-finite loss or gradient, update skipped (%d so far)", version, rs.nonfinite_steps
             )
-        if version % config.eval.every == 0 or version == config.num_steps:
+        due = version % config.eval.every == 0 or version == config.num_steps
+        if due and sample_eval.concurrent and version != config.num_steps:
+            self._submit_evaluation(version, sample_eval)
+        elif due:
+            if sample_eval.concurrent:
+                self._evaluations.wait()  # the earlier rows first
+                sample_eval.pin(version)
             metrics.update(self.evaluate(version, sample_eval))
             metrics.update(rs.rewards.metrics())  # with the evaluation's items
             metrics.update(rs.meter.metrics())

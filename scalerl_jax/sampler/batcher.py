@@ -16,6 +16,11 @@
    return the `Completion`s that finished in it.
 So results come back one chunk after the one that produced them and the host work of step 6
 overlaps device compute. Each generated token records the params version of its chunk.
+
+Retained versions. `retain_versions(keep, limit)` makes the batcher hold on to the params of
+every version `v` with `keep(v)` that it is given (the newest `limit` of them), after newer
+versions replace them, so that a second batcher can evaluate exactly that version while this
+one decodes with newer params (`params_at`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -106,7 +111,7 @@ class Batcher(Protocol):
 
     def run_chunk(self) -> list[Completion]: ...
 
-    def update_params(self, params: Any, version: int, *, copy: bool = True) -> float: ...
+    def update_params(self, params: Any, version: int, *, copy: bool = True, wait: bool = True) -> float: ...
 
 
 @dataclasses.dataclass
@@ -147,7 +152,10 @@ class ContinuousBatcher:
         self._version = version
         self._param_shardings = jax.tree.map(lambda leaf: leaf.sharding, params)
         self._pending_params: tuple[Any, int] | None = None
-        self._params_lock = threading.Lock()
+        self._params_lock = threading.Lock()  # guards the params, the pending push and the retained
+        self._retained: dict[int, Any] = {}
+        self._keep: Callable[[int], bool] = lambda version: False
+        self._retain_limit = 0
         self._state = engine.init_decode_state()
         self._slots: list[_SlotRecord | None] = [None] * engine.config.num_slots
         self._queue: collections.deque[Request] = collections.deque()
@@ -201,24 +209,55 @@ class ContinuousBatcher:
         self._live_ids.add(request.request_id)
         self._queue.append(request)
 
-    def update_params(self, params: Any, version: int, *, copy: bool = True) -> float:
+    def update_params(self, params: Any, version: int, *, copy: bool = True, wait: bool = True) -> float:
         """Copy `params` onto the generator's shardings; adopted at the next chunk boundary.
 
         Copies by default, device to device (`models.reshard.push_local`: never through
-        the host, never aliasing the caller's buffers, which a train step may donate);
+        the host, never aliasing the caller's buffers, which a train step may donate: the
+        runtime lets a donation overwrite a buffer only once the copies reading it are done);
         `copy=False` takes over params that are already this generator's own buffers on its
-        shardings (e.g. just received by weight transfer). Returns and records the push time in
-        seconds (until the copy is complete).
+        shardings (e.g. just received by weight transfer). `wait`: return once the copy is
+        complete; else once it is dispatched (the first chunk on the new params waits for it).
+        Returns and records the seconds taken.
         """
         start = time.perf_counter()
         placed = push_local(params, self._param_shardings) if copy else params
-        jax.block_until_ready(placed)
+        if wait:
+            jax.block_until_ready(placed)
         seconds = time.perf_counter() - start
         with self._params_lock:
             self._pending_params = (placed, version)
+            self._retain(placed, version)
         self.last_push_seconds = seconds
         self.counters["param_pushes"] += 1
         return seconds
+
+    def retain_versions(self, keep: Callable[[int], bool], limit: int) -> None:
+        """From now on keep the params of each version `v` with `keep(v)` (this one's too), the
+        newest `limit` such versions, for `params_at` (module docstring)."""
+        if limit < 1:
+            raise ValueError(f"retain_versions(limit={limit}) must keep at least one version")
+        with self._params_lock:
+            self._keep, self._retain_limit = keep, limit
+            self._retain(self._params, self._version)
+
+    def params_at(self, version: int) -> Any | None:
+        """The params of `version` if this batcher holds them (decoding with them, pushed and not yet
+        adopted, or retained), else None. Thread safe."""
+        with self._params_lock:
+            if self._pending_params is not None and self._pending_params[1] == version:
+                return self._pending_params[0]
+            if self._version == version:
+                return self._params
+            return self._retained.get(version)
+
+    def _retain(self, params: Any, version: int) -> None:
+        """Under the params lock: keeps `params` if `version` is one to keep, dropping the oldest
+        beyond the limit."""
+        if self._retain_limit and self._keep(version):
+            self._retained[version] = params
+            for old in sorted(self._retained)[: -self._retain_limit]:
+                del self._retained[old]
 
     def warm_up(self, max_prompt_length: int) -> None:
         """Compile every engine call the decode loop can make for prompts up to `max_prompt_length`
@@ -290,8 +329,9 @@ class ContinuousBatcher:
     def _adopt_pending_params(self) -> None:
         with self._params_lock:
             pending, self._pending_params = self._pending_params, None
+            if pending is not None:
+                self._params, self._version = pending
         if pending is not None:
-            self._params, self._version = pending
             self.counters["param_swaps"] += 1
 
     def _fill_free_slots(self) -> None:
