@@ -1,12 +1,21 @@
 """mesh.generator_fraction='auto': the split rule against hand-computed cases, and its config checks."""
 
+import json
+
 import pytest
 
 from scalerl_jax import recipe
 from scalerl_jax.config_argv import parse_config_argv
-from scalerl_jax.config_validation import ConfigError, check_devices, split_candidates, validate
+from scalerl_jax.config_validation import ConfigError, check_devices, config_json, split_candidates, validate
 from scalerl_jax.models import split_devices
-from scalerl_jax.run.device_split import Rates, choose_split, predict_split, with_fraction
+from scalerl_jax.run.device_split import (
+    Rates,
+    choose_split,
+    predict_split,
+    resolve_generator_fraction,
+    saved_fraction,
+    with_fraction,
+)
 
 
 def test_predict_split_by_hand():
@@ -100,3 +109,16 @@ def test_check_devices_with_auto():
     assert config.mesh.generator_fraction == "auto"  # the copy leaves the original alone
     with pytest.raises(ValueError, match="resolve it to a number first"):
         split_devices(range(2), "auto")  # pyright: ignore[reportArgumentType]
+
+
+def test_resolve_keeps_numbers_and_a_resumed_runs_split(tmp_path):
+    config = recipe.tiny()
+    assert resolve_generator_fraction(config, str(tmp_path)) is config  # a number: nothing measured
+    # A workdir with checkpoints and a config.json that recorded 0.75 resumes with 0.75.
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps(config_json(with_fraction(config, 0.75))))
+    assert saved_fraction(str(tmp_path)) == 0.75
+    resolved = resolve_generator_fraction(auto(recipe.tiny()), str(tmp_path))
+    assert resolved.mesh.generator_fraction == 0.75
+    (tmp_path / "config.json").write_text("{}")
+    assert saved_fraction(str(tmp_path)) is None

@@ -665,9 +665,10 @@ def pick_split(
             f"trainer idle {r.trainer_idle_frac:.2f}"
             for gg, r in rows
         ),
-        f"picked {g} / {total_devices - g}: highest samples/s "
+        f"picked {g} / {total_devices - g}: highest samples/s"
         + (
-            f"(ties within {tie_tolerance:.1%} broken by the smaller max idle, {max(chosen.generator_idle_frac, chosen.trainer_idle_frac):.2f})"
+            f" (ties within {tie_tolerance:.1%} broken by the smaller max idle, "
+            f"{max(chosen.generator_idle_frac, chosen.trainer_idle_frac):.2f})"
             if len(close) > 1
             else ""
         ),
