@@ -14,6 +14,7 @@ Ratios > 1 mean the two sides share compute: a generator's idle time is then not
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -60,7 +61,7 @@ def main() -> None:
     graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(0)))
     optimizer = make_optimizer(OptimizerConfig.from_config(config))
     state, shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_config = TrainStepConfig.from_config(config)
+    step_config = dataclasses.replace(TrainStepConfig.from_config(config), sort_by_length=False)
     step = make_train_step(graphdef, optimizer, step_config, mesh=mesh, state_shardings=shardings)
     mask = np.zeros((rows, length), np.float32)
     mask[:, prompt:] = 1.0

@@ -122,3 +122,10 @@ def test_resolve_keeps_numbers_and_a_resumed_runs_split(tmp_path):
     assert resolved.mesh.generator_fraction == 0.75
     (tmp_path / "config.json").write_text("{}")
     assert saved_fraction(str(tmp_path)) is None
+
+
+def test_compile_check_refuses_auto():
+    from scalerl_jax.run.programs import run_roles
+
+    with pytest.raises(ConfigError, match="set the number"):
+        run_roles(auto(recipe.tiny()), [])
