@@ -20,7 +20,8 @@ ratios are samples/s over PPO-off-policy with the same k.
 Evaluation (`--eval_every N`, the recipe's: 100 steps, 1,000 prompts x 16 samples, lengths as
 training's): PipelineRL-k without evaluation, then once per `--eval_modes` entry: 'blocking' (the
 trainer waits for every evaluation, today's pipeline) and 'async' (evaluation requests go first
-on the generators while the trainer keeps stepping). `trn idle` counts the evaluation wait;
+on the generators while the trainer keeps stepping); with `--eval_spare_slots` also each mode with
+evaluation requests only in the slots training leaves free. `trn idle` counts the evaluation wait;
 `eval wait` is the part of it spent waiting for an evaluation. Without `--steps`, each run is
 k + 2 warm-up steps plus `--eval_periods` whole evaluation periods.
 
@@ -52,6 +53,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval_prompts", type=int, default=1000)
     parser.add_argument("--eval_samples", type=int, default=16)
     parser.add_argument("--eval_modes", default="blocking,async", help=f"comma-separated, of {EVAL_MODES}")
+    parser.add_argument(
+        "--eval_spare_slots",
+        action="store_true",
+        help="also each mode with evaluation only in the slots training leaves free (no priority)",
+    )
     parser.add_argument("--eval_periods", type=int, default=3, help="evaluation periods per run without --steps")
     parser.add_argument("--pick_split", action="store_true", help="simulate the device splits and pick one")
     parser.add_argument("--rows_per_microbatch", type=int, default=16, help="--pick_split: trainer counts divide it")
@@ -125,6 +131,11 @@ def eval_table(args: argparse.Namespace, spec: ClusterSpec, ks: list[int]) -> No
         steps = args.steps or (k + 2 + args.eval_periods * args.eval_every)
         runs: list[tuple[str, EvalSpec | None]] = [("none", None)]
         runs += [(m, EvalSpec(args.eval_every, args.eval_prompts, args.eval_samples, mode=m)) for m in modes]
+        if args.eval_spare_slots:
+            runs += [
+                (f"{m} spare", EvalSpec(args.eval_every, args.eval_prompts, args.eval_samples, mode=m, priority=False))
+                for m in modes
+            ]
         base = None
         for name, evaluation in runs:
             start = time.perf_counter()

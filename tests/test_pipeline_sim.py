@@ -219,3 +219,15 @@ def test_pick_split_takes_the_faster_split():
     assert "picked 1 / 2" in choice.reasoning
     with pytest.raises(ValueError, match="generator counts"):
         pick_split(TINY, 3, [3], schedule="pipeline", k=1)
+
+
+def test_eval_without_priority_runs_in_the_slots_training_leaves():
+    # PPO-off-policy-1 on TINY, evaluation after training's own group: the group (0.64 s) goes
+    # first, then the evaluation runs during the update (0.64 s < 0.8 s), so async costs nothing:
+    # 1.44 s a step as without evaluation. Blocking still waits: 0.64 + 0.64 + 0.8 after the push.
+    spare = {m: dataclasses.replace(TINY_EVAL[m], priority=False) for m in TINY_EVAL}
+    asynchronous = simulate(TINY, schedule="ppo_off_policy", k=1, num_steps=19, evaluation=spare["async"])
+    assert asynchronous.step_time_s == pytest.approx(1.44)
+    assert asynchronous.evals == 4 and asynchronous.eval_s_mean == pytest.approx(1.28)
+    blocking = simulate(TINY, schedule="ppo_off_policy", k=1, num_steps=19, evaluation=spare["blocking"])
+    assert blocking.step_time_s == pytest.approx(1.6)

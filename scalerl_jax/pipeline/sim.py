@@ -35,7 +35,8 @@ Model.
   evaluation requests (lengths drawn as above, or from their own median / cap) are queued once
   the generators can hold version s (at the push's arrival when step s pushes, else at once).
   Generators take them before any training request at their chunk boundaries (slots are not
-  preempted: in-flight training completions finish). `mode='blocking'` (the leader waits for
+  preempted: in-flight training completions finish; with `priority=False`, only in the slots
+  that training requests leave free, and admission ignores them). `mode='blocking'` (the leader waits for
   the evaluation): the trainer takes no batch until every evaluation completion is done, so
   that wait is trainer idle time. `mode='async'`: the trainer goes on taking batches as the
   schedule allows; generators busy with evaluation produce fewer training samples, so the
@@ -133,6 +134,7 @@ class EvalSpec:
     prompts: int
     samples: int
     mode: str = "blocking"
+    priority: bool = True  # evaluation requests before training ones (False: in slots training leaves free)
     length_median: float | None = None
     max_completion_tokens: int | None = None
 
@@ -393,16 +395,21 @@ class _Simulation:
             gen.version = gen.pending_version
             stall = spec.weight_load_s
         admitted = False
-        while len(self.pending) + len(self.eval_pending) < self.free_slots and self.admission_allowed():
+        eval_first = self.evaluation is None or self.evaluation.priority
+        queued = len(self.pending) + (len(self.eval_pending) if eval_first else 0)
+        while queued < self.free_slots and self.admission_allowed():
             self.admit_group()
+            queued += self.spec.samples_per_prompt
             admitted = True
         # Balanced pull: an even share of the pending requests over generators with free slots,
-        # evaluation requests first (they take priority), then training requests.
+        # evaluation requests first when they have priority, else training requests first.
         with_free = max(self.generators_with_free, 1)
         free = np.flatnonzero(~gen.occupied)
-        eval_slots = free[: min(len(free), -(-len(self.eval_pending) // with_free))]
-        rest = free[len(eval_slots) :]
-        train_slots = rest[: min(len(rest), -(-len(self.pending) // with_free))]
+        first, second = (self.eval_pending, self.pending) if eval_first else (self.pending, self.eval_pending)
+        first_slots = free[: min(len(free), -(-len(first) // with_free))]
+        rest = free[len(first_slots) :]
+        second_slots = rest[: min(len(rest), -(-len(second) // with_free))]
+        eval_slots, train_slots = (first_slots, second_slots) if eval_first else (second_slots, first_slots)
         for slots, queue, is_eval in ((eval_slots, self.eval_pending, True), (train_slots, self.pending, False)):
             for slot in slots:
                 group_id, length = queue.popleft()
