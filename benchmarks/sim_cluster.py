@@ -124,7 +124,7 @@ def eval_table(args: argparse.Namespace, spec: ClusterSpec, ks: list[int]) -> No
         f"= {args.eval_prompts * args.eval_samples} completions"
     )
     print(
-        f"{'run':<28}{'steps':>6}{'step s':>8}{'samples/s':>10}{'vs none':>8}{'trn idle':>9}"
+        f"{'run':<34}{'steps':>6}{'step s':>8}{'samples/s':>10}{'vs none':>8}{'trn idle':>9}"
         f"{'eval wait':>10}{'gen idle':>9}{'evals':>6}{'eval s':>8}{'lag max':>8}"
     )
     for k in ks:
@@ -144,7 +144,7 @@ def eval_table(args: argparse.Namespace, spec: ClusterSpec, ks: list[int]) -> No
             base = base or r.samples_per_s
             label = f"PipelineRL-{k} eval {name}"
             print(
-                f"{label:<28}{r.steps:>6d}{r.step_time_s:>8.1f}{r.samples_per_s:>10.2f}"
+                f"{label:<34}{r.steps:>6d}{r.step_time_s:>8.1f}{r.samples_per_s:>10.2f}"
                 f"{r.samples_per_s / base:>7.2f}x{r.trainer_idle_frac:>9.3f}{r.trainer_eval_wait_frac:>10.3f}"
                 f"{r.generator_idle_frac:>9.3f}{r.evals:>6d}{r.eval_s_mean:>8.0f}{r.lag_max:>8d}"
                 f"   ({seconds:.1f} s to simulate)"
