@@ -9,6 +9,7 @@ bound written as `x <= 0`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -162,7 +163,6 @@ NUMBERS: dict[str, Bound] = {
     "optimizer.eps": POSITIVE,
     "optimizer.weight_decay": NON_NEGATIVE,
     "optimizer.max_grad_norm": NON_NEGATIVE,
-    "mesh.generator_fraction": Bound(0, 1, low_open=True, high_open=True),
     "mesh.cpu_devices": NON_NEGATIVE_INT,
     "distributed.connect_timeout_s": POSITIVE,
     "distributed.heartbeat_s": POSITIVE,
@@ -242,6 +242,22 @@ def _check_number(key: str, value: Any, bound: Bound) -> list[str]:
     return [f"config key `{key}` = {value!r}; expected {bound.describe()}"]
 
 
+# `mesh.generator_fraction`: a number in (0, 1), or this string: the split is picked at start-up
+# from measured generation and training rates (`run.device_split`).
+AUTO_SPLIT = "auto"
+GENERATOR_FRACTION = Bound(0, 1, low_open=True, high_open=True)
+
+
+def check_generator_fraction(value: Any) -> list[str]:
+    """`mesh.generator_fraction` is a number in (0, 1) or 'auto'."""
+    if value == AUTO_SPLIT or GENERATOR_FRACTION.admits(value):
+        return []
+    return [
+        f"config key `mesh.generator_fraction` = {value!r}; expected {GENERATOR_FRACTION.describe()}, "
+        f"or {AUTO_SPLIT!r} to pick the split at start-up from measured generation and training rates"
+    ]
+
+
 def check_values(config: ml_collections.ConfigDict) -> list[str]:
     """Enumerations, booleans, strings, finite numbers in range, ordered budgets, dividing batches."""
     problems: list[str] = []
@@ -258,6 +274,7 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
     for key, bound in {**NUMBERS, **OPTIONAL_NUMBERS}.items():
         if key in flat:
             problems += _check_number(key, _get(config, key), bound)
+    problems += check_generator_fraction(config.mesh.generator_fraction)
     if problems:  # the relations below assume well-typed values
         return problems
     s, b, rl = config.sampler, config.batch, config.rl
@@ -417,12 +434,77 @@ def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     return problems
 
 
-def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int]:
+def _mesh_shape(shape: Any, num_devices: int) -> tuple[int, ...] | None:
+    """`shape` (one entry may be -1: the rest) resolved for `num_devices`, None if they do not fit
+    (the rule of `models.make_mesh`)."""
+    shape = [int(s) for s in shape]
+    known = math.prod(s for s in shape if s != -1)
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape) or num_devices % known:
+        return None
+    if -1 in shape:
+        shape[shape.index(-1)] = num_devices // known
+    return tuple(shape) if math.prod(shape) == num_devices else None
+
+
+def split_problem(
+    config: ml_collections.ConfigDict, num_generators: int, num_trainers: int, generators_per_process: Iterable[int]
+) -> str | None:
+    """Why `num_generators` / `num_trainers` devices cannot run `config` (None: they can): each
+    microbatch's rows divide over the trainers, the trainer mesh shape fits them, and each
+    generator process's local devices fit the generator mesh shape and split the decode slots
+    (and KV pages) into equal groups, one per device of its batch axes (data x fsdp)."""
+    b, m, s = config.batch, config.mesh, config.sampler
+    rows_per_microbatch = b.prompts_per_step * b.generations_per_prompt // b.microbatches
+    if rows_per_microbatch % num_trainers:
+        return f"{rows_per_microbatch} sequences per microbatch do not divide over {num_trainers} trainer devices"
+    if _mesh_shape(m.trainer_shape, num_trainers) is None:
+        return f"`mesh.trainer_shape` {tuple(m.trainer_shape)} does not fit {num_trainers} trainer devices"
+    for local in sorted(set(generators_per_process) - {0}):
+        shape = _mesh_shape(m.generator_shape, local)
+        if shape is None:
+            return f"`mesh.generator_shape` {tuple(m.generator_shape)} does not fit {local} generator devices"
+        groups = shape[0] * shape[1]
+        if s.num_slots % groups or s.num_pages % groups:
+            return f"`sampler.num_slots` / `sampler.num_pages` do not split over {groups} generator devices"
+    return None
+
+
+def split_candidates(
+    config: ml_collections.ConfigDict, num_devices: int, device_processes: Iterable[int] | None = None
+) -> list[int]:
+    """The generator device counts g (1 <= g < n; the rest train) that `config` can run with, for
+    `mesh.generator_fraction` = g / n (`split_devices` takes the last g devices, ordered by
+    process: `device_processes[i]` is device i's process, default all 0). With one device: [1]
+    (both roles share it)."""
+    processes = [0] * num_devices if device_processes is None else list(device_processes)
+    if len(processes) != num_devices:
+        raise ValueError(f"split_candidates: {len(processes)} device processes for {num_devices} devices")
+    if num_devices == 1:
+        return [1]
+    counts = []
+    for g in range(1, num_devices):
+        local = collections.Counter(processes[num_devices - g :])
+        if split_problem(config, g, num_devices - g, local.values()) is None:
+            counts.append(g)
+    return counts
+
+
+def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[int, int] | None:
     """Counts the run's generator and trainer devices (`models.split_devices`) and checks that each
     microbatch's rows divide over the trainers.
 
-    Returns (generator_devices, trainer_devices). With one device, both roles share it.
+    Returns (generator_devices, trainer_devices). With one device, both roles share it. With
+    `mesh.generator_fraction` = 'auto' the split is picked at start-up (`run.device_split`): this
+    checks that some split can run (`split_candidates`) and returns None.
     """
+    if config.mesh.generator_fraction == AUTO_SPLIT:
+        if not split_candidates(config, num_devices):
+            problems = [split_problem(config, g, num_devices - g, [g]) for g in range(1, num_devices)]
+            raise ConfigError(
+                f"config key `mesh.generator_fraction` = 'auto': no split of {num_devices} devices into "
+                f"generators and trainers can run this config ({'; '.join(sorted({p for p in problems if p}))})"
+            )
+        return None
     generator_devices, trainer_devices = split_devices(range(num_devices), config.mesh.generator_fraction)
     generators, trainers = len(generator_devices), len(trainer_devices)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt

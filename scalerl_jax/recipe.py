@@ -119,7 +119,10 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.optimizer.max_grad_norm = 0.0  # 0 disables global-norm clipping
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.generator_fraction = 0.8  # paper: 64 generator GPUs, 16 trainer GPUs
+    # Paper: 64 generator GPUs, 16 trainer GPUs. Or 'auto': picked at start-up from the measured
+    # generation and training rates (run/device_split.py); a FieldReference of type object so that
+    # --config.mesh.generator_fraction takes a number or the string.
+    c.mesh.generator_fraction = ml_collections.FieldReference(0.8, field_type=object)
     c.mesh.trainer_shape = (1, -1, 1)  # (data, fsdp, tensor); -1 means the rest
     c.mesh.generator_shape = (-1, 1, 1)
     c.mesh.require_accelerator = True  # refuse to start on the CPU backend (set False to allow it)
@@ -373,7 +376,7 @@ def tiny() -> ml_collections.ConfigDict:
     c.optimizer.eps = 1e-8
     c.optimizer.max_grad_norm = 1.0
 
-    c.mesh.generator_fraction = 0.5
+    c.mesh.generator_fraction = 0.5  # 2 devices: 'auto' could pick only this split (1 / 1)
     c.mesh.trainer_shape = (1, -1, 1)
     c.mesh.generator_shape = (-1, 1, 1)
     c.mesh.require_accelerator = False

@@ -5,7 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from scalerl_jax.pipeline.sim import ClusterSpec, chunk_cost, full_chunk_costs, simulate
+from scalerl_jax.pipeline.sim import ClusterSpec, EvalSpec, chunk_cost, full_chunk_costs, pick_split, simulate
 
 
 def step_by_step_cost(spec, remaining, context, steps):
@@ -145,3 +145,89 @@ def test_bad_spec_names_the_field():
         ClusterSpec(num_trainers=0)
     with pytest.raises(ValueError, match="warmup_steps"):
         simulate(TINY, schedule="pipeline", k=1, num_steps=3, warmup_steps=3)
+
+
+# Evaluation on TINY: one prompt x 2 samples of 64 tokens = one group's work, 0.64 s on free slots.
+# Windows from step 3 to step 19 hold 4 evaluations (after steps 4, 8, 12, 16).
+TINY_EVAL = {mode: EvalSpec(every=4, prompts=1, samples=2, mode=mode) for mode in ("blocking", "async")}
+
+
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_eval_with_ppo_off_policy_1_is_one_more_group_per_period(mode):
+    # After step 4j the push arrives, the next phase's group is admitted and the evaluation's two
+    # requests take both slots first: 0.64 s of evaluation, then the group (0.64 s), then the
+    # update (0.8 s). 4 steps take 4 x 1.44 + 0.64 = 6.4 s in both modes: the trainer needs that
+    # group anyway, so not waiting for the evaluation gains nothing. Blocking: the trainer waits
+    # 0.64 s of every 6.4 s for the evaluation itself.
+    r = simulate(TINY, schedule="ppo_off_policy", k=1, num_steps=19, evaluation=TINY_EVAL[mode])
+    assert r.step_time_s == pytest.approx(1.6)
+    assert r.trainer_idle_frac == pytest.approx(1 - 3.2 / 6.4)
+    assert r.evals == 4 and r.eval_s_mean == pytest.approx(0.64)
+    assert r.trainer_eval_wait_frac == pytest.approx(0.1 if mode == "blocking" else 0.0)
+
+
+def test_eval_blocking_stops_a_trainer_bound_pipeline_async_does_not():
+    # 4 slots, trainer-bound PipelineRL-1 (0.8 s steps, one group of 2 in flight): the evaluation
+    # fits in the 2 spare slots at no cost (decode_slot_s = 0). Blocking: every 4 steps the
+    # trainer stops 0.64 s: 4 x 0.8 + 0.64 = 3.84 s, idle 0.64 / 3.84. Async: 0.8 s steps, no idle.
+    spec = dataclasses.replace(TINY, slots_per_generator=4)
+    blocking = simulate(spec, schedule="pipeline", k=1, num_steps=19, evaluation=TINY_EVAL["blocking"])
+    assert blocking.step_time_s == pytest.approx(0.96)
+    assert blocking.trainer_idle_frac == pytest.approx(0.64 / 3.84)
+    assert blocking.trainer_eval_wait_frac == pytest.approx(0.64 / 3.84)
+    asynchronous = simulate(spec, schedule="pipeline", k=1, num_steps=19, evaluation=TINY_EVAL["async"])
+    assert asynchronous.step_time_s == pytest.approx(0.8)
+    assert asynchronous.trainer_idle_frac == pytest.approx(0.0, abs=1e-12)
+    assert asynchronous.evals == 4 and asynchronous.trainer_eval_wait_frac == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_eval_modes_on_a_long_tailed_cluster(k):
+    # Blocking counts at least the evaluation wait as trainer idle; async never waits for it and
+    # is no slower (here: the cluster has spare generator slots). Lags stay within k either way.
+    evaluation = {m: EvalSpec(every=5, prompts=8, samples=4, mode=m) for m in ("blocking", "async")}
+    steps = k + 2 + 15
+    plain = simulate(SMALL, schedule="pipeline", k=k, num_steps=steps, seed=k)
+    blocking = simulate(SMALL, schedule="pipeline", k=k, num_steps=steps, seed=k, evaluation=evaluation["blocking"])
+    asynchronous = simulate(SMALL, schedule="pipeline", k=k, num_steps=steps, seed=k, evaluation=evaluation["async"])
+    assert blocking.evals == 3
+    assert blocking.trainer_idle_frac >= blocking.trainer_eval_wait_frac - 1e-12 > 0
+    # the trainer waits from each evaluation's start to its end
+    assert blocking.trainer_eval_wait_frac * blocking.window_s == pytest.approx(3 * blocking.eval_s_mean)
+    assert asynchronous.trainer_eval_wait_frac == 0.0
+    assert asynchronous.step_time_s <= blocking.step_time_s + 1e-9
+    assert plain.step_time_s <= asynchronous.step_time_s + 1e-9
+    for r in (blocking, asynchronous):
+        assert r.lag_max <= k
+
+
+def test_bad_eval_spec_names_the_field():
+    with pytest.raises(ValueError, match="EvalSpec.mode"):
+        EvalSpec(every=1, prompts=1, samples=1, mode="overlap")
+    with pytest.raises(ValueError, match="EvalSpec.every"):
+        EvalSpec(every=0, prompts=1, samples=1)
+
+
+def test_pick_split_takes_the_faster_split():
+    # TINY over 3 devices. 2 generators / 1 trainer: trainer-bound at 0.8 s a step. 1 generator
+    # / 2 trainers: steps of 0.4 s of training, but a group takes the one generator 0.64 s:
+    # generator-bound at 0.64 s a step. The second is faster.
+    choice = pick_split(TINY, 3, [1, 2], schedule="pipeline", k=1, num_steps=12)
+    assert (choice.num_generators, choice.num_trainers) == (1, 2)
+    rates = {g: r.samples_per_s for g, r in choice.candidates}
+    assert rates[1] == pytest.approx(2 / 0.64) and rates[2] == pytest.approx(2 / 0.8)
+    assert "picked 1 / 2" in choice.reasoning
+    with pytest.raises(ValueError, match="generator counts"):
+        pick_split(TINY, 3, [3], schedule="pipeline", k=1)
+
+
+def test_eval_without_priority_runs_in_the_slots_training_leaves():
+    # PPO-off-policy-1 on TINY, evaluation after training's own group: the group (0.64 s) goes
+    # first, then the evaluation runs during the update (0.64 s < 0.8 s), so async costs nothing:
+    # 1.44 s a step as without evaluation. Blocking still waits: 0.64 + 0.64 + 0.8 after the push.
+    spare = {m: dataclasses.replace(TINY_EVAL[m], priority=False) for m in TINY_EVAL}
+    asynchronous = simulate(TINY, schedule="ppo_off_policy", k=1, num_steps=19, evaluation=spare["async"])
+    assert asynchronous.step_time_s == pytest.approx(1.44)
+    assert asynchronous.evals == 4 and asynchronous.eval_s_mean == pytest.approx(1.28)
+    blocking = simulate(TINY, schedule="ppo_off_policy", k=1, num_steps=19, evaluation=spare["blocking"])
+    assert blocking.step_time_s == pytest.approx(1.6)

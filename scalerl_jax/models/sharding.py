@@ -209,6 +209,8 @@ def split_devices(devices: Sequence[Any], generator_fraction: float) -> tuple[li
     works: config checks that need only the counts pass `range(n)`.
     """
     devices = list(devices)
+    if isinstance(generator_fraction, str):  # 'auto' is resolved to a number before any split
+        raise ValueError(f"generator_fraction={generator_fraction!r}: resolve it to a number first (run.device_split)")
     if not 0.0 < generator_fraction < 1.0:
         raise ValueError(f"generator_fraction={generator_fraction} must be in (0, 1)")
     if not devices:

@@ -31,6 +31,17 @@ Model.
   forward + backward). A push then occupies the trainer `weight_push_s`, after which the
   generators see the new version at their next chunk boundary.
 
+* Evaluation (optional, `EvalSpec`): after every `every`-th trainer step s, `prompts x samples`
+  evaluation requests (lengths drawn as above, or from their own median / cap) are queued once
+  the generators can hold version s (at the push's arrival when step s pushes, else at once).
+  Generators take them before any training request at their chunk boundaries (slots are not
+  preempted: in-flight training completions finish; with `priority=False`, only in the slots
+  that training requests leave free, and admission ignores them). `mode='blocking'` (the leader waits for
+  the evaluation): the trainer takes no batch until every evaluation completion is done, so
+  that wait is trainer idle time. `mode='async'`: the trainer goes on taking batches as the
+  schedule allows; generators busy with evaluation produce fewer training samples, so the
+  trainer may still wait for data (honest idle).
+
 Events. A busy generator has one pending event: the end of the chunk in which its first slot
 can finish (the full chunks before it are summed in closed form). A push, or a chance to admit
 or pull work while it has free slots, brings that event forward to the end of the chunk then
@@ -45,10 +56,13 @@ import collections
 import dataclasses
 import heapq
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from scalerl_jax.pipeline.lag import Schedule, Ticket, default_capacity, make_schedule
+
+EVAL_MODES = ("blocking", "async")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +123,46 @@ class ClusterSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Evaluation every `every` trainer steps: `prompts` x `samples` completions on the generators.
+
+    `mode` is one of `EVAL_MODES` (module docstring). Lengths follow the cluster's distribution
+    unless `length_median` / `max_completion_tokens` are given (None: the cluster's).
+    """
+
+    every: int
+    prompts: int
+    samples: int
+    mode: str = "blocking"
+    priority: bool = True  # evaluation requests before training ones (False: in slots training leaves free)
+    length_median: float | None = None
+    max_completion_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("every", "prompts", "samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalSpec.{name}={getattr(self, name)} must be >= 1")
+        if self.mode not in EVAL_MODES:
+            raise ValueError(f"EvalSpec.mode={self.mode!r}; expected one of {EVAL_MODES}")
+        if self.length_median is not None and not self.length_median > 0:
+            raise ValueError(f"EvalSpec.length_median={self.length_median} must be > 0")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise ValueError(f"EvalSpec.max_completion_tokens={self.max_completion_tokens} must be >= 1")
+
+
+def draw_lengths(
+    rng: np.random.Generator, spec: ClusterSpec, samples: int, median: float, max_tokens: int
+) -> np.ndarray:
+    """Completion lengths of one prompt's `samples` completions (module docstring: lognormal with
+    a prompt-level and a sample-level term, clipped to [min_completion_tokens, max_tokens])."""
+    z_prompt = rng.standard_normal()
+    z_samples = rng.standard_normal(samples)
+    lengths = np.exp(math.log(median) + spec.group_sigma * z_prompt + spec.sample_sigma * z_samples)
+    low = min(spec.min_completion_tokens, max_tokens)
+    return np.clip(np.rint(lengths), low, max_tokens).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
 class SimResult:
     """Steady-state metrics of one simulated run (fractions in [0, 1])."""
 
@@ -129,6 +183,12 @@ class SimResult:
     lag_max: int
     versions_spanned_mean: float  # last-token version - first-token version + 1
     versions_spanned_max: int
+    # Evaluation (zero without an EvalSpec), over the window: evaluations finished, their mean
+    # duration (queued -> last completion done), and the share of the window the trainer spent
+    # waiting for an evaluation (blocking mode; counted in trainer_idle_frac).
+    evals: int = 0
+    eval_s_mean: float = 0.0
+    trainer_eval_wait_frac: float = 0.0
 
 
 def chunk_cost(spec: ClusterSpec, remaining: np.ndarray, context: np.ndarray) -> tuple[int, np.ndarray, float]:
@@ -179,6 +239,7 @@ class _Generator:
         self.occupied = np.zeros(slots, bool)
         self.group = np.zeros(slots, np.int64)
         self.first_version = np.zeros(slots, np.int64)
+        self.is_eval = np.zeros(slots, bool)  # the slot holds an evaluation request (group = its eval id)
         self.version = 0
         self.pending_version = 0
         self.free = slots
@@ -190,8 +251,22 @@ class _Generator:
 class _Simulation:
     """Event loop state. Use `simulate()`."""
 
-    def __init__(self, spec: ClusterSpec, schedule: Schedule, num_steps: int, warmup_steps: int, seed: int):
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        schedule: Schedule,
+        num_steps: int,
+        warmup_steps: int,
+        seed: int,
+        evaluation: EvalSpec | None = None,
+    ):
         self.spec = spec
+        self.evaluation = evaluation
+        self.eval_rng = np.random.default_rng([seed, 1])  # its own stream: training draws stay the same
+        self.eval_pending: collections.deque = collections.deque()  # (eval id, length)
+        self.evals: dict[int, dict] = {}  # eval id -> {"remaining", "start"}
+        self.next_eval_id = 0
+        self.trainer_waits_for_eval: int | None = None  # blocking mode: the eval id the trainer waits on
         self.schedule = schedule
         self.capacity = default_capacity(schedule)
         self.num_steps = num_steps
@@ -239,11 +314,11 @@ class _Simulation:
             elif kind == "train_done":
                 self.train_done(now)
             elif kind == "push_arrival":
+                version, evaluate = payload
                 for gen in self.generators:
-                    gen.pending_version = max(gen.pending_version, payload)
+                    gen.pending_version = max(gen.pending_version, version)
                     self.act_at_next_chunk(gen, now)
-                self.trainer_free = True
-                self.try_train(now)
+                self.after_step(now, evaluate)
         if self.done_time is None:
             raise RuntimeError("simulation stalled: no events left before the last step")
 
@@ -270,7 +345,7 @@ class _Simulation:
     def nudge_generators(self, now: float) -> None:
         """After admission may have opened or requests are waiting: generators with free slots
         act at their next chunk boundary."""
-        work = bool(self.pending) or self.admission_allowed()
+        work = bool(self.pending) or bool(self.eval_pending) or self.admission_allowed()
         if not work:
             return
         for gen in self.generators:
@@ -295,10 +370,7 @@ class _Simulation:
         group_id = self.next_group_id
         self.next_group_id += 1
         self.tickets[group_id] = Ticket(group_id, self.min_generator_version(), finished=False)
-        z_prompt = self.rng.standard_normal()
-        z_samples = self.rng.standard_normal(spec.samples_per_prompt)
-        lengths = np.exp(math.log(spec.length_median) + spec.group_sigma * z_prompt + spec.sample_sigma * z_samples)
-        lengths = np.clip(np.rint(lengths), spec.min_completion_tokens, spec.max_completion_tokens).astype(np.int64)
+        lengths = draw_lengths(self.rng, spec, spec.samples_per_prompt, spec.length_median, spec.max_completion_tokens)
         self.groups[group_id] = {"remaining": spec.samples_per_prompt, "lengths": lengths, "first": [], "last": []}
         for length in lengths:
             self.pending.append((group_id, int(length)))
@@ -323,22 +395,33 @@ class _Simulation:
             gen.version = gen.pending_version
             stall = spec.weight_load_s
         admitted = False
-        while len(self.pending) < self.free_slots and self.admission_allowed():
+        eval_first = self.evaluation is None or self.evaluation.priority
+        queued = len(self.pending) + (len(self.eval_pending) if eval_first else 0)
+        while queued < self.free_slots and self.admission_allowed():
             self.admit_group()
+            queued += self.spec.samples_per_prompt
             admitted = True
-        # Balanced pull: an even share of the pending requests over generators with free slots.
-        share = -(-len(self.pending) // max(self.generators_with_free, 1))
+        # Balanced pull: an even share of the pending requests over generators with free slots,
+        # evaluation requests first when they have priority, else training requests first.
+        with_free = max(self.generators_with_free, 1)
         free = np.flatnonzero(~gen.occupied)
-        pulled = free[: min(len(free), share)]
-        for slot in pulled:
-            group_id, length = self.pending.popleft()
-            gen.occupied[slot] = True
-            gen.group[slot] = group_id
-            gen.first_version[slot] = gen.version
-            gen.remaining[slot] = length
-            gen.context[slot] = spec.prompt_tokens
-        self.set_free(gen, len(free) - len(pulled))
-        decode_start = now + stall + spec.prefill_token_s * spec.prompt_tokens * len(pulled)
+        first, second = (self.eval_pending, self.pending) if eval_first else (self.pending, self.eval_pending)
+        first_slots = free[: min(len(free), -(-len(first) // with_free))]
+        rest = free[len(first_slots) :]
+        second_slots = rest[: min(len(rest), -(-len(second) // with_free))]
+        eval_slots, train_slots = (first_slots, second_slots) if eval_first else (second_slots, first_slots)
+        for slots, queue, is_eval in ((eval_slots, self.eval_pending, True), (train_slots, self.pending, False)):
+            for slot in slots:
+                group_id, length = queue.popleft()
+                gen.occupied[slot] = True
+                gen.is_eval[slot] = is_eval
+                gen.group[slot] = group_id
+                gen.first_version[slot] = gen.version
+                gen.remaining[slot] = length
+                gen.context[slot] = spec.prompt_tokens
+        pulled = len(eval_slots) + len(train_slots)
+        self.set_free(gen, len(free) - pulled)
+        decode_start = now + stall + spec.prefill_token_s * spec.prompt_tokens * pulled
         if gen.occupied.any():
             self.plan_decoding(gen, now, decode_start)
         elif decode_start > now:  # stalled (adopting params) with nothing to decode
@@ -374,6 +457,10 @@ class _Simulation:
         group_id = int(gen.group[slot])
         gen.occupied[slot] = False
         self.set_free(gen, gen.free + 1)
+        if gen.is_eval[slot]:
+            gen.is_eval[slot] = False
+            self.finish_eval_request(group_id, now)
+            return
         group = self.groups[group_id]
         group["first"].append(int(gen.first_version[slot]))
         group["last"].append(gen.version)
@@ -381,6 +468,51 @@ class _Simulation:
         if group["remaining"] == 0:
             self.tickets[group_id] = dataclasses.replace(self.tickets[group_id], finished=True)
             self.try_train(now)
+
+    # ---------------------------------------------------------------- evaluation
+    def issue_eval(self, now: float) -> int:
+        """Queue one evaluation's requests (priority at the generators); returns its id."""
+        ev = self.evaluation
+        assert ev is not None
+        spec = self.spec
+        eval_id = self.next_eval_id
+        self.next_eval_id += 1
+        median = spec.length_median if ev.length_median is None else ev.length_median
+        cap = spec.max_completion_tokens if ev.max_completion_tokens is None else ev.max_completion_tokens
+        for _ in range(ev.prompts):
+            for length in draw_lengths(self.eval_rng, spec, ev.samples, median, cap):
+                self.eval_pending.append((eval_id, int(length)))
+        self.evals[eval_id] = {"remaining": ev.prompts * ev.samples, "start": now}
+        for gen in self.generators:
+            if gen.free > 0:
+                self.act_at_next_chunk(gen, now)
+        return eval_id
+
+    def finish_eval_request(self, eval_id: int, now: float) -> None:
+        record = self.evals[eval_id]
+        record["remaining"] -= 1
+        if record["remaining"]:
+            return
+        del self.evals[eval_id]
+        self.counters["evals"] += 1
+        self.counters["eval_s"] += now - record["start"]
+        if self.trainer_waits_for_eval == eval_id:
+            self.counters["trainer_eval_wait_s"] += now - record["start"]
+            self.trainer_waits_for_eval = None
+            self.trainer_free = True
+            self.try_train(now)
+
+    def after_step(self, now: float, evaluate: bool) -> None:
+        """The trainer's step (and its push, if any) is done: evaluate if due, then go on unless
+        a blocking evaluation holds the trainer."""
+        if evaluate:
+            eval_id = self.issue_eval(now)
+            assert self.evaluation is not None
+            if self.evaluation.mode == "blocking":
+                self.trainer_waits_for_eval = eval_id
+                return
+        self.trainer_free = True
+        self.try_train(now)
 
     # ---------------------------------------------------------------- trainer
     def try_train(self, now: float) -> None:
@@ -421,12 +553,13 @@ class _Simulation:
         if self.trainer_version == self.num_steps:
             self.done_time = now
             return
+        ev = self.evaluation
+        evaluate = ev is not None and self.trainer_version % ev.every == 0
         if self.schedule.should_push(self.trainer_version):
             self.counters["trainer_busy_s"] += self.spec.weight_push_s
-            self.push_event(now + self.spec.weight_push_s, "push_arrival", self.trainer_version)
-        else:
-            self.trainer_free = True
-            self.try_train(now)
+            self.push_event(now + self.spec.weight_push_s, "push_arrival", (self.trainer_version, evaluate))
+        else:  # nothing to push: an evaluation runs on the params the generators hold
+            self.after_step(now, evaluate)
 
     # ---------------------------------------------------------------- result
     def result(self, kind: str) -> SimResult:
@@ -460,21 +593,91 @@ class _Simulation:
             lag_max=int(max(self.window_lags, default=0)),
             versions_spanned_mean=float(np.mean(self.window_spans)) if self.window_spans else 0.0,
             versions_spanned_max=int(max(self.window_spans, default=0)),
+            evals=int(delta.get("evals", 0)),
+            eval_s_mean=delta.get("eval_s", 0.0) / max(delta.get("evals", 0), 1),
+            trainer_eval_wait_frac=delta.get("trainer_eval_wait_s", 0.0) / window,
         )
 
 
 def simulate(
-    spec: ClusterSpec, *, schedule: str, k: int, num_steps: int = 40, warmup_steps: int | None = None, seed: int = 0
+    spec: ClusterSpec,
+    *,
+    schedule: str,
+    k: int,
+    num_steps: int = 40,
+    warmup_steps: int | None = None,
+    seed: int = 0,
+    evaluation: EvalSpec | None = None,
 ) -> SimResult:
-    """Simulate `num_steps` trainer steps of `schedule` ('pipeline' | 'ppo_off_policy') with k.
+    """Simulate `num_steps` trainer steps of `schedule` ('pipeline' | 'ppo_off_policy') with k,
+    evaluating as `evaluation` says (None: never).
 
-    `warmup_steps` (default: k + 2) are excluded from the metrics window.
+    `warmup_steps` (default: k + 2) are excluded from the metrics window. An evaluation due at
+    the last step is not run (the window ends there): for a window holding whole evaluation
+    periods, take num_steps = warmup_steps + n x every.
     """
     if warmup_steps is None:
         warmup_steps = k + 2
     if not 1 <= warmup_steps < num_steps:
         raise ValueError(f"simulate: need 1 <= warmup_steps={warmup_steps} < num_steps={num_steps}")
     schedule_obj = make_schedule(schedule, k=k, groups_per_step=spec.prompts_per_step)
-    sim = _Simulation(spec, schedule_obj, num_steps, warmup_steps, seed)
+    sim = _Simulation(spec, schedule_obj, num_steps, warmup_steps, seed, evaluation)
     sim.run()
     return sim.result(schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitChoice:
+    """`pick_split`'s answer: the chosen generator count, every candidate's simulated result, and
+    the reasoning as lines a person reads."""
+
+    num_generators: int
+    num_trainers: int
+    candidates: tuple[tuple[int, SimResult], ...]
+    reasoning: str
+
+
+def pick_split(
+    spec: ClusterSpec,
+    total_devices: int,
+    generator_counts: Sequence[int],
+    *,
+    schedule: str,
+    k: int,
+    num_steps: int = 40,
+    seed: int = 0,
+    evaluation: EvalSpec | None = None,
+    tie_tolerance: float = 0.005,
+) -> SplitChoice:
+    """Simulates `spec` with each of `generator_counts` generators (the rest of `total_devices`
+    training) and picks the split of highest simulated samples/s (every split costs the same
+    device-hours, so throughput is the cost that counts); splits within `tie_tolerance` of the
+    best go to the one with the smaller max(generator idle, trainer idle)."""
+    counts = sorted(set(int(g) for g in generator_counts))
+    if not counts or not all(1 <= g < total_devices for g in counts):
+        raise ValueError(f"pick_split: generator counts {counts} must lie in [1, {total_devices - 1}]")
+    rows = []
+    for g in counts:
+        trial = dataclasses.replace(spec, num_generators=g, num_trainers=total_devices - g)
+        rows.append((g, simulate(trial, schedule=schedule, k=k, num_steps=num_steps, seed=seed, evaluation=evaluation)))
+    best_rate = max(r.samples_per_s for _, r in rows)
+    close = [(g, r) for g, r in rows if r.samples_per_s >= (1 - tie_tolerance) * best_rate]
+    g, chosen = min(close, key=lambda row: (max(row[1].generator_idle_frac, row[1].trainer_idle_frac), -row[0]))
+    lines = [
+        f"simulated {schedule}-{k} over {total_devices} devices, {num_steps} steps each"
+        + (f", eval every {evaluation.every} ({evaluation.mode})" if evaluation else ""),
+        *(
+            f"  {gg} generators / {total_devices - gg} trainers: {r.samples_per_s:.2f} samples/s, "
+            f"step {r.step_time_s:.1f} s, generator idle {r.generator_idle_frac:.2f}, "
+            f"trainer idle {r.trainer_idle_frac:.2f}"
+            for gg, r in rows
+        ),
+        f"picked {g} / {total_devices - g}: highest samples/s"
+        + (
+            f" (ties within {tie_tolerance:.1%} broken by the smaller max idle, "
+            f"{max(chosen.generator_idle_frac, chosen.trainer_idle_frac):.2f})"
+            if len(close) > 1
+            else ""
+        ),
+    ]
+    return SplitChoice(g, total_devices - g, tuple(rows), "\n".join(lines))

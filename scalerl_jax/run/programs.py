@@ -33,6 +33,7 @@ import jax
 import ml_collections
 from flax import nnx
 
+from scalerl_jax.config_validation import AUTO_SPLIT, ConfigError
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.weight_push import sender_programs
@@ -170,7 +171,14 @@ def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
 
 
 def run_roles(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> Roles:
-    """The run's split of `devices` (all processes', ordered by process then id), seen from process 0."""
+    """The run's split of `devices` (all processes', ordered by process then id), seen from process 0.
+    A numeric `mesh.generator_fraction` only: 'auto' is measured at a run's start, on its devices."""
+    if config.mesh.generator_fraction == AUTO_SPLIT:
+        raise ConfigError(
+            "config key `mesh.generator_fraction` = 'auto' is picked at a run's start from rates measured on "
+            "its devices; to compile for a topology, set the number (benchmarks/sim_cluster.py --pick_split "
+            "simulates the splits of a cluster)"
+        )
     ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
     num_processes = len({d.process_index for d in ordered})
     return assign_roles(ordered, config.mesh.generator_fraction, 0, num_processes)

@@ -31,6 +31,7 @@ from scalerl_jax.models import abstract_hf
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.run.build import AbstractPolicy, build_meshes, build_policy_source, build_transfer, dataset_builder
 from scalerl_jax.run.context import RunContext
+from scalerl_jax.run.device_split import resolve_generator_fraction
 from scalerl_jax.run.processes import run_follower, run_generator, run_leader
 from scalerl_jax.run.signals import StopSignals
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
@@ -47,6 +48,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
     leader's summary dict (None elsewhere). Restores the caller's signal handlers on the way out."""
     quiet_library_logs()
     os.makedirs(workdir, exist_ok=True)
+    config = resolve_generator_fraction(config, workdir)  # 'auto': measured here, a number from now on
     roles = assign_roles(jax.devices(), config.mesh.generator_fraction, jax.process_index(), jax.process_count())
     logging.info("%s", roles.describe())
     if roles.distributed:  # host-side array math runs here, not on global device 0 (process 0's)
