@@ -280,8 +280,8 @@ class Pipeline:
     scoring thread, one group at a time). `train_step(state, batch)` -> (state, metrics) (may
     donate `state`). `push_params(state, version)` sends new params to every generator (default:
     `update_params` of `state.params`) and returns once they will have them (a run's transport
-    dispatches the local copy without waiting for it). `on_step(record, sample_eval)` is called in the trainer thread after each step; `on_start(sample_eval)` once
-    before the first batch, with the generators running (e.g. the first evaluation); both may
+    dispatches the local copy without waiting for it). `on_step(record, sample_eval)` is called
+    in the trainer thread after each step; `on_start(sample_eval)` once before the first batch, with the generators running (e.g. the first evaluation); both may
     evaluate with `sample_eval` (`EvalSampler`). `on_end()` once after the last step.
     `concurrent_evaluation`: evaluations may run while the trainer steps (module docstring); the
     local generator then evaluates on `eval_batcher`. `remote_generators`: (name,
