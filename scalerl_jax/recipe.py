@@ -388,6 +388,7 @@ def tiny() -> ml_collections.ConfigDict:
     c.eval.num_prompts = 128
     c.eval.samples_per_prompt = 2
     c.eval.fit_a_range = (0.45, 1.0)
+    c.eval.concurrent = True  # the trainer keeps stepping while the generator evaluates
     c.checkpoint.every = 20
 
     c.synthetic = ml_collections.ConfigDict()

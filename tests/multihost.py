@@ -22,6 +22,7 @@ TINY = {
     "eval.every": 2,
     "eval.num_prompts": 4,
     "eval.samples_per_prompt": 2,
+    "eval.concurrent": False,  # one row per step: evaluations in the trainer thread
     "checkpoint.every": 1,
     "data.verify_workers": 1,
     "distributed.heartbeat_timeout_s": 20,

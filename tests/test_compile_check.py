@@ -93,6 +93,9 @@ def test_tiny_run_compiles_for_a_tpu_slice_and_its_memory_matches_a_hand_count(t
     # A decode chunk reads the generator's params and its whole paged KV pool.
     generate = rows[("generator/generate", "window=112")]
     assert 0 <= generate["argument_bytes"] - (F32 * PARAMS + KV_POOL) < SMALL
+    # Beside it (eval.concurrent, the tiny default): the evaluation batcher's KV pool and params and
+    # the one evaluated version retained for it.
+    assert 0 <= generate["resident_bytes"] - (KV_POOL + 2 * F32 * PARAMS) < SMALL
     for row in rows.values():
         assert row["device_bytes"] == 16 * 10**9  # a v5e chip's 16 GB of HBM
         assert row["peak_bytes"] >= row["argument_bytes"]

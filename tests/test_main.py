@@ -18,6 +18,7 @@ from scalerl_jax import recipe
 from scalerl_jax import run as run_lib
 from scalerl_jax.config_validation import validate
 from scalerl_jax.run import build as run_build
+from scalerl_jax.scaling.runs import read_run
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 SMALL = {
@@ -33,6 +34,7 @@ SMALL = {
     "eval.every": 2,
     "eval.num_prompts": 4,
     "eval.samples_per_prompt": 2,
+    "eval.concurrent": False,  # one row per step: evaluations in the trainer thread
     "checkpoint.every": 2,
 }
 
@@ -92,6 +94,27 @@ def test_tiny_run_writes_metrics_and_checkpoints(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "3"]
     assert json.load(open(tmp_path / "config.json"))["rl"]["objective"] == "cispo"
     assert os.listdir(tmp_path / "tb")
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tiny_run_evaluates_beside_training(tmp_path):
+    # eval.concurrent: the evaluations of steps 0, 2 and 4 run while training goes on, each written
+    # as its own row (its step, the compute of that step) when done; the last step's (5) runs in
+    # the trainer thread after them, in that step's row.
+    result = run_main(tmp_path, *flags({**SMALL, "eval.concurrent": True, "num_steps": 5}))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    train_rows = [r["step"] for r in rows if "train/loss" in r]
+    eval_rows = [r for r in rows if "eval/pass_rate" in r]
+    assert train_rows == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in eval_rows] == [0, 2, 4, 5] and "train/loss" in eval_rows[-1]
+    assert all("train/loss" not in r for r in eval_rows[:-1])
+    for row in eval_rows[1:-1]:  # the compute of its own step, as that step's training row has it
+        (trained,) = [r for r in rows if r["step"] == row["step"] and "train/loss" in r]
+        assert row["compute/device_hours"] == trained["compute/device_hours"]
+    assert result.stderr.count("(evaluated beside training)") == 3
+    curve = read_run(tmp_path)  # the fit's reader takes the late rows: compute rises along them
+    assert list(curve.steps) == [0, 2, 4, 5]
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

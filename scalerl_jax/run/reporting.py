@@ -149,10 +149,10 @@ class StepReporter:
         self.write(version, {**metrics, **self._run_state.rewards.metrics(), **compute})
         logging.info("step %d: held-out pass rate %.3f (evaluated beside training)", version, metrics["eval/pass_rate"])
 
-    def _submit_evaluation(self, version: int, sample_eval: EvalSampler) -> None:
-        """Trainer thread: pins `version` and queues its evaluation (concurrent sampler)."""
+    def _submit_evaluation(self, version: int, sample_eval: EvalSampler, compute: Mapping[str, Any]) -> None:
+        """Trainer thread: pins `version` and queues its evaluation (concurrent sampler), whose row
+        will carry `compute`, the compute metrics of that step."""
         sample_eval.pin(version)
-        compute = {**self._run_state.meter.metrics(), "compute/unit": "device_hours"}
         self._evaluations.submit(version, lambda: self._evaluate_row(version, sample_eval, compute))
 
     def on_end(self) -> None:
@@ -182,7 +182,9 @@ class StepReporter:
         """The start version's held-out pass rate (step 0 of a fresh run: before any training)."""
         version = self._start_version
         if sample_eval.concurrent:
-            self._submit_evaluation(version, sample_eval)
+            self._submit_evaluation(
+                version, sample_eval, {**self._run_state.meter.metrics(), "compute/unit": "device_hours"}
+            )
             return
         initial = self.evaluate(version, sample_eval)
         rs = self._run_state
@@ -201,6 +203,7 @@ class StepReporter:
             generated=sum(g.num_generated_tokens for g in record.groups),
             trained=int(metrics.get("train/num_loss_tokens", 0)),
         )
+        compute = {**rs.meter.metrics(), "compute/unit": "device_hours"}  # this step's, in its rows
         metrics.update(
             {
                 "train/reward_mean": float(rewards.mean()),
@@ -209,8 +212,7 @@ class StepReporter:
                 "data/prompts_too_long": self._task.num_too_long,
                 **rs.pool.metrics(),
                 **rs.rewards.metrics(),
-                **rs.meter.metrics(),
-                "compute/unit": "device_hours",
+                **compute,
             }
         )
         if not finite:
@@ -225,7 +227,7 @@ class StepReporter:
             )
         due = version % config.eval.every == 0 or version == config.num_steps
         if due and sample_eval.concurrent and version != config.num_steps:
-            self._submit_evaluation(version, sample_eval)
+            self._submit_evaluation(version, sample_eval, compute)
         elif due:
             if sample_eval.concurrent:
                 self._evaluations.wait()  # the earlier rows first
