@@ -56,6 +56,21 @@ def test_two_processes_complete_every_step(tmp_path, layout):
 
 
 @pytest.mark.slow
+def test_a_generator_process_evaluates_beside_training(tmp_path):
+    # The cluster's shape: the leader holds only trainer devices, the generator is another process.
+    # With eval.concurrent its evaluation batcher samples the retained versions 0 and 2 while the
+    # trainer goes on; their rows come when done, the last step's (3) in its own row.
+    workdir = str(tmp_path / "run")
+    overrides = {**TINY, **LAYOUTS["trainer_on_0_generator_on_1"], "eval.concurrent": True}
+    codes = wait(start(workdir, overrides, processes=2), timeout=400)
+    assert codes == [0, 0], logs(workdir, 2)
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3]
+    assert [r["step"] for r in rows if "eval/pass_rate" in r] == [0, 2, 3]
+    assert full_log(workdir, 0).count("(evaluated beside training)") == 2, logs(workdir, 2)
+
+
+@pytest.mark.slow
 def test_ppo_off_policy_losses_match_one_process(tmp_path):
     overrides = {
         **TINY,
