@@ -119,6 +119,25 @@ def test_tiny_run_evaluates_beside_training(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_taken_while_its_evaluation_runs_is_evaluated_on_resume(tmp_path):
+    # Step 2's evaluation is submitted just before step 2's checkpoint, so the checkpoint records it
+    # as owed. Resumed from that checkpoint (the later one removed), the run evaluates step 2 first:
+    # one row for it, with the pass rate the first run measured (same params, same streams).
+    overrides = flags({**SMALL, "eval.concurrent": True, "num_steps": 3})
+    first = run_main(tmp_path, *overrides)
+    assert first.returncode == 0, first.stderr[-4000:]
+    before = {r["step"]: r["eval/pass_rate"] for r in read_metrics(tmp_path) if "eval/pass_rate" in r}
+    assert sorted(before) == [0, 2, 3]
+    shutil.rmtree(tmp_path / "checkpoints" / "3")
+    resumed = run_main(tmp_path, *overrides)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from checkpoint step 2" in resumed.stderr
+    after = [(r["step"], r["eval/pass_rate"]) for r in read_metrics(tmp_path) if "eval/pass_rate" in r]
+    assert [step for step, _ in after] == [0, 2, 3]
+    assert dict(after)[2] == before[2]
+
+
+@pytest.mark.slow
 def test_tiny_run_really_learns(tmp_path):
     """The README's first command, in full (about 9 minutes on 2 cores)."""
     result = run_main(tmp_path, timeout=3600)
