@@ -61,6 +61,23 @@ class RecordingBatcher(ContinuousBatcher):
         return completions
 
 
+def evaluation_config(schedule: str, k: int, num_steps: int) -> PipelineConfig:
+    """The pipeline of these tests: GROUPS x SAMPLES per step, sampling at temperature 1."""
+    return PipelineConfig(
+        schedule=schedule,
+        k=k,
+        prompts_per_step=GROUPS,
+        samples_per_prompt=SAMPLES,
+        num_steps=num_steps,
+        max_new_tokens=MAX_NEW,
+        max_seq_len=24,
+        min_length_bucket=24,
+        temperature=1.0,
+        stop_tokens=STOP,
+        poll_s=0.01,
+    )
+
+
 def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at, before_step_report=None):
     """A pipeline whose on_start / on_step evaluate EVAL_PROMPTS at the versions in `evaluate_at`,
     keeping each version's params (a copy on the generator's device) and completions;
@@ -87,19 +104,7 @@ def evaluating_pipeline(setup, *, schedule, k, num_steps, evaluate_at, before_st
             evaluate(record.version + 1, record.train_state, sample_eval)
 
     pipeline = Pipeline(
-        PipelineConfig(
-            schedule=schedule,
-            k=k,
-            prompts_per_step=GROUPS,
-            samples_per_prompt=SAMPLES,
-            num_steps=num_steps,
-            max_new_tokens=MAX_NEW,
-            max_seq_len=24,
-            min_length_bucket=24,
-            temperature=1.0,
-            stop_tokens=STOP,
-            poll_s=0.01,
-        ),
+        evaluation_config(schedule, k, num_steps),
         batcher=batcher,
         prompt_source=prompt_source(),
         reward_fn=reward,
@@ -390,19 +395,7 @@ def test_concurrent_evaluation_samples_a_retained_version_while_the_trainer_move
             thread.join(timeout=120)
 
     pipeline = Pipeline(
-        PipelineConfig(
-            schedule="pipeline",
-            k=2,
-            prompts_per_step=GROUPS,
-            samples_per_prompt=SAMPLES,
-            num_steps=5,
-            max_new_tokens=MAX_NEW,
-            max_seq_len=24,
-            min_length_bucket=24,
-            temperature=1.0,
-            stop_tokens=STOP,
-            poll_s=0.01,
-        ),
+        evaluation_config("pipeline", 2, 5),
         batcher=batcher,
         prompt_source=prompt_source(),
         reward_fn=parity_reward,
