@@ -18,6 +18,7 @@ from scalerl_jax.compile_events import compile_log, summary
 from scalerl_jax.models import Transformer, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch
 from scalerl_jax.pipeline.group import Group, Prompt
+from scalerl_jax.run.build import RunTrainStep
 from scalerl_jax.sampler import Completion
 from scalerl_jax.train import (
     OptimizerConfig,
@@ -145,8 +146,12 @@ def test_a_bucket_not_compiled_ahead_compiles_on_use(graphdef_params):
     step.compile_ahead(abstract_state(state), ROWS, (8, 16, 32))  # without 48
     state, _, compiles = _steps(step, state, _batches(True)[1:])  # buckets 8, 16, 32
     assert compiles == [], summary(compiles)
-    _, _, compiles = _steps(step, state, _batches(True)[:1])  # bucket 48
+    state, _, compiles = _steps(step, state, _batches(True)[:1])  # bucket 48
     assert len(compiles) == 1 and compiles[0].program == "jit(train_accumulate)", summary(compiles)
+    # Arguments an executable refuses (float16 rewards) go through jit, which compiles for them.
+    batch = _batches(True)[1]
+    _, _, compiles = _steps(step, state, [dict(batch, rewards=batch["rewards"].astype(np.float16))])
+    assert [c.program for c in compiles] == ["jit(train_prepare_rows)"], summary(compiles)
 
 
 def test_sharded_step_runs_its_executables(graphdef_params):
@@ -165,3 +170,51 @@ def test_sharded_step_runs_its_executables(graphdef_params):
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True):
         assert got.sharding.is_equivalent_to(want, got.ndim)
     assert all(m["train/update_applied"] == 1.0 for m in metrics)
+
+
+class _FakeStep:
+    """A stand-in step: `compile_ahead` records its arguments (or raises `error`); a call runs
+    `body(state)` and returns no metrics."""
+
+    batch_sharding = None
+
+    def __init__(self, body=lambda state: state, error=None):
+        self.body, self.error, self.ahead = body, error, None
+
+    def compile_ahead(self, state, rows, lengths, *, compile_map):
+        if self.error is not None:
+            raise self.error
+        self.ahead = (state, rows, tuple(lengths), list(compile_map(lambda x: 2 * x, [1, 2])))
+        return 0
+
+    def __call__(self, state, batch):
+        return self.body(state), {}
+
+
+def test_run_step_waits_for_the_compiles_and_reports_later_ones():
+    calls = []
+
+    def body(state):  # the second call compiles a new program
+        calls.append(None)
+        if len(calls) == 2:
+            jax.jit(lambda x: x * 3 + len(calls))(state).block_until_ready()
+        return state
+
+    fake = _FakeStep(body)
+    step = RunTrainStep(fake, log=compile_log(), timeout_s=60)
+    state = jnp.ones(3)
+    step.compile_ahead_in_background(state, 8, (32, 64), threads=2)
+    metrics = [step(state, {})[1] for _ in range(3)]
+    abstract, rows, lengths, mapped = fake.ahead
+    assert isinstance(abstract, jax.ShapeDtypeStruct) and abstract.shape == (3,)  # shapes only
+    assert (rows, lengths, mapped) == (8, (32, 64), [2, 4])
+    assert [m["compile/in_step"] for m in metrics] == [0, 1, 0]
+    assert [m["compile/after_step0"] for m in metrics] == [0, 1, 1]
+    assert metrics[2]["compile/count"] == metrics[0]["compile/count"] + 1
+
+
+def test_run_step_reraises_the_compile_error_at_the_first_step():
+    step = RunTrainStep(_FakeStep(error=RuntimeError("out of memory while compiling")), log=compile_log(), timeout_s=60)
+    step.compile_ahead_in_background(jnp.ones(3), 8, (32,), threads=1)
+    with pytest.raises(RuntimeError, match="out of memory while compiling"):
+        step(jnp.ones(3), {})

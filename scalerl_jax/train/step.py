@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -530,10 +531,16 @@ class _JittedStep:
 
     def _run(self, name: str, shape: str, jitted, *args):
         """Program `name` for `shape` (the names and shapes of `aot_programs`) on `args`: its
-        ahead-of-time executable if there is one, else the jitted function (under the mesh rules)."""
+        ahead-of-time executable if there is one, else the jitted function (under the mesh rules).
+        Arguments the executable refuses (types or shardings other than those it was compiled for;
+        checked before it runs, so nothing is donated) go to the jitted function, with a warning."""
         executable = self._compiled.get((name, shape))
         if executable is not None:
-            return executable(*args)
+            try:
+                return executable(*args)
+            except (TypeError, ValueError) as error:
+                logging.warning("%s %s: not run as compiled ahead (%s); through jit from now on", name, shape, error)
+                del self._compiled[(name, shape)]
         with use_mesh_rules(self.mesh, self.rules):
             return jitted(*args)
 
