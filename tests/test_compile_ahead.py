@@ -112,7 +112,7 @@ def _make(graphdef, params, config, mesh=None):
     return make_train_step(graphdef, optimizer, config, mesh=mesh, state_shardings=shardings), state
 
 
-@pytest.mark.parametrize("sort", [True, False], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("sort", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["sorted", "unsorted"])
 def test_no_compile_after_compiling_ahead(graphdef_params, sort):
     graphdef, params = graphdef_params
     config = TrainStepConfig(**{**STEP_CONFIG.__dict__, "sort_by_length": sort})
@@ -154,6 +154,7 @@ def test_a_bucket_not_compiled_ahead_compiles_on_use(graphdef_params):
     assert [c.program for c in compiles] == ["jit(train_prepare_rows)"], summary(compiles)
 
 
+@pytest.mark.slow
 def test_sharded_step_runs_its_executables(graphdef_params):
     """On a (data 2, fsdp 2, tensor 2) mesh: the executables take the batch sharded along B and
     the state on its rule shardings, donate the state, and compile nothing at step time."""
