@@ -206,6 +206,7 @@ def test_run_step_waits_for_the_compiles_and_reports_later_ones():
     state = jnp.ones(3)
     step.compile_ahead_in_background(state, 8, (32, 64), threads=2)
     metrics = [step(state, {})[1] for _ in range(3)]
+    assert fake.ahead is not None  # compile_ahead ran
     abstract, rows, lengths, mapped = fake.ahead
     assert isinstance(abstract, jax.ShapeDtypeStruct) and abstract.shape == (3,)  # shapes only
     assert (rows, lengths, mapped) == (8, (32, 64), [2, 4])
