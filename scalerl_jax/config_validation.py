@@ -66,6 +66,7 @@ BOOLS = (
     "mesh.require_accelerator",
     "sampler.compile_ahead",
     "eval.concurrent",
+    "train.compile_ahead",
 )
 STRINGS = (
     "model.preset",
@@ -154,6 +155,7 @@ NUMBERS: dict[str, Bound] = {
     "sampler.answer_budget": COUNT,
     "sampler.page_size": COUNT,
     "sampler.num_pages": NON_NEGATIVE_INT,
+    "train.compile_threads": NON_NEGATIVE_INT,
     "schedule.k": COUNT,
     "schedule.queue_groups": NON_NEGATIVE_INT,
     "optimizer.lr": POSITIVE,
@@ -550,6 +552,8 @@ RESUMABLE_CHANGES = (
     "sampler.num_pages",
     "sampler.decode_kernel",
     "sampler.compile_ahead",
+    "train.compile_ahead",
+    "train.compile_threads",
     "batch.sort_by_length",
     "batch.length_buckets_per_octave",
 )

@@ -104,6 +104,13 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.sampler.decode_kernel = "auto"  # 'xla' | 'pallas' (GPU) | 'auto' (= 'xla' until measured)
     c.sampler.compile_ahead = True  # compile every decode-path shape before the first request
 
+    c.train = ml_collections.ConfigDict()
+    # Compile the train step for every length bucket of the batches (batch.length_buckets_per_octave)
+    # before the first step, in a background thread beside the sampler's warm-up and first
+    # generations (False: each bucket compiles when a batch first needs it).
+    c.train.compile_ahead = True
+    c.train.compile_threads = 0  # programs compiled at once ahead of time; 0: half the host's CPU cores
+
     c.schedule = ml_collections.ConfigDict()
     c.schedule.kind = "pipeline"  # 'pipeline' (PipelineRL-k) | 'ppo_off_policy'
     c.schedule.k = 8

@@ -6,9 +6,11 @@ thread or talks to another process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +23,7 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.data.rows import read_rows
@@ -37,9 +40,11 @@ from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
+from scalerl_jax.threads import FirstError
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
+from scalerl_jax.train.step import abstract_state
 from scalerl_jax.warm_start import build_warm_start, synthetic_task
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +193,7 @@ def build_meshes(config: ml_collections.ConfigDict, roles: Roles) -> Meshes:
 
 @dataclasses.dataclass
 class Trainer:
-    """The policy's graph, its train state on the trainer mesh, and the jitted train step."""
+    """The policy's graph, its train state on the trainer mesh, and the train step (`RunTrainStep`)."""
 
     graphdef: Any
     model_config: ModelConfig
@@ -196,13 +201,130 @@ class Trainer:
     step_fn: Any
 
 
+class RunTrainStep:
+    """The run's train step: a jitted step (`make_train_step`) whose programs may be compiled
+    ahead in a background thread, and whose metrics carry the process's compile counts.
+
+    `compile_ahead_in_background(state, rows, lengths, threads=N)` starts a thread that compiles
+    every program a batch of `rows` rows and length buckets `lengths` can run (`compile_ahead` of
+    the step, N at once) while the caller goes on (sampler warm-up, first generations); the first call waits
+    for it (at most `timeout_s`) and re-raises its error. Each call adds to the step's metrics,
+    from the process's `CompileLog` (every thread's compiles, generator included):
+      compile/count, compile/seconds   compiles (and their seconds) since the log was installed
+      compile/in_step                  compiles while this step ran
+      compile/after_step0              compiles since this process's first train step began
+                                       (metrics step 1; 0 in a run whose programs were all
+                                       compiled before it)
+      compile/ahead_wait_s             seconds this call waited for the ahead-of-time compiles
+                                       (first step only; part of its pipeline/step_s)
+    and from the first call on every compile is logged as a warning naming the program.
+    """
+
+    def __init__(self, step: Any, *, log: CompileLog, timeout_s: float):
+        self.step = step
+        self.batch_sharding = step.batch_sharding  # where the run places batches
+        self._log = log
+        self._timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+        self._errors = FirstError()
+        self._first_step_count: int | None = None  # the log's count when the first step began
+
+    def compile_ahead_in_background(self, state: Any, rows: int, lengths: tuple[int, ...], *, threads: int) -> None:
+        """Starts compiling the step's programs for `rows` rows and every length in `lengths`
+        (the class docstring), `threads` programs at once; `state` is only read for its shapes and
+        shardings."""
+        compile_ahead = getattr(self.step, "compile_ahead", None)
+        if compile_ahead is None:  # a step without programs to compile (e.g. a test's stand-in)
+            logging.info("train step: %s has no programs to compile ahead", type(self.step).__name__)
+            return
+        abstract = abstract_state(state)
+
+        def work() -> None:
+            start, before = time.perf_counter(), self._log.count()
+            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="train-compile-ahead") as pool:
+                programs = compile_ahead(abstract, rows, lengths, compile_map=pool.map)
+            logging.info(
+                "train step: %d programs compiled ahead in %.1f s, %d at once (%d rows, %d length buckets "
+                "%d..%d; %.1f s of XLA compiles in this process meanwhile)",
+                programs,
+                time.perf_counter() - start,
+                threads,
+                rows,
+                len(lengths),
+                min(lengths),
+                max(lengths),
+                self._log.seconds(before),
+            )
+
+        self._thread = threading.Thread(
+            target=self._errors.guarded("train-compile-ahead", work), name="train-compile-ahead", daemon=True
+        )
+        self._thread.start()
+
+    def wait_compiled(self) -> float:
+        """Waits for the ahead-of-time compiles, if any are running (seconds waited); re-raises
+        their error."""
+        thread = self._thread
+        if thread is None:
+            return 0.0
+        start = time.perf_counter()
+        thread.join(self._timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(
+                f"train step: the ahead-of-time compiles did not finish within {self._timeout_s:.0f} s "
+                "(config key `distributed.reply_timeout_s`; `train.compile_ahead=False` compiles at first use)"
+            )
+        self._thread = None
+        self._errors.raise_first()
+        waited = time.perf_counter() - start
+        logging.info("train step: waited %.1f s for the programs compiled ahead", waited)
+        return waited
+
+    def __call__(self, state: Any, batch: dict) -> tuple[Any, dict]:
+        waited = self.wait_compiled()
+        before = self._log.count()
+        if self._first_step_count is None:
+            self._first_step_count = before
+            logging.info("compiles before the first train step: %s", summary(self._log.events()) if before else "none")
+            self._log.warn_from_now("the first train step began")
+        state, metrics = self.step(state, batch)
+        in_step = self._log.events(before)
+        if in_step:
+            logging.warning("train step compiled (%s)", summary(in_step))
+        metrics = dict(metrics)
+        metrics.update(
+            {
+                "compile/count": float(before + len(in_step)),
+                "compile/seconds": self._log.seconds(),
+                "compile/in_step": float(len(in_step)),
+                "compile/after_step0": float(self._log.count() - self._first_step_count),
+                "compile/ahead_wait_s": waited,
+            }
+        )
+        return state, metrics
+
+
 def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: jax.sharding.Mesh) -> Trainer:
-    """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step."""
+    """Loads the policy onto the trainer mesh, with the recipe's AdamW and train step; with
+    `train.compile_ahead`, the step's programs for every length bucket of the run's batches
+    start compiling in a background thread (`RunTrainStep`)."""
+    log = compile_log()  # counts this process's compiles from here on
     model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
     optimizer = make_optimizer(OptimizerConfig.from_config(config))
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
-    return Trainer(graphdef, model.config, state, build_train_step(config, graphdef, optimizer, mesh, state_shardings))
+    step = RunTrainStep(
+        build_train_step(config, graphdef, optimizer, mesh, state_shardings),
+        log=log,
+        timeout_s=config.distributed.reply_timeout_s,
+    )
+    if config.train.compile_ahead:
+        from scalerl_jax.run.programs import train_length_buckets  # run.programs imports this module
+
+        rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
+        threads = config.train.compile_threads or max(1, (os.cpu_count() or 1) // 2)
+        step.compile_ahead_in_background(state, rows, train_length_buckets(config), threads=threads)
+    return Trainer(graphdef, model.config, state, step)
 
 
 def build_train_step(

@@ -25,6 +25,10 @@ length bucket T_m (`pipeline/batching.py`); three jitted programs, (1) once per 
 per microbatch (one compile per (R, T_m), the accumulator donated), (3) once. Loss, gradient and
 metrics equal those of the unsorted step on the same rows dealt the same way.
 
+Compiling ahead (`compile_ahead`): every program a run's batches can need, for the batch's rows
+and every length bucket, is compiled before the first step and its executable kept; a step then
+runs those executables, so no step compiles (a shape not compiled ahead still runs, through jit).
+
 Precision: log-probs, losses, metrics and the gradient accumulator are fp32 whatever the body
 dtype of the model.
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -41,6 +45,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -416,6 +421,22 @@ def abstract_arrays(spec: dict[str, tuple[int, str]], shape_of_rank: dict[int, t
     }
 
 
+def abstract_state(state: TrainState) -> TrainState:
+    """ShapeDtypeStructs of `state`'s arrays on their shardings: what `compile_ahead` needs of a
+    live state, without holding its buffers."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type), state
+    )
+
+
+def _step_shape(rows: int, length: int) -> str:
+    return f"B={rows} T={length}"
+
+
+def _microbatch_shape(rows: int, length: int) -> str:
+    return f"R={rows} T={length}"
+
+
 class _StepShardings(NamedTuple):
     """Where a step's inputs and outputs live on its mesh."""
 
@@ -431,7 +452,8 @@ class _JittedStep:
     B over the mesh axes that `rules` give the logical axis 'batch' (`batch_sharding`, over
     `batch_shards` shards), and the model's activations are constrained by `rules`
     (`use_mesh_rules` around tracing); without a mesh, everything stays where jit puts it (one
-    device). `num_traces` counts the traces (compiles) of the step's jitted programs.
+    device). `num_traces` counts the traces of the step's jitted programs (lowering ahead of time
+    included). Programs compiled by `compile_ahead` run as those executables.
     """
 
     def __init__(
@@ -451,6 +473,8 @@ class _JittedStep:
         self.mesh = mesh
         self.rules = tuple(rules)
         self.num_traces = 0
+        # (AotProgram.name, AotProgram.shape) -> its executable, compiled ahead (`compile_ahead`).
+        self._compiled: dict[tuple[str, str], jax.stages.Compiled] = {}
         self.batch_sharding: NamedSharding | None = None  # where to put batches ahead of time
         self.batch_shards = 1
         shardings = None
@@ -466,14 +490,59 @@ class _JittedStep:
         """Creates the layout's jitted programs (counted by `self._counted`); `shardings` None: no mesh."""
         raise NotImplementedError
 
-    def _counted(self, fn):
-        """`fn` adding 1 to `num_traces` each time jit traces it."""
+    def _counted(self, fn, name: str):
+        """`fn` adding 1 to `num_traces` each time jit traces it, named `name` (the program's name
+        in JAX's compile logs and events)."""
 
         def counted(*args):
             self.num_traces += 1
             return fn(*args)
 
+        counted.__name__ = counted.__qualname__ = name
         return counted
+
+    def aot_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[AotProgram]:
+        raise NotImplementedError
+
+    def compile_ahead(
+        self,
+        state: TrainState,
+        rows: int,
+        lengths: Sequence[int],
+        *,
+        compile_map: Callable[[Callable[[Any], Any], list], Iterable[Any]] = map,
+    ) -> int:
+        """Compiles every program of `aot_programs(state, rows, lengths)` not compiled yet and keeps
+        the executables, which later calls on those shapes run (a shape not compiled ahead goes
+        through jit as before, compiling on first use); returns how many it compiled. `state` may be
+        abstract (`abstract_state`). The executables take the same shardings and donate the same
+        arguments as the jitted calls. The programs are lowered here, one after the other, then
+        compiled by `compile_map(compile, lowered)` (e.g. a thread pool's `map`, to compile several
+        at once)."""
+        keys, lowered = [], []
+        for aot in self.aot_programs(state, rows, lengths):
+            key = (aot.name, aot.shape)
+            if key not in self._compiled and key not in keys:
+                keys.append(key)
+                lowered.append(aot.lower())
+        for key, executable in zip(keys, compile_map(lambda program: program.compile(), lowered), strict=True):
+            self._compiled[key] = executable
+        return len(keys)
+
+    def _run(self, name: str, shape: str, jitted, *args):
+        """Program `name` for `shape` (the names and shapes of `aot_programs`) on `args`: its
+        ahead-of-time executable if there is one, else the jitted function (under the mesh rules).
+        Arguments the executable refuses (types or shardings other than those it was compiled for;
+        checked before it runs, so nothing is donated) go to the jitted function, with a warning."""
+        executable = self._compiled.get((name, shape))
+        if executable is not None:
+            try:
+                return executable(*args)
+            except (TypeError, ValueError) as error:
+                logging.warning("%s %s: not run as compiled ahead (%s); through jit from now on", name, shape, error)
+                del self._compiled[(name, shape)]
+        with use_mesh_rules(self.mesh, self.rules):
+            return jitted(*args)
 
     def _check_rows(self, rows: int) -> None:
         per_microbatch, remainder = divmod(rows, self.config.num_microbatches)
@@ -501,12 +570,12 @@ class TrainStep(_JittedStep):
         step = lambda state, batch: train_step(
             graphdef, optimizer, config, state, batch, constrain, learning_rate_schedule
         )
-        self._jitted = jax.jit(self._counted(step), **jit_kwargs)
+        self._jitted = jax.jit(self._counted(step, "train_step"), **jit_kwargs)
 
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        self._check_rows(validate_batch(batch)[0])
-        with use_mesh_rules(self.mesh, self.rules):
-            return self._jitted(state, batch)
+        rows, length = validate_batch(batch)
+        self._check_rows(rows)
+        return self._run("train/step", _step_shape(rows, length), self._jitted, state, batch)
 
     def lower(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
         """Ahead-of-time lowering for these shapes (`.compile()` it to time compilation or to read
@@ -520,7 +589,7 @@ class TrainStep(_JittedStep):
         each length bucket T in `lengths`; `state` may be abstract (ShapeDtypeStructs with shardings)."""
         for length in lengths:
             batch = abstract_arrays(BATCH_SPEC, {1: (rows,), 2: (rows, length)}, self.batch_sharding)
-            yield AotProgram("train/step", f"B={rows} T={length}", functools.partial(self.lower, state, batch))
+            yield AotProgram("train/step", _step_shape(rows, length), functools.partial(self.lower, state, batch))
 
 
 class SortedTrainStep(_JittedStep):
@@ -556,22 +625,35 @@ class SortedTrainStep(_JittedStep):
             metrics = step_metrics(config, accumulator, row_stats)
             return apply_update(optimizer, config, state, accumulator.grads, metrics, learning_rate_schedule)
 
-        self._prepare = jax.jit(self._counted(lambda rows: prepare_rows(rows, config)), **prepare_kw)
-        self._zeros = jax.jit(self._counted(zero_accumulator), **zeros_kw)
-        self._accumulate = jax.jit(
-            self._counted(functools.partial(accumulate_microbatch, graphdef, config)), **accumulate_kw
+        self._prepare = jax.jit(
+            self._counted(lambda rows: prepare_rows(rows, config), "train_prepare_rows"), **prepare_kw
         )
-        self._update = jax.jit(self._counted(update), **update_kw)
+        self._zeros = jax.jit(self._counted(zero_accumulator, "train_zero_accumulator"), **zeros_kw)
+        self._accumulate = jax.jit(
+            self._counted(functools.partial(accumulate_microbatch, graphdef, config), "train_accumulate"),
+            **accumulate_kw,
+        )
+        self._update = jax.jit(self._counted(update, "train_update"), **update_kw)
 
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rows, microbatches = split_sorted_batch(batch, self.config.num_microbatches)
-        self._check_rows(rows["rewards"].shape[0])
-        with use_mesh_rules(self.mesh, self.rules):
-            terms, row_stats = self._prepare(rows)
-            accumulator = self._zeros(state.params)
-            for index, microbatch in enumerate(microbatches):
-                accumulator = self._accumulate(accumulator, state.params, terms, np.int32(index), microbatch)
-            return self._update(state, accumulator, row_stats)
+        num_rows = rows["rewards"].shape[0]
+        self._check_rows(num_rows)
+        terms, row_stats = self._run("train/prepare_rows", f"B={num_rows}", self._prepare, rows)
+        accumulator = self._run("train/zero_accumulator", "params", self._zeros, state.params)
+        for index, microbatch in enumerate(microbatches):
+            per_microbatch, length = microbatch["tokens"].shape
+            accumulator = self._run(
+                "train/accumulate",
+                _microbatch_shape(per_microbatch, length),
+                self._accumulate,
+                accumulator,
+                state.params,
+                terms,
+                np.int32(index),
+                microbatch,
+            )
+        return self._run("train/update", "params", self._update, state, accumulator, row_stats)
 
     def aot_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[AotProgram]:
         """Every program a step on `rows` rows can run, to lower ahead of time: `prepare_rows` and
@@ -591,7 +673,7 @@ class SortedTrainStep(_JittedStep):
             lower = functools.partial(
                 self._lower, self._accumulate, accumulator, state.params, terms, index, microbatch
             )
-            yield AotProgram("train/accumulate", f"R={per_microbatch} T={length}", lower)
+            yield AotProgram("train/accumulate", _microbatch_shape(per_microbatch, length), lower)
         yield AotProgram(
             "train/update", "params", functools.partial(self._lower, self._update, state, accumulator, row_stats)
         )
