@@ -10,8 +10,9 @@ holds a prompt of `live` tokens (prefilled by the engine), and the chunk feeds o
   stop / budget / interruption bookkeeping and the per-step output buffers; `greedy` is the same
   at temperature 0.
 Printed per (model, batch, live length): ms per decode step (chunk wall time / steps, median of
-`--repeats` after a compile run) and the ratios engine / forward (goal <= 1.15 at batch >= 32).
-Timings on a shared CPU are noisy: the sides alternate within each repeat and medians are shown.
+`--repeats` after a compile run) and the ratios engine / forward (goal <= 1.15 at batch >= 32),
+each the median of the per-repeat ratios: the sides run back to back in every repeat, so on a
+shared, noisy CPU a ratio compares runs under about the same load.
 
   .venv/bin/python benchmarks/bench_decode_overhead.py
   .venv/bin/python benchmarks/bench_decode_overhead.py --models small --batches 32 --lives 512
@@ -36,7 +37,7 @@ from scalerl_jax.sampler.sampling import first_argmax
 # A ~12M-parameter Llama-style model: the head (256 x 16,384) and the sampling over a 16k
 # vocabulary cost about what the layers do, as in a real model.
 MODELS = {
-    "tiny": dict(),
+    "tiny": dict(max_position_embeddings=4096),
     "small": dict(
         vocab_size=16_384,
         hidden_size=256,
@@ -112,7 +113,9 @@ def fresh_state(engine: Engine, params, prompts: np.ndarray, temperature: float)
 
 
 def measure(engine: Engine, params, prompts: np.ndarray, repeats: int) -> dict[str, float]:
-    """Median ms per decode step of: forward, engine (temperature 1), greedy (temperature 0)."""
+    """Median ms per decode step of: forward, engine (temperature 1), greedy (temperature 0), and
+    the medians of the per-repeat ratios engine / forward and greedy / forward (the three run back
+    to back in each repeat, so a ratio compares runs under the same load)."""
     chunk = engine.config.chunk_size
     forward = jax.jit(bare_forward_chunk, static_argnums=(0, 3), static_argnames=("steps",), donate_argnums=(2,))
     times: dict[str, list[float]] = {"forward": [], "engine": [], "greedy": []}
@@ -131,7 +134,10 @@ def measure(engine: Engine, params, prompts: np.ndarray, repeats: int) -> dict[s
             jax.block_until_ready(out)
             if rep:
                 times[name].append(1e3 * (time.perf_counter() - start) / steps)
-    return {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    for name in ("engine", "greedy"):
+        medians[f"{name}/forward"] = statistics.median(a / b for a, b in zip(times[name], times["forward"]))
+    return medians
 
 
 def main() -> None:
@@ -166,7 +172,7 @@ def main() -> None:
                 ms = measure(engine, params, prompts, args.repeats)
                 print(
                     f"{name:<7}{count / 1e6:>7.1f}M{batch:>7}{live:>6}{ms['forward']:>10.3f}{ms['engine']:>10.3f}"
-                    f"{ms['greedy']:>10.3f}{ms['engine'] / ms['forward']:>9.2f}{ms['greedy'] / ms['forward']:>9.2f}",
+                    f"{ms['greedy']:>10.3f}{ms['engine/forward']:>9.2f}{ms['greedy/forward']:>9.2f}",
                     flush=True,
                 )
 
