@@ -82,6 +82,8 @@ def gumbel_max(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
 
     The Gumbel-max trick as `jax.vmap(jax.random.categorical)(keys, log_probs)` computes it
     (first argmax of log_probs + Gumbel noise drawn from the row's key), hence the same tokens.
+    The noise is S x V threefry hashes: cheap fused elementwise work on GPU/TPU, but on CPU, where
+    jax lowers threefry as a rolled loop, most of what a sampled decode step adds to the forward.
     """
     vocab = log_probs.shape[-1]
     noise = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,), log_probs.dtype))(keys)
