@@ -5,7 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalerl_jax.sampler.sampling import masked_log_probs, sample_tokens, top_k_mask, top_p_mask
+from scalerl_jax.sampler.sampling import (
+    first_argmax,
+    gumbel_max,
+    log_softmax_at,
+    masked_log_probs,
+    sample_tokens,
+    top_k_mask,
+    top_p_mask,
+)
 
 
 def np_log_softmax(x: np.ndarray) -> np.ndarray:
@@ -88,3 +96,64 @@ def test_sampled_frequencies_match_masked_distribution():
     assert np.all(np.abs(counts - q) <= 5 * sigma + 1e-9), (counts, q)
     assert counts[q == 0].sum() == 0
     np.testing.assert_allclose(logprobs, np.log(q[tokens]), atol=1e-5)
+
+
+def test_first_argmax_matches_numpy_on_ties_infinities_and_nan():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(6, 40)).astype(np.float32)  # many ties at the maximum
+    x[1] = -np.inf  # every entry -inf: index 0
+    x[2, 17] = np.inf
+    x[3, [5, 30]] = np.nan  # the first NaN wins, as numpy's argmax
+    x[4, [2, 9]] = np.inf
+    got = np.asarray(first_argmax(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert got.dtype == np.int32
+
+
+def test_log_softmax_at_matches_numpy():
+    rng = np.random.default_rng(4)
+    x = rng.normal(scale=5.0, size=(5, 70)).astype(np.float32)
+    x[2, :60] = -np.inf  # masked entries
+    index = np.array([0, 69, 65, 3, 41])
+    got = np.asarray(log_softmax_at(jnp.asarray(x), jnp.asarray(index)))
+    want = np.array([np_log_softmax(x[row])[index[row]] for row in range(5)])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_gumbel_max_draws_jax_categorical_tokens_and_its_frequencies():
+    """Same keys, same tokens as jax.random.categorical; 20,000 draws within 5 sigma of softmax."""
+    log_p = np_log_softmax(np.array([1.0, -0.5, 2.0, 0.0, -np.inf, 0.3], np.float32))
+    draws = 20_000
+    keys = jax.random.split(jax.random.key(7), draws)
+    rows = jnp.broadcast_to(jnp.asarray(log_p, jnp.float32), (draws, 6))
+    tokens = np.asarray(gumbel_max(keys, rows))
+    np.testing.assert_array_equal(tokens, np.asarray(jax.vmap(jax.random.categorical)(keys, rows)))
+    p = np.exp(log_p)
+    counts = np.bincount(tokens, minlength=6) / draws
+    assert np.all(np.abs(counts - p) <= 5 * np.sqrt(p * (1 - p) / draws) + 1e-9), (counts, p)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 0.9)])
+def test_mixed_greedy_and_sampled_rows_record_their_own_logprobs(top_k, top_p):
+    """Greedy rows (T = 0) take argmax z and log softmax(z)[y]; sampled rows a token of the masked
+    set and log q[y] (numpy). All-greedy batches (no noise drawn) agree with the mixed ones."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(scale=2.0, size=(8, 30)).astype(np.float32)
+    temperature = np.array([0.0, 1.0, 0.0, 0.7, 1.5, 0.0, 1.0, 0.0], np.float32)
+    keys = jax.random.split(jax.random.key(1), 8)
+    tokens, logprobs = sample_tokens(jnp.asarray(logits), keys, jnp.asarray(temperature), top_k=top_k, top_p=top_p)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    for row in range(8):
+        if temperature[row] == 0:
+            assert tokens[row] == logits[row].argmax()
+            want = np_log_softmax(logits[row])[tokens[row]]
+        else:
+            want = np_masked_log_probs(logits[row], float(temperature[row]), top_k, top_p)[tokens[row]]
+            assert np.isfinite(want)
+        np.testing.assert_allclose(logprobs[row], want, atol=1e-5)
+    greedy_rows = temperature == 0
+    all_greedy = sample_tokens(
+        jnp.asarray(logits[greedy_rows]), keys[greedy_rows], jnp.zeros(int(greedy_rows.sum())), top_k=top_k, top_p=top_p
+    )
+    np.testing.assert_array_equal(np.asarray(all_greedy[0]), tokens[greedy_rows])
+    np.testing.assert_allclose(np.asarray(all_greedy[1]), logprobs[greedy_rows], atol=1e-6)

@@ -529,6 +529,14 @@ class Engine:
         First gives every live slot the pages its next `chunk_size` positions need (RuntimeError
         naming the groups if the pool is short: resolve `chunk_shortfall` first, e.g. by `evict`).
         """
+        window, table, held = self.prepare_chunk()
+        with self._mesh_context():
+            return self._generate_jit(params, state, window, table, held)
+
+    def prepare_chunk(self) -> tuple[int, np.ndarray, np.ndarray]:
+        """The host part of `generate`: gives every live slot the pages its next chunk needs,
+        advances the live bounds, and returns the chunk's (window, page table int32[S, M], held
+        lengths int32[S]) (`benchmarks/bench_decode_overhead.py` feeds them to a bare forward)."""
         needs = self._chunk_needs()
         short = self.pages.shortfall(needs)
         if short:
@@ -542,8 +550,7 @@ class Engine:
         self._count("generate", (window,))
         live = self._live_bound > 0
         self._live_bound[live] = np.minimum(self._live_bound[live] + self.config.chunk_size, self.config.max_len)
-        with self._mesh_context():
-            return self._generate_jit(params, state, window, self.pages.table.copy(), self._held_lengths())
+        return window, self.pages.table.copy(), self._held_lengths()
 
     def release_slots(self, slots: Any) -> None:
         """Slots whose request finished (inactive on the device) give their pages back and no longer
