@@ -12,14 +12,17 @@ step v first waits for the evaluations of earlier steps; if step v's own is stil
 records so (`pending_evaluation`), and a run resumed from it evaluates step v first (its row,
 written after the checkpoint's offset, is dropped on resume). The last step's evaluation runs in
 the trainer thread after all others; `on_end` waits for any still running.
+`pipeline/trainer_eval_frac`: the share of the trainer thread's time (since the pipeline's first
+callback) spent evaluating or waiting for evaluations.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import ml_collections
@@ -123,6 +126,10 @@ class StepReporter:
         self._write_lock = threading.Lock()  # rows come from the trainer and the evaluation thread
         self._evaluated: set[int] = set()  # steps whose evaluation row is written
         self._evaluations = EvaluationQueue()
+        # The trainer thread's time in evaluations (its own, or waiting for the evaluation thread's)
+        # since the pipeline's first callback: pipeline/trainer_eval_frac.
+        self._started: float | None = None
+        self._trainer_eval_s = 0.0
 
     def write(self, version: int, metrics: Mapping[str, Any]) -> None:
         with self._write_lock:
@@ -155,13 +162,23 @@ class StepReporter:
         sample_eval.pin(version)
         self._evaluations.submit(version, lambda: self._evaluate_row(version, sample_eval, compute))
 
+    @contextlib.contextmanager
+    def _trainer_evaluating(self) -> Iterator[None]:
+        """Counts the block's seconds as the trainer thread's time in evaluations."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._trainer_eval_s += time.monotonic() - start
+
     def on_end(self) -> None:
         """Trainer thread, after the last step: waits for the evaluations still running."""
         self._evaluations.wait()
 
     def checkpoint(self, version: int) -> None:
         rs = self._run_state
-        self._evaluations.wait(before=version)
+        with self._trainer_evaluating():
+            self._evaluations.wait(before=version)
         with self._write_lock:  # the offset, the reward tallies and this step's evaluation agree
             owed = version in self._evaluations.pending() and version not in self._evaluated
             run_state = {
@@ -180,19 +197,22 @@ class StepReporter:
 
     def on_start(self, sample_eval: EvalSampler) -> None:
         """The start version's held-out pass rate (step 0 of a fresh run: before any training)."""
+        self._started = time.monotonic()
         version = self._start_version
         if sample_eval.concurrent:
             self._submit_evaluation(
                 version, sample_eval, {**self._run_state.meter.metrics(), "compute/unit": "device_hours"}
             )
             return
-        initial = self.evaluate(version, sample_eval)
+        with self._trainer_evaluating():
+            initial = self.evaluate(version, sample_eval)
         rs = self._run_state
         self.write(version, {**initial, **rs.rewards.metrics(), **rs.meter.metrics(), "compute/unit": "device_hours"})
         logging.info("step %d: held-out pass rate %.3f", version, initial["eval/pass_rate"])
 
     def on_step(self, record: StepRecord, sample_eval: EvalSampler) -> None:
         config, rs = self._config, self._run_state
+        self._started = self._started or time.monotonic()
         version = record.version + 1
         self.state = record.train_state
         metrics: dict[str, Any] = dict(record.metrics)
@@ -229,12 +249,14 @@ class StepReporter:
         if due and sample_eval.concurrent and version != config.num_steps:
             self._submit_evaluation(version, sample_eval, compute)
         elif due:
-            if sample_eval.concurrent:
-                self._evaluations.wait()  # the earlier rows first
-                sample_eval.pin(version)
-            metrics.update(self.evaluate(version, sample_eval))
+            with self._trainer_evaluating():
+                if sample_eval.concurrent:
+                    self._evaluations.wait()  # the earlier rows first
+                    sample_eval.pin(version)
+                metrics.update(self.evaluate(version, sample_eval))
             metrics.update(rs.rewards.metrics())  # with the evaluation's items
             metrics.update(rs.meter.metrics())
+        metrics["pipeline/trainer_eval_frac"] = self._trainer_eval_s / max(time.monotonic() - self._started, 1e-9)
         self.write(version, metrics)
         self._step_times.append(time.time())
         eta = None
