@@ -136,7 +136,8 @@ def test_s3_sigterm_to_every_process_stops_at_one_step_with_one_checkpoint(tmp_p
     codes = wait(procs, timeout=180)
     assert codes == [0, 0], logs(workdir, 2)
     stop_step = checkpoints(workdir)[-1]
-    assert 3 <= stop_step < 6 and checkpoints(workdir) == [stop_step], logs(workdir, 2)
+    # Step 2's row may be on disk while its reporting still runs: the signal then stops at step 2.
+    assert 2 <= stop_step < 6 and checkpoints(workdir) == [stop_step], logs(workdir, 2)
     assert [r["step"] for r in read_metrics(workdir)] == list(range(stop_step + 1))
     assert "'stop_reason': 'signal SIGTERM'" in full_log(workdir, 0)
     assert "the leader (process 0) chooses the step" in full_log(workdir, 1)

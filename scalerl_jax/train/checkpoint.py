@@ -160,17 +160,26 @@ def _drop_closed_loop_reports(unraisable: Any, fallback: Callable[[Any], None]) 
     fallback(unraisable)
 
 
+class _FromOrbax(std_logging.Filter):
+    """Drops the records that orbax (and the etils it logs through) writes, from any thread."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        path = record.pathname.replace("\\", "/")
+        return "/orbax/" not in path and "/etils/" not in path
+
+
 @contextlib.contextmanager
 def _orbax_muted() -> Iterator[None]:
-    """Silences orbax for the block: absl logging (its INFO chatter and error tracebacks), asyncio's
-    'Future exception was never retrieved' and the closed-event-loop reports of failed operations
-    (collected before leaving, so they and the never-awaited coroutines of an aborted operation do
-    not surface later)."""
-    verbosity = logging.get_verbosity()
+    """Silences orbax for the block: its absl logging (INFO chatter and error tracebacks; other
+    threads' records, an evaluation's or a generator's, still pass), asyncio's 'Future exception
+    was never retrieved' and the closed-event-loop reports of failed operations (collected before
+    leaving, so they and the never-awaited coroutines of an aborted operation do not surface later)."""
+    absl_logger = logging.get_absl_logger()
+    orbax_filter = _FromOrbax()
     asyncio_logger = std_logging.getLogger("asyncio")
     asyncio_level = asyncio_logger.level
     hook = sys.unraisablehook
-    logging.set_verbosity(logging.FATAL)
+    absl_logger.addFilter(orbax_filter)
     asyncio_logger.setLevel(std_logging.CRITICAL)
     sys.unraisablehook = functools.partial(_drop_closed_loop_reports, fallback=hook)
     try:
@@ -181,7 +190,7 @@ def _orbax_muted() -> Iterator[None]:
             gc.collect()
         sys.unraisablehook = hook
         asyncio_logger.setLevel(asyncio_level)
-        logging.set_verbosity(verbosity)
+        absl_logger.removeFilter(orbax_filter)
 
 
 def _serializable(train_state: Any) -> Any:
