@@ -21,7 +21,7 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax import recipe
-from scalerl_jax.data.answers import ANSWER_FORMATS
+from scalerl_jax.data.answers import ANSWER_FORMATS, ANSWER_STYLES, BOXED, HASHES, parse_styles
 from scalerl_jax.data.builders import DATASETS
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
@@ -77,6 +77,8 @@ STRINGS = (
     "data.answer_field",
     "data.prompt_template",
     "data.reward_fn",
+    "data.answer_extraction",
+    "data.gold_extraction",
     "sampler.interruption_phrase",
     "sampler.think_end",
     "logging.wandb_project",
@@ -277,6 +279,7 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
         if key in flat:
             problems += _check_number(key, _get(config, key), bound)
     problems += check_generator_fraction(config.mesh.generator_fraction)
+    problems += check_answer_extraction(config.data)
     if problems:  # the relations below assume well-typed values
         return problems
     s, b, rl = config.sampler, config.batch, config.rl
@@ -321,6 +324,49 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
     if "warm_start" in config and config.warm_start.max_len < 2:
         problems.append(f"config key `warm_start.max_len` = {config.warm_start.max_len}; expected >= 2")
     return problems
+
+
+def check_answer_extraction(data: ml_collections.ConfigDict) -> list[str]:
+    """`data.answer_extraction` is a style list (`answers.parse_styles`: known, distinct, none
+    empty) and `data.gold_extraction` is '' or one; a line per bad key (other types are reported
+    by the string check)."""
+    problems = []
+    allowed = ", ".join(ANSWER_STYLES)
+    for key, empty_ok in (("answer_extraction", False), ("gold_extraction", True)):
+        value = data.get(key)
+        if not isinstance(value, str) or (empty_ok and value == ""):
+            continue
+        try:
+            parse_styles(value)
+        except ValueError:
+            problems.append(
+                f"config key `data.{key}` = {value!r}; expected a comma-separated list of distinct answer styles "
+                f"from {allowed}" + (", or '' for the answer field as is" if empty_ok else "")
+            )
+    return problems
+
+
+def answer_style_warnings(config: ml_collections.ConfigDict) -> list[str]:
+    """One line each: the prompt template asks for a `\\boxed{}` answer but `boxed` is not among
+    `data.answer_extraction`'s styles, or for a `####` line without `hashes` (the reward would not
+    read what the model is told to write); `data.gold_extraction` under the synthetic task (its
+    golds are generated). Assumes `check_values` passed."""
+    warnings = []
+    d = config.data
+    styles = parse_styles(d.answer_extraction)
+    for marker, asked, style in (("\\boxed", "\\boxed{}", BOXED), ("####", "####", HASHES)):
+        if marker in d.prompt_template and style not in styles:
+            warnings.append(
+                f"config key `data.prompt_template` asks for {asked} but `data.answer_extraction` = "
+                f"{d.answer_extraction!r} does not read it; add {style!r} to `data.answer_extraction` or change "
+                "the template"
+            )
+    if d.gold_extraction and d.dataset == "synthetic":
+        warnings.append(
+            f"config key `data.gold_extraction` = {d.gold_extraction!r} has no effect: `data.dataset` = "
+            "'synthetic' generates its gold answers"
+        )
+    return warnings
 
 
 def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list[str]]:
@@ -629,6 +675,7 @@ def validate(
         if not problems:
             irrelevant, warnings = check_irrelevant(config)
             problems += irrelevant
+            warnings += answer_style_warnings(config)
         if check_files:
             problems += check_paths(config)
     if problems:

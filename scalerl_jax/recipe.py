@@ -17,6 +17,12 @@ INTERRUPTION_PHRASE = "Okay, time is up. Let me stop thinking and formulate a fi
 ROWS_PER_MICROBATCH = 16
 # `{problem}` is replaced literally (data.prompts.format_problem), so LaTeX braces stay as written.
 DEFAULT_PROMPT_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+# For data whose gold is a worked solution ending in `#### <number>` (GSM8K): asks for the same
+# ending, which `data.answer_extraction` = 'hashes' reads (with `data.gold_extraction` = 'hashes').
+WORKED_SOLUTION_TEMPLATE = (
+    "{problem}\n\nSolve the problem step by step. Then write the final answer, a number only, on its own "
+    "last line in the form:\n#### <number>"
+)
 
 
 def scalerl_8b() -> ml_collections.ConfigDict:
@@ -49,10 +55,24 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.data.heldout_seed = 0
     c.data.prompt_template = DEFAULT_PROMPT_TEMPLATE
     c.data.use_chat_template = True
-    # 'think': the answer is the last \boxed{} after sampler.think_end, and forced interruption
-    # applies; 'plain' (base models without a think phase): the last \boxed{} anywhere, no
+    # 'think': the answer part is the text after sampler.think_end, and forced interruption
+    # applies; 'plain' (base models without a think phase): the whole completion, no
     # interruption. One key for the sampler's length control and the reward's extraction.
     c.data.answer_format = "think"
+    # How the prediction is read from the answer part: a comma-separated list of styles, tried in
+    # order, the first that finds an answer gives it: 'boxed' (the last closed \boxed{}), 'hashes'
+    # (the text after the last '####' to the end of its line: GSM8K's style), 'answer_is' (after
+    # the last "the answer is" / "the final answer is" / "answer:", to the end of that line or
+    # sentence; a \boxed{} in it unwrapped), 'last_number' (the last number). An instruct model
+    # on GSM8K-style data: 'hashes,answer_is,last_number' with WORKED_SOLUTION_TEMPLATE. The prompt
+    # template should ask for what this reads (config_validation warns when it asks for \boxed{}
+    # or '####' that no style reads); the interruption phrase names no format. The fraction of
+    # completions where an answer is found is logged (eval/answer_found_frac, data/answer_found_frac).
+    c.data.answer_extraction = "boxed"
+    # The gold answer of each row read from data.path (and eval.extra files): '' = the answer field
+    # as is; else a style list as above applied to the answer field (GSM8K's worked solutions:
+    # 'hashes'). Rows where no style finds a gold are counted, skipped and named in one warning.
+    c.data.gold_extraction = ""
     c.data.reward_fn = ""  # 'package.module:function' (completion, gold, problem) -> float; '' = math-verify
     c.data.max_prompt_tokens = 2_048
     c.data.reward_correct = 1.0

@@ -8,24 +8,36 @@ Scoring one completion (``score_item``):
 
 1. The answer part: for ``answer_format='think'`` the text after the first ``think_end`` tag
    (none: ``NO_THINK_END``); for ``'plain'`` (base models without a think phase) the whole text.
-2. The prediction: the content of the last complete ``\\boxed{...}`` of the answer part (see
-   ``last_boxed``); none: ``NO_BOX``.
+2. The prediction: the first answer style of the configured list (``data.answer_extraction``,
+   ``parse_styles``) that finds one in the answer part (``find_answer``):
+
+   - ``boxed``: the content of the last complete ``\\boxed{...}`` (``last_boxed``);
+   - ``hashes``: the text after the last ``####``, to the end of that line, stripped (GSM8K);
+   - ``answer_is``: the text after the last "the answer is" / "the final answer is" /
+     "answer:" (any case, optional colon), to the end of that line or sentence; a
+     ``\\boxed{}`` in it is unwrapped (``answer_is``);
+   - ``last_number``: the last number (optional sign, thousands commas, decimals, ``a/b``).
+
+   None found: ``NO_BOX`` when the list is ``boxed`` alone, else ``NO_ANSWER``.
 3. With a custom reward function, its value decides (outcome ``CUSTOM``; it gets the whole
-   completion, the gold and the problem). Otherwise: gold and prediction both plain integers are
-   compared as integers (``FAST_EQUAL`` / ``FAST_NOT_EQUAL``); else kind ``'exact'`` compares the
-   stripped strings and kind ``'math'`` asks math-verify (``EQUAL``, ``NOT_EQUAL``,
-   ``UNPARSABLE``, ``TIMEOUT``, ``ERROR``).
+   completion, the gold and the problem). Otherwise: gold and prediction that both read as
+   numbers (``as_number``: ``$``, ``%``, thousands commas, a trailing period ignored; integers,
+   decimals, ``a/b``) are compared as exact rationals (``FAST_EQUAL`` / ``FAST_NOT_EQUAL``);
+   else kind ``'exact'`` compares the stripped strings and kind ``'math'`` asks math-verify
+   (``EQUAL``, ``NOT_EQUAL``, ``UNPARSABLE``, ``TIMEOUT``, ``ERROR``).
 
 The pool adds ``TIMEOUT`` (the hard limit killed the worker) and ``CRASH`` (the worker died).
 """
 
 from __future__ import annotations
 
+import decimal
+import fractions
 import importlib
 import math
 import numbers
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 THINK = "think"
@@ -33,9 +45,18 @@ PLAIN = "plain"
 ANSWER_FORMATS = (THINK, PLAIN)
 KINDS = ("math", "exact")
 
+# Answer styles (`data.answer_extraction`, `data.gold_extraction`), tried in the configured order.
+BOXED = "boxed"
+HASHES = "hashes"
+ANSWER_IS = "answer_is"
+LAST_NUMBER = "last_number"
+ANSWER_STYLES = (BOXED, HASHES, ANSWER_IS, LAST_NUMBER)
+DEFAULT_STYLES = (BOXED,)
+
 # Outcomes of one scored completion.
 NO_THINK_END = "no_think_end"
-NO_BOX = "no_box"
+NO_BOX = "no_box"  # the style list is `boxed` alone and the answer part has no closed box
+NO_ANSWER = "no_answer"  # no style of a longer list found an answer
 FAST_EQUAL = "fast_equal"
 FAST_NOT_EQUAL = "fast_not_equal"
 EQUAL = "equal"
@@ -48,6 +69,7 @@ CUSTOM = "custom"
 OUTCOMES = (
     NO_THINK_END,
     NO_BOX,
+    NO_ANSWER,
     FAST_EQUAL,
     FAST_NOT_EQUAL,
     EQUAL,
@@ -59,11 +81,24 @@ OUTCOMES = (
     CUSTOM,
 )
 CORRECT_OUTCOMES = frozenset({FAST_EQUAL, EQUAL})  # CUSTOM is correct when its reward is > 0
+FORMAT_FAILURES = frozenset({NO_THINK_END, NO_BOX, NO_ANSWER})
 
 _BOX_OPEN = "\\boxed{"
 # ``\boxed{``, an escaped brace, or a brace; every other character is skipped by the scan.
 _BOX_TOKENS = re.compile(r"\\boxed\{|\\[{}]|[{}]")
-_INTEGER = re.compile(r"^[+-]?\d+$")
+_HASHES = "####"
+# "the answer is", "the final answer is" or "answer:", then an optional colon; any case.
+_ANSWER_IS = re.compile(r"(?:\bthe\s+(?:final\s+)?answer\s+is|\banswer[ \t]*:)[ \t]*:?", re.IGNORECASE)
+# A number in running text: not glued to a word or a decimal point before it (so `x2` and the
+# `5` of `3.5` are not numbers of their own, and the `-` of `5-3` is not a sign), an optional
+# minus, digits with or without thousands commas, optional decimals, optional `/denominator`.
+_NUMBER_IN_TEXT = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+# A whole answer that is a number: sign, `$`, digits (thousands commas), decimals (a trailing
+# period allowed), `/denominator`, `%`, a closing `$` and a sentence's period around it.
+_NUMERIC = re.compile(
+    r"\s*(?P<sign>[+-]?)\s*\$?\s*(?P<num>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)"
+    r"(?:\s*/\s*(?P<den>\d+))?\s*%?\s*\$?\s*\.?\s*"
+)
 _REWARD_FN_SPEC = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 # A completion the custom reward function is called on once at pool start.
@@ -101,28 +136,145 @@ def last_boxed(text: str) -> str | None:
     return last
 
 
-def extract_answer(completion: str, *, answer_format: str, think_end: str) -> tuple[str | None, str | None]:
-    """``(prediction, failure)``: the boxed answer of the answer part, or why there is none.
+def after_hashes(text: str) -> str | None:
+    """The text after the last ``####`` of ``text``, to the end of that line, stripped; None if
+    there is no ``####`` or nothing follows it on its line."""
+    cut = text.rfind(_HASHES)
+    if cut == -1:
+        return None
+    return text[cut + len(_HASHES) :].split("\n", 1)[0].strip() or None
 
-    The answer part is the text after the first ``think_end`` for ``answer_format='think'`` and
-    the whole completion for ``'plain'``. ``failure`` is ``NO_THINK_END`` or ``NO_BOX`` when
-    ``prediction`` is None, else None.
-    """
-    if answer_format == THINK:
-        cut = completion.find(think_end)
-        if cut == -1:
-            return None, NO_THINK_END
-        completion = completion[cut + len(think_end) :]
-    elif answer_format != PLAIN:
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to its first newline, or its first ``.``, ``!`` or ``?`` that is followed by
+    whitespace or the end and lies outside braces (so ``3.5`` and ``\\boxed{x.}`` stay whole)."""
+    depth = 0
+    for index, char in enumerate(text):
+        if char == "\n":
+            return text[:index]
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth = max(0, depth - 1)
+        elif char in ".!?" and depth == 0 and (index + 1 == len(text) or text[index + 1].isspace()):
+            return text[:index]
+    return text
+
+
+def after_answer_is(text: str) -> str | None:
+    """What follows the last "the answer is" / "the final answer is" / "answer:" of ``text`` (any
+    case, an optional colon after it), to the end of that line or sentence (``_first_sentence``,
+    the sentence's period dropped), stripped; the content of a ``\\boxed{}`` in it when it has
+    one. None if there is no such phrase or nothing follows it."""
+    matches = list(_ANSWER_IS.finditer(text))
+    if not matches:
+        return None
+    sentence = _first_sentence(text[matches[-1].end() :])
+    boxed = last_boxed(sentence)
+    return (sentence if boxed is None else boxed).strip() or None
+
+
+def last_number(text: str) -> str | None:
+    """The last number of ``text`` as written (``_NUMBER_IN_TEXT``: ``-3``, ``1,000``, ``18.50``,
+    ``3/4``), or None."""
+    numbers_found = _NUMBER_IN_TEXT.findall(text)
+    return numbers_found[-1] if numbers_found else None
+
+
+_STYLE_FUNCTIONS: dict[str, Callable[[str], str | None]] = {
+    BOXED: last_boxed,
+    HASHES: after_hashes,
+    ANSWER_IS: after_answer_is,
+    LAST_NUMBER: last_number,
+}
+
+
+def parse_styles(spec: str) -> tuple[str, ...]:
+    """The styles of a comma-separated list such as ``'hashes,answer_is,last_number'``, in order;
+    ValueError for an empty list or entry, an unknown style or one named twice."""
+    if not isinstance(spec, str):
+        raise ValueError(f"expected a comma-separated string of answer styles, got {spec!r}")
+    styles = tuple(part.strip() for part in spec.split(","))
+    unknown = [style for style in styles if style not in ANSWER_STYLES]
+    repeated = sorted({style for style in styles if styles.count(style) > 1})
+    if unknown or repeated:
+        if "" in styles:
+            what = "an empty entry"
+        else:
+            what = f"unknown {', '.join(unknown)}" if unknown else f"named twice: {', '.join(repeated)}"
+        raise ValueError(
+            f"{spec!r} ({what}); expected a comma-separated list of distinct styles from {', '.join(ANSWER_STYLES)}"
+        )
+    return styles
+
+
+def find_answer(text: str, styles: Sequence[str] = DEFAULT_STYLES) -> tuple[str | None, str | None]:
+    """``(answer, style)``: the answer the first of ``styles`` that finds one gives, and that
+    style; ``(None, None)`` if none does."""
+    for style in styles:
+        answer = _STYLE_FUNCTIONS[style](text)
+        if answer is not None:
+            return answer, style
+    return None, None
+
+
+def gold_of(answer_text: str, gold_extraction: str) -> str | None:
+    """The gold answer of a dataset row's answer field: the field as is for ``gold_extraction=''``,
+    else what the styles of ``gold_extraction`` (``parse_styles``) find in it (GSM8K's worked
+    solutions: ``'hashes'``), None when they find nothing."""
+    if not gold_extraction:
+        return answer_text
+    return find_answer(answer_text, parse_styles(gold_extraction))[0]
+
+
+def answer_part(completion: str, *, answer_format: str, think_end: str) -> str | None:
+    """The text after the first ``think_end`` for ``answer_format='think'`` (None without one),
+    the whole completion for ``'plain'``."""
+    if answer_format == PLAIN:
+        return completion
+    if answer_format != THINK:
         raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
-    prediction = last_boxed(completion)
-    return (None, NO_BOX) if prediction is None else (prediction, None)
+    cut = completion.find(think_end)
+    return None if cut == -1 else completion[cut + len(think_end) :]
 
 
-def as_integer(text: str) -> int | None:
-    """``int(text)`` for a plain integer (whitespace and ``$`` around it ignored), else None."""
-    stripped = text.strip().strip("$").strip()
-    return int(stripped) if _INTEGER.match(stripped) else None
+def no_answer_outcome(styles: Sequence[str]) -> str:
+    """The format failure of an answer part where no style finds an answer: ``NO_BOX`` when the
+    list is ``boxed`` alone, else ``NO_ANSWER``."""
+    return NO_BOX if tuple(styles) == (BOXED,) else NO_ANSWER
+
+
+def extract_answer(
+    completion: str, *, answer_format: str, think_end: str, styles: Sequence[str] = DEFAULT_STYLES
+) -> tuple[str | None, str | None]:
+    """``(prediction, failure)``: the answer ``styles`` find in the answer part (``answer_part``,
+    ``find_answer``), or why there is none: ``NO_THINK_END``, or ``no_answer_outcome(styles)``."""
+    part = answer_part(completion, answer_format=answer_format, think_end=think_end)
+    if part is None:
+        return None, NO_THINK_END
+    prediction, _ = find_answer(part, styles)
+    return (None, no_answer_outcome(styles)) if prediction is None else (prediction, None)
+
+
+def as_number(text: str) -> fractions.Fraction | None:
+    """The exact value of an answer that is one number, else None.
+
+    Read: an optional sign, ``$`` (or LaTeX ``\\$``), digits with or without thousands commas
+    (``1,000``; LaTeX ``1{,}000``), optional decimals, an optional ``/denominator`` (nonzero), an
+    optional ``%`` (``\\%``) and closing ``$``, a trailing period, spaces around any of them. So
+    ``'$1,000.00'``, ``'1000'`` and ``'1000.'`` are all 1000, ``'50%'`` is 50, ``'3/4'`` is 0.75;
+    ``'3,4'``, ``'x'`` and ``'1/0'`` are None.
+    """
+    normalized = text.replace("\\$", "$").replace("\\%", "%").replace("{,}", ",")
+    match = _NUMERIC.fullmatch(normalized)
+    if match is None:
+        return None
+    value = fractions.Fraction(decimal.Decimal(match["num"].replace(",", "")))
+    if match["den"] is not None:
+        if int(match["den"]) == 0:
+            return None
+        value /= int(match["den"])
+    return -value if match["sign"] == "-" else value
 
 
 def check_reward_fn_spec(spec: str) -> tuple[str, str]:
@@ -174,26 +326,30 @@ def score_item(
     think_end: str,
     verify_math: VerifyMath,
     reward_fn: RewardFn | None = None,
+    styles: Sequence[str] = DEFAULT_STYLES,
 ) -> dict:
-    """Scores one completion (see the module docstring).
+    """Scores one completion (see the module docstring), its answer found by ``styles``.
 
-    Returns ``{"status": outcome, "reward": float or None, "prediction": str or None,
-    "detail": str}``; ``reward`` is set only for ``CUSTOM`` (the caller maps the other outcomes
-    to its correct / incorrect rewards). ``verify_math(gold, pred)`` is math-verify's verdict.
+    Returns ``{"status": outcome, "reward": float or None, "prediction": str or None, "style":
+    the style that found the prediction or None, "detail": str}``; ``reward`` is set only for
+    ``CUSTOM`` (the caller maps the other outcomes to its correct / incorrect rewards).
+    ``verify_math(gold, pred)`` is math-verify's verdict.
     """
-    prediction, failure = extract_answer(completion, answer_format=answer_format, think_end=think_end)
+    part = answer_part(completion, answer_format=answer_format, think_end=think_end)
+    prediction, style = (None, None) if part is None else find_answer(part, styles)
     reward, detail = None, ""
     if reward_fn is not None:
         status, reward, detail = _custom_reward(reward_fn, completion, gold, problem)
-    elif failure is not None:
-        status = failure
+    elif part is None:
+        status = NO_THINK_END
+    elif prediction is None:
+        status = no_answer_outcome(styles)
     else:
-        assert prediction is not None  # extract_answer returns either a prediction or a failure
-        pred_int, gold_int = as_integer(prediction), as_integer(gold)
-        if pred_int is not None and gold_int is not None:
-            status = FAST_EQUAL if pred_int == gold_int else FAST_NOT_EQUAL
+        pred_number, gold_number = as_number(prediction), as_number(gold)
+        if pred_number is not None and gold_number is not None:
+            status = FAST_EQUAL if pred_number == gold_number else FAST_NOT_EQUAL
         elif kind == "exact":
             status = FAST_EQUAL if prediction.strip() == gold.strip() else FAST_NOT_EQUAL
         else:
             status, detail = verify_math(gold, prediction)
-    return {"status": status, "reward": reward, "prediction": prediction, "detail": detail}
+    return {"status": status, "reward": reward, "prediction": prediction, "style": style, "detail": detail}

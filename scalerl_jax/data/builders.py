@@ -5,7 +5,8 @@ All write ``array_record`` files into a caller-given ``data_dir`` and are read b
 digest of everything that determines the data (for local files: the file's SHA-256), so a
 changed seed, size or file never silently reuses an old build. Splits: ``train`` and
 ``heldout`` (plus ``sft`` for the synthetic task: worked traces for the supervised warm start).
-Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_dropped']``.
+Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_dropped']``, rows
+without a gold answer by ``gold_extraction`` in ``builder.info.metadata['golds_not_found']``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class LocalFileConfig(tfds.core.BuilderConfig):
       problem_field, answer_field: source fields mapped to ``problem`` / ``answer``.
       difficulty_field: source field mapped to ``difficulty`` ('' for every row when None).
       heldout_size, seed: the held-out split (a seeded draw of distinct problems).
+      gold_extraction: '' (the answer field is the gold) or the answer styles that find the gold
+        in it (``data.gold_extraction``; rows without one are skipped and counted).
     """
 
     path: str = ""
@@ -127,6 +130,7 @@ class LocalFileConfig(tfds.core.BuilderConfig):
     difficulty_field: str | None = None
     heldout_size: int = 1000
     seed: int = 0
+    gold_extraction: str = ""
 
 
 def _local_config(builder: tfds.core.DatasetBuilder) -> LocalFileConfig:
@@ -142,7 +146,8 @@ def _local_splits(builder, path: str):
     field_map = {"problem": config.problem_field, "answer": config.answer_field}
     if config.difficulty_field is not None:
         field_map["difficulty"] = config.difficulty_field
-    rows, duplicates = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
+    rows, golds_not_found = _rows_with_golds(path, field_map, config)
+    rows, duplicates = rows_lib.drop_duplicate_problems(rows)
     if duplicates:
         logging.warning("%s: dropped %d rows whose problem repeats an earlier row", path, duplicates)
     if not 0 <= config.heldout_size < len(rows):
@@ -151,8 +156,17 @@ def _local_splits(builder, path: str):
             f"{config.heldout_size} (data.heldout_size); expected more than {config.heldout_size} rows"
         )
     builder.info.metadata["duplicates_dropped"] = duplicates
+    builder.info.metadata["golds_not_found"] = golds_not_found
     train, heldout = rows_lib.heldout_split(rows, config.heldout_size, config.seed)
     return {"train": builder._generate_examples(train), "heldout": builder._generate_examples(heldout)}
+
+
+def _rows_with_golds(path: str, field_map: dict[str, str], config: LocalFileConfig) -> tuple[list[rows_lib.Row], int]:
+    """The file's rows with ``config.gold_extraction`` applied to their answers
+    (``rows.with_extracted_golds``), and how many rows had no gold and were skipped."""
+    rows = rows_lib.read_rows(path, field_map)
+    kept = rows_lib.with_extracted_golds(rows, config.gold_extraction, path=path, field=config.answer_field)
+    return kept, len(rows) - len(kept)
 
 
 def _local_examples(rows: list[rows_lib.Row]):
@@ -223,11 +237,15 @@ def build_local_file(
     difficulty_field: str | None = None,
     heldout_size: int = 1000,
     seed: int = 0,
+    gold_extraction: str = "",
 ) -> LocalMathFile:
-    """Builds a local jsonl/parquet file into ``data_dir`` (DataFileError naming a bad row)."""
+    """Builds a local jsonl/parquet file into ``data_dir`` (DataFileError naming a bad row).
+
+    ``gold_extraction``: '' (each row's answer field is its gold) or the answer styles that find
+    the gold in it (``answers.gold_of``; rows without one are skipped and counted)."""
     path = os.path.abspath(path)
     rows_lib.check_data_file(path)
-    fields = (problem_field, answer_field, difficulty_field, heldout_size, seed)
+    fields = (problem_field, answer_field, difficulty_field, heldout_size, seed, gold_extraction)
     name = f"file_{_short_digest(_sha256_of_file(path), *fields)}"
     config = LocalFileConfig(
         name=name,
@@ -238,21 +256,25 @@ def build_local_file(
         difficulty_field=difficulty_field,
         heldout_size=heldout_size,
         seed=seed,
+        gold_extraction=gold_extraction,
     )
     builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     _prepare(builder)
     return builder
 
 
-def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000, seed: int = 0) -> Polaris53k:
+def build_polaris(
+    data_dir: str, manual_dir: str, *, heldout_size: int = 1000, seed: int = 0, gold_extraction: str = ""
+) -> Polaris53k:
     """Builds Polaris-53K from ``manual_dir/polaris-data-53K.jsonl`` into ``data_dir``.
 
-    The held-out split is ``heldout_size`` (paper: 1,000) problems drawn with ``seed``.
+    The held-out split is ``heldout_size`` (paper: 1,000) problems drawn with ``seed``;
+    ``gold_extraction`` as for ``build_local_file`` (Polaris' answers are golds as they are: '').
     """
     path = os.path.join(manual_dir, POLARIS_FILENAME)
     if not os.path.isfile(path):
         raise rows_lib.DataFileError(f"{path}: no such file ({POLARIS_FILENAME} is expected in {manual_dir})")
-    name = f"heldout{heldout_size}_seed{seed}_{_short_digest(_sha256_of_file(path))}"
+    name = f"heldout{heldout_size}_seed{seed}_{_short_digest(_sha256_of_file(path), gold_extraction)}"
     config = LocalFileConfig(
         name=name,
         version=_VERSION,
@@ -260,6 +282,7 @@ def build_polaris(data_dir: str, manual_dir: str, *, heldout_size: int = 1000, s
         difficulty_field="difficulty",
         heldout_size=heldout_size,
         seed=seed,
+        gold_extraction=gold_extraction,
     )
     builder = Polaris53k(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     _prepare(builder, manual_dir=manual_dir)

@@ -8,7 +8,10 @@ Metrics (under ``prefix``, default ``eval``):
   ``1 - C(K - c_i, k) / C(K, k)`` (Chen et al., 2021); ``pass@1`` equals ``pass_rate``;
 - ``interrupted_frac``, ``truncated_frac``: fractions of samples the sampler interrupted (forced
   end of thinking) or truncated (hit the length limit);
-- ``format_failure_frac`` (no ``</think>`` or no box), ``timeouts`` (verifier time limits hit),
+- ``format_failure_frac`` (no ``</think>``, or no answer found by the answer styles),
+  ``answer_found_frac`` (samples whose answer an answer style found: a prompt asking for one
+  format while the reward reads another shows here, not only as a low pass rate; a sample the
+  verifier's hard time limit stopped counts as not found), ``timeouts`` (verifier time limits hit),
   ``mean_completion_tokens`` and ``max_completion_tokens`` (generated tokens per sample, forced
   ones included), ``num_prompts``, ``num_samples``;
 - ``pass_rate/difficulty_<d>`` per difficulty label when difficulties are given.
@@ -110,8 +113,8 @@ def evaluate(
         "pass_rate": float(per_prompt.mean()),
         "interrupted_frac": float(np.mean([bool(c.interrupted) for c in completions])),
         "truncated_frac": float(np.mean([bool(c.truncated) for c in completions])),
-        "format_failure_frac": (scored.counts[rewards_lib.NO_THINK_END] + scored.counts[rewards_lib.NO_BOX])
-        / len(completions),
+        "format_failure_frac": sum(scored.counts[o] for o in rewards_lib.FORMAT_FAILURES) / len(completions),
+        "answer_found_frac": float(scored.answer_found.mean()),
         "timeouts": float(scored.counts[verify_pool.TIMEOUT]),
         "mean_completion_tokens": float(np.mean([len(c.tokens) for c in completions])),
         "max_completion_tokens": float(max(len(c.tokens) for c in completions)),

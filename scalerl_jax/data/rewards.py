@@ -5,10 +5,13 @@ Scoring one completion against a gold answer (``answers.score_item``, run in the
 1. The answer part: ``answer_format='think'``: the text after the first ``think_end`` (default
    ``</think>``; none is a format failure); ``'plain'`` (base models without a think phase): the
    whole completion.
-2. The prediction is the content of the last complete (brace-matched) ``\\boxed{...}`` of the
-   answer part; no complete box is a format failure.
-3. If gold and prediction are both plain integers (``[+-]?digits``, surrounding whitespace and
-   ``$`` ignored), they are compared as integers: no math-verify call.
+2. The prediction is what the first of the configured answer styles (``answer_styles``, from
+   ``data.answer_extraction``; default ``boxed``: the content of the last complete, brace-matched
+   ``\\boxed{...}``) finds in the answer part (``answers.find_answer``); none found is a format
+   failure.
+3. If gold and prediction both read as numbers (``answers.as_number``: thousands commas, ``$``,
+   ``%``, a trailing period ignored; integers, decimals, ``a/b``), they are compared as exact
+   rationals: no math-verify call.
 4. Otherwise kind ``'math'`` asks math-verify; kind ``'exact'`` (the synthetic task) compares the
    stripped strings.
 
@@ -16,12 +19,16 @@ Correct gets ``correct_reward`` (+1), everything else (wrong, format failure, un
 error, timeout, crash) ``incorrect_reward`` (-1). With a custom ``reward_fn`` its value is the
 reward instead (timeouts, errors and crashes still get ``incorrect_reward``), and an item counts
 as correct when its reward is > 0. Every outcome is counted by category, so format failures and
-timeouts show up in the metrics.
+timeouts show up in the metrics, and so is every completion whose answer a style found
+(``ScoredBatch.answer_found``): a prompt that asks for one answer style while the reward reads
+another shows as a low found fraction, not as a low pass rate.
 
 Items the reward itself failed on (``FAILURE_METRICS``: an error, a timeout, a crash of the
 worker, an answer math-verify cannot parse) are counted for the whole run by ``RewardTallies``
 (checkpointed with the run state), one ``RewardTally`` per scope: training under ``data/``, each
-evaluation set under its own prefix; the first item of each kind in a scope is logged once.
+evaluation set under its own prefix; the first item of each kind in a scope is logged once. The
+tally also counts the items whose answer was found (``<prefix>/answers_found``; training also
+reports their fraction of all its items so far, ``data/answer_found_frac``).
 """
 
 from __future__ import annotations
@@ -41,10 +48,12 @@ from scalerl_jax.data.answers import (
     CUSTOM,
     FAST_EQUAL,
     FAST_NOT_EQUAL,
+    FORMAT_FAILURES,
+    NO_ANSWER,
     NO_BOX,
     NO_THINK_END,
     OUTCOMES,
-    as_integer,
+    as_number,
     last_boxed,
 )
 from scalerl_jax.data.synthetic import THINK_END
@@ -54,6 +63,8 @@ __all__ = [
     "CUSTOM",
     "FAST_EQUAL",
     "FAST_NOT_EQUAL",
+    "FORMAT_FAILURES",
+    "NO_ANSWER",
     "NO_BOX",
     "NO_THINK_END",
     "FAILURE_METRICS",
@@ -62,7 +73,7 @@ __all__ = [
     "RewardTallies",
     "RewardTally",
     "ScoredBatch",
-    "as_integer",
+    "as_number",
     "check_reward_fn",
     "default_pool",
     "extract_answer",
@@ -73,11 +84,15 @@ __all__ = [
 
 
 def extract_answer(
-    completion: str, *, answer_format: str = answers.THINK, think_end: str = THINK_END
+    completion: str,
+    *,
+    answer_format: str = answers.THINK,
+    think_end: str = THINK_END,
+    styles: Sequence[str] = answers.DEFAULT_STYLES,
 ) -> tuple[str | None, str | None]:
     """``(prediction, failure)``: see ``answers.extract_answer`` (here ``think_end`` defaults to
     the tokenizer's ``THINK_END``)."""
-    return answers.extract_answer(completion, answer_format=answer_format, think_end=think_end)
+    return answers.extract_answer(completion, answer_format=answer_format, think_end=think_end, styles=styles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +104,10 @@ class RewardConfig:
         stripped-string equality only: the synthetic task).
       correct_reward, incorrect_reward: reward values (paper: +1 / -1).
       think_end: the tag that ends the thinking part (the sampler's interruption uses the same).
-      answer_format: ``'think'`` (the answer follows ``think_end``) or ``'plain'`` (the last box
+      answer_format: ``'think'`` (the answer follows ``think_end``) or ``'plain'`` (the answer
         anywhere; base models without a think phase).
+      answer_styles: the answer styles tried in order on the answer part (``answers.ANSWER_STYLES``;
+        default ``('boxed',)``: the last closed ``\\boxed{}``).
       reward_fn: ``'package.module:function'``, a custom reward ``(completion, gold, problem) ->
         float`` that replaces ``kind``'s rule; correct means reward > 0. The ``VerifyPool`` must
         be started with the same ``reward_fn``.
@@ -102,6 +119,7 @@ class RewardConfig:
     think_end: str = THINK_END
     answer_format: str = answers.THINK
     reward_fn: str | None = None
+    answer_styles: tuple[str, ...] = answers.DEFAULT_STYLES
 
     def __post_init__(self):
         if self.kind not in answers.KINDS:
@@ -112,6 +130,10 @@ class RewardConfig:
             )
         if not isinstance(self.think_end, str) or not self.think_end:
             raise ValueError(f"RewardConfig.think_end must be a non-empty string, got {self.think_end!r}")
+        try:
+            answers.parse_styles(",".join(self.answer_styles))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"RewardConfig.answer_styles = {self.answer_styles!r}: {e}") from None
         if self.reward_fn is not None:
             try:
                 answers.check_reward_fn_spec(self.reward_fn)
@@ -122,7 +144,8 @@ class RewardConfig:
     def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
         """The run config's verifier: exact match on the synthetic task (`data.dataset`), math-verify
         otherwise, or `data.reward_fn` when set; rewards `data.reward_correct` / `data.reward_incorrect`,
-        answers extracted per `data.answer_format` after `sampler.think_end`."""
+        answers extracted per `data.answer_format` after `sampler.think_end` by the styles of
+        `data.answer_extraction`."""
         return cls(
             kind="exact" if config.data.dataset == "synthetic" else "math",
             correct_reward=config.data.reward_correct,
@@ -130,6 +153,7 @@ class RewardConfig:
             answer_format=config.data.answer_format,
             think_end=config.sampler.think_end,
             reward_fn=config.data.reward_fn or None,
+            answer_styles=answers.parse_styles(config.data.answer_extraction),
         )
 
 
@@ -137,9 +161,10 @@ class RewardConfig:
 class ScoredBatch:
     """Rewards and outcomes of a batch; ``counts`` has every category of ``OUTCOMES``.
 
-    ``predictions[i]`` is the extracted answer (the last box's content) or None where there is
-    none (format failure) or the worker did not answer (timeout, crash); ``details[i]`` says why
-    an item is an error, a timeout, a crash or unparsable ('' otherwise; empty when not known).
+    ``predictions[i]`` is the extracted answer or None where there is none (format failure) or
+    the worker did not answer (timeout, crash); ``styles[i]`` the answer style that found it (None
+    with it); ``details[i]`` says why an item is an error, a timeout, a crash or unparsable (''
+    otherwise; empty when not known).
     """
 
     rewards: np.ndarray  # float32[N]
@@ -148,6 +173,12 @@ class ScoredBatch:
     counts: dict[str, int]
     predictions: list[str | None]
     details: list[str] = dataclasses.field(default_factory=list)
+    styles: list[str | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def answer_found(self) -> np.ndarray:
+        """bool[N]: whether an answer style found item i's answer (its prediction is not None)."""
+        return np.array([prediction is not None for prediction in self.predictions], dtype=bool)
 
 
 def score_completions(
@@ -188,6 +219,7 @@ def score_completions(
         kind=config.kind,
         answer_format=config.answer_format,
         think_end=config.think_end,
+        styles=config.answer_styles,
     )
     outcomes = [r.status for r in results]
     correct = np.array(
@@ -212,6 +244,7 @@ def score_completions(
         counts=counts,
         predictions=[r.prediction for r in results],
         details=[r.detail for r in results],
+        styles=[r.style for r in results],
     )
 
 
@@ -224,6 +257,8 @@ FAILURE_METRICS = {
     answers.UNPARSABLE: "reward_unparsable",
 }
 ITEMS_METRIC = "reward_items"
+FOUND_METRIC = "answers_found"
+FOUND_FRAC_METRIC = "answer_found_frac"
 
 
 def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str) -> str:
@@ -234,14 +269,16 @@ def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str
 
 
 class RewardTally:
-    """Cumulative counts of one scope's scored items and of those the reward failed on
-    (``FAILURE_METRICS``); the first item of each failure kind is logged once (a warning naming
-    the item's problem prefix, its gold and the reason). Thread safe."""
+    """Cumulative counts of one scope's scored items, of those whose answer a style found, and of
+    those the reward failed on (``FAILURE_METRICS``); the first item of each failure kind is
+    logged once (a warning naming the item's problem prefix, its gold and the reason). Thread
+    safe."""
 
     def __init__(self, prefix: str, what: str):
         self.prefix, self._what = prefix, what
         self._lock = threading.Lock()
         self._items = 0
+        self._found = 0
         self._failures = dict.fromkeys(FAILURE_METRICS, 0)
         self._logged: set[str] = set()
 
@@ -250,6 +287,7 @@ class RewardTally:
         first: list[int] = []
         with self._lock:
             self._items += len(scored.outcomes)
+            self._found += int(scored.answer_found.sum())
             for index, outcome in enumerate(scored.outcomes):
                 if outcome in self._failures:
                     self._failures[outcome] += 1
@@ -271,20 +309,29 @@ class RewardTally:
                 reason,
             )
 
-    def metrics(self) -> dict[str, int]:
-        """``{prefix}/reward_items`` and one ``{prefix}/<FAILURE_METRICS name>`` per failure kind."""
+    def metrics(self) -> dict[str, float]:
+        """``{prefix}/reward_items``, ``{prefix}/answers_found``, one ``{prefix}/<FAILURE_METRICS
+        name>`` per failure kind, and for the training scope (prefix ``data``) ``data/
+        answer_found_frac`` = answers found / items (once there are items). An evaluation set's
+        fraction is its evaluation's own (``evaluation.evaluate``), not this running one."""
         with self._lock:
-            counts = {f"{self.prefix}/{ITEMS_METRIC}": self._items}
+            counts: dict[str, float] = {
+                f"{self.prefix}/{ITEMS_METRIC}": self._items,
+                f"{self.prefix}/{FOUND_METRIC}": self._found,
+            }
             counts.update({f"{self.prefix}/{name}": self._failures[o] for o, name in FAILURE_METRICS.items()})
+            if self.prefix == RewardTallies.TRAINING and self._items:
+                counts[f"{self.prefix}/{FOUND_FRAC_METRIC}"] = self._found / self._items
             return counts
 
     def state_dict(self) -> dict[str, int]:
         with self._lock:
-            return {"items": self._items, **self._failures}
+            return {"items": self._items, "found": self._found, **self._failures}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         with self._lock:
             self._items = int(state.get("items", 0))
+            self._found = int(state.get("found", 0))
             for outcome in self._failures:
                 self._failures[outcome] = int(state.get(outcome, 0))
 
@@ -312,7 +359,7 @@ class RewardTallies:
     def evaluation(self, name: str) -> RewardTally:
         return self._get(name, f"an item of evaluation set {name!r}")
 
-    def metrics(self) -> dict[str, int]:
+    def metrics(self) -> dict[str, float]:
         """Every scope's counts (the training scope always, so that every row carries them)."""
         self.training  # noqa: B018 - created if no item was scored yet
         with self._lock:

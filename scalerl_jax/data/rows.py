@@ -2,6 +2,9 @@
 
 Every row must carry each mapped field as a non-empty string (valid UTF-8); the first bad row
 fails the whole read with its index and field, so a malformed dataset is never half-used.
+With a gold extraction (``data.gold_extraction``, e.g. ``'hashes'`` for GSM8K's worked solutions)
+each row's answer field is replaced by the gold its styles find (``answers.gold_of``); rows where
+none is found are counted, named in one warning and skipped (none left: DataFileError).
 Exact duplicate problems keep their first occurrence (the count of dropped rows is returned),
 then a seeded draw of distinct problems forms the held-out split: disjoint from training by
 problem text and identical across runs for the same file, size and seed.
@@ -12,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+from absl import logging
+
+from scalerl_jax.data.answers import gold_of
 
 
 class DataFileError(ValueError):
@@ -122,6 +128,50 @@ def read_rows(path: str, field_map: Mapping[str, str], *, file_format: str | Non
     if not rows:
         raise DataFileError(f"{path}: the file has no rows")
     return rows
+
+
+def extract_golds(answers: Sequence[str], gold_extraction: str, *, path: str, field: str) -> dict[int, str]:
+    """``{i: gold}`` for each ``answers[i]`` whose gold ``gold_of(answers[i], gold_extraction)``
+    finds (every answer, as is, for ``gold_extraction=''``).
+
+    Answers where none is found are skipped and counted in one warning naming the count, the
+    field, the file ``path`` and the first such row; DataFileError when none is left.
+    """
+    golds = {i: gold for i, text in enumerate(answers) if (gold := gold_of(text, gold_extraction)) is not None}
+    missing = [i for i in range(len(answers)) if i not in golds]
+    if missing and not golds:
+        raise DataFileError(
+            f"{path}: data.gold_extraction={gold_extraction!r} finds no gold answer in field {field!r} of any of "
+            f"its {len(answers)} rows (row {missing[0]}: {answers[missing[0]][:80]!r})"
+        )
+    if missing:
+        logging.warning(
+            "%s: skipped %d of %d rows whose field %r has no gold answer by data.gold_extraction=%r (first: row %d, %r)",
+            path,
+            len(missing),
+            len(answers),
+            field,
+            gold_extraction,
+            missing[0],
+            answers[missing[0]][:80],
+        )
+    return golds
+
+
+def with_extracted_golds(
+    rows: list[Row], gold_extraction: str, *, path: str, field: str, answer_key: str = "answer"
+) -> list[Row]:
+    """``rows`` (as ``read_rows`` returns them: position = row index in the file) with
+    ``fields[answer_key]`` replaced by its extracted gold (``extract_golds``: rows without one
+    skipped and counted in a warning; none left is a DataFileError)."""
+    if not gold_extraction:
+        return rows
+    golds = extract_golds([row.fields[answer_key] for row in rows], gold_extraction, path=path, field=field)
+    return [
+        dataclasses.replace(row, fields={**row.fields, answer_key: golds[i]})
+        for i, row in enumerate(rows)
+        if i in golds
+    ]
 
 
 def drop_duplicate_problems(rows: list[Row], problem_field: str = "problem") -> tuple[list[Row], int]:

@@ -1,8 +1,8 @@
 """A pool of scoring worker processes with a hard per-item time limit, usable from any thread.
 
 Every completion is scored in a worker process (``verify_worker.py``, a plain script talking
-JSON lines over pipes): answer extraction, the integer fast path, exact comparison, math-verify
-or a custom reward function (``answers.score_item``). The pool kills and replaces any worker
+JSON lines over pipes): answer extraction by the request's answer styles, the numeric fast path,
+exact comparison, math-verify or a custom reward function (``answers.score_item``). The pool kills and replaces any worker
 that has not answered an item ``time_limit_s`` after starting it, so a pathological completion
 (a quadratic parse, a hung verifier or user function, a C routine that never returns to the
 interpreter) costs one timeout, never a hung run. Workers also give math-verify its own signal
@@ -53,13 +53,14 @@ _WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verif
 @dataclasses.dataclass(frozen=True)
 class ItemResult:
     """One scored item: its outcome (``answers.OUTCOMES``), the custom reward (only for
-    ``CUSTOM``), the extracted answer (None on a format failure, timeout or crash) and a detail
-    (why an error, a timeout or an unparsable side)."""
+    ``CUSTOM``), the extracted answer (None on a format failure, timeout or crash), a detail
+    (why an error, a timeout or an unparsable side) and the answer style that found the answer."""
 
     status: str
     reward: float | None = None
     prediction: str | None = None
     detail: str = ""
+    style: str | None = None
 
 
 def _worker_env() -> dict[str, str]:
@@ -251,13 +252,20 @@ class VerifyPool:
                 worker.stop(grace_s=1.0)
 
     def score(
-        self, items: Sequence[tuple[str, str, str]], *, kind: str, answer_format: str, think_end: str
+        self,
+        items: Sequence[tuple[str, str, str]],
+        *,
+        kind: str,
+        answer_format: str,
+        think_end: str,
+        styles: Sequence[str] = answers.DEFAULT_STYLES,
     ) -> list[ItemResult]:
         """Scores ``items[i] = (completion, gold, problem)`` (see ``answers.score_item``).
 
-        ``kind``, ``answer_format`` and ``think_end`` are those of ``answers.score_item``; the
-        custom reward function, if any, is the pool's. Returns one ``ItemResult`` per item, in
-        order; items the hard limit stopped get ``TIMEOUT``, items whose worker died ``CRASH``.
+        ``kind``, ``answer_format``, ``think_end`` and ``styles`` (the answer styles, in order)
+        are those of ``answers.score_item``; the custom reward function, if any, is the pool's.
+        Returns one ``ItemResult`` per item, in order; items the hard limit stopped get
+        ``TIMEOUT``, items whose worker died ``CRASH``.
         """
         if kind not in answers.KINDS:
             raise ValueError(f"VerifyPool.score: kind must be one of {answers.KINDS}, got {kind!r}")
@@ -265,9 +273,13 @@ class VerifyPool:
             raise ValueError(
                 f"VerifyPool.score: answer_format must be one of {answers.ANSWER_FORMATS}, got {answer_format!r}"
             )
+        try:
+            styles = answers.parse_styles(",".join(styles))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"VerifyPool.score: styles {styles!r}: {e}") from None
         if not items:
             return []
-        header = {"kind": kind, "answer_format": answer_format, "think_end": think_end}
+        header = {"kind": kind, "answer_format": answer_format, "think_end": think_end, "styles": list(styles)}
         workers = self._checkout(len(items))
         try:
             results = self._run(workers, header, items)
@@ -351,7 +363,7 @@ class VerifyPool:
                         else:
                             chunk = in_flight[worker]
                             results[chunk.popleft()] = ItemResult(
-                                status, message["reward"], message["prediction"], message["detail"]
+                                status, message["reward"], message["prediction"], message["detail"], message["style"]
                             )
                             if chunk:
                                 deadlines[worker] = time.monotonic() + self._time_limit_s

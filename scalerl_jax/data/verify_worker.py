@@ -7,9 +7,9 @@ user's module (found through the ``PYTHONPATH`` the pool passes down).
 
 Protocol: JSON lines. The worker first writes ``{"status": "ready"}``, or
 ``{"status": "startup_error", "detail": str}`` and exits if the reward function cannot be loaded.
-Then for each request line ``{"kind", "answer_format", "think_end", "items": [[completion, gold,
-problem], ...]}`` it writes one line per item, in order, as each is scored: ``answers.score_item``'s
-``{"status", "reward", "prediction", "detail"}``. math-verify runs with its own signal timeout of
+Then for each request line ``{"kind", "answer_format", "think_end", "styles": [answer style, ...],
+"items": [[completion, gold, problem], ...]}`` it writes one line per item, in order, as each is
+scored: ``answers.score_item``'s ``{"status", "reward", "prediction", "style", "detail"}``. math-verify runs with its own signal timeout of
 SOFT_TIMEOUT_S seconds per call (status ``timeout``); both sides are parsed from
 ``\\boxed{...}`` so the box's content is read as LaTeX. The worker exits at end of input. Library
 output on stdout is moved to stderr so it cannot corrupt the protocol stream.
@@ -87,6 +87,7 @@ def main() -> None:
                     think_end=request["think_end"],
                     verify_math=verify_math,
                     reward_fn=reward_fn,
+                    styles=request["styles"],
                 )
             )
 

@@ -26,7 +26,7 @@ from scalerl_jax import data as data_lib
 from scalerl_jax.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.data.rewards import RewardTallies
-from scalerl_jax.data.rows import read_rows
+from scalerl_jax.data.rows import read_rows, with_extracted_golds
 from scalerl_jax.distributed.roles import Roles
 from scalerl_jax.distributed.transport import TRAIN, Routes
 from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender
@@ -123,6 +123,7 @@ def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[An
             os.path.dirname(os.path.abspath(config.data.path)),
             heldout_size=config.data.heldout_size,
             seed=config.data.heldout_seed,
+            gold_extraction=config.data.gold_extraction,
         ), "difficulty"
     return data_lib.build_local_file(
         data_dir,
@@ -131,6 +132,7 @@ def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[An
         answer_field=config.data.answer_field,
         heldout_size=config.data.heldout_size,
         seed=config.data.heldout_seed,
+        gold_extraction=config.data.gold_extraction,
     ), "difficulty"
 
 
@@ -150,7 +152,10 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
     extra_sets, extra_too_long = [], 0
     for name, path in sorted(config.eval.extra.items()):
         fields = {"problem": config.data.problem_field, "answer": config.data.answer_field}
-        rows = [row.fields for row in read_rows(path, fields)]
+        gold_rows = with_extracted_golds(
+            read_rows(path, fields), config.data.gold_extraction, path=path, field=fields["answer"]
+        )
+        rows = [row.fields for row in gold_rows]
         eval_set, too_long = _encode_rows(rows, encoder, f"eval_{name}", None)
         extra_sets.append(eval_set)
         extra_too_long += too_long

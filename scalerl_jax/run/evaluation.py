@@ -38,7 +38,8 @@ class _Sampled:
 class Evaluator:
     """`evaluate(version, sample_eval)`: the metrics of all sets (held-out under `eval/`, extras
     under `eval_<name>/`); for the first `eval.samples_logged` held-out prompts, every sample
-    (rendered prompt, completion, extracted answer, gold, reward, finish reason) is appended to
+    (rendered prompt, completion, extracted answer, whether and by which answer style it was found,
+    gold, reward, finish reason) is appended to
     the samples file. Items the reward failed on are counted per set in `tallies` (`<set>/reward_*`)."""
 
     def __init__(
@@ -111,6 +112,8 @@ class Evaluator:
                     "prompt": self._source.encoder.text(problem),
                     "completion": sampled.texts[index],
                     "extracted_answer": scored.predictions[index],
+                    "answer_found": scored.predictions[index] is not None,
+                    "answer_style": scored.styles[index] if scored.styles else None,
                     "gold": eval_set.golds[index // samples],
                     "reward": float(scored.rewards[index]),
                     "outcome": scored.outcomes[index],
