@@ -223,9 +223,13 @@ def score_twice(reward_fn, text: str) -> list[list[float]]:
     return [reward_fn(Prompt(0, (1, 2)), completions) for _ in range(2)]
 
 
-def counts(errors=0, timeouts=0, crashes=0, unparsable=0, items=4, prefix="data") -> dict[str, int]:
+def counts(errors=0, timeouts=0, crashes=0, unparsable=0, items=4, found=0, prefix="data") -> dict[str, float]:
+    """A tally's metrics; the training scope also reports the fraction of items whose answer was found."""
+    fraction = {f"{prefix}/answer_found_frac": found / items} if prefix == "data" and items else {}
     return {
         f"{prefix}/reward_items": items,
+        f"{prefix}/answers_found": found,
+        **fraction,
         f"{prefix}/reward_errors": errors,
         f"{prefix}/reward_timeouts": timeouts,
         f"{prefix}/reward_crashes": crashes,
@@ -286,13 +290,13 @@ def test_n3_custom_reward_errors_on_training_items_are_counted(caplog):
     finally:
         verify_pool.close()
     assert rewards == [[-1.0, -1.0], [-1.0, -1.0]]
-    assert tallies.metrics() == counts(errors=4)
+    assert tallies.metrics() == counts(errors=4, found=4)  # the box was found before the function raised
     assert warnings_of(caplog) == [
         first_item_line("error", "data/reward_errors", "raised RuntimeError: cannot score gold '42'")
     ]
     restored = RewardTallies()
     restored.load_state_dict(json.loads(json.dumps(tallies.state_dict())))  # as the checkpoint stores it
-    assert restored.metrics() == counts(errors=4)
+    assert restored.metrics() == counts(errors=4, found=4)
 
 
 def test_n6_unparsable_answers_are_counted(caplog):
@@ -304,7 +308,7 @@ def test_n6_unparsable_answers_are_counted(caplog):
     finally:
         verify_pool.close()
     assert rewards == [[-1.0, -1.0], [-1.0, -1.0]]
-    assert tallies.metrics() == counts(unparsable=4)
+    assert tallies.metrics() == counts(unparsable=4, found=4)  # an empty box is an answer, unparsable
     assert warnings_of(caplog) == [
         first_item_line("unparsable", "data/reward_unparsable", "math-verify could not parse the prediction ''")
     ]
