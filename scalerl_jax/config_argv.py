@@ -45,9 +45,7 @@ def apply_config_overrides(config: ml_collections.ConfigDict, argv: Sequence[str
     recipe's defaults, or a run's config.json. Raises one of `CONFIG_ARGV_ERRORS` on a bad key or
     value (`config_argv_problem(argv, error, base=config)` says which in one line)."""
     flag_values = flags.FlagValues()
-    config_flags.DEFINE_config_dict(
-        "config", copy.deepcopy(config), flag_values=flag_values, sys_argv=list(argv)
-    )
+    config_flags.DEFINE_config_dict("config", copy.deepcopy(config), flag_values=flag_values, sys_argv=list(argv))
     flag_values(list(argv))
     return flag_values.config
 

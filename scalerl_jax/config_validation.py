@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ml_collections
@@ -729,24 +729,22 @@ def memory_need(
 def check_memory(
     config: ml_collections.ConfigDict, need: MemoryNeed, *, devices: int, capacity: int, where: str
 ) -> None:
-    """Raises one ConfigError when `devices` devices of `need` each (summed: CPU devices share the
-    host) exceed `USABLE_MEMORY_FRACTION` of `capacity` bytes of `where`: one line naming the keys
-    that size the sampler's KV pool and the trainer, with their values and the estimate."""
-    total = devices * need.total
-    if total <= USABLE_MEMORY_FRACTION * capacity:
+    """Raises one ConfigError when `need` (the bytes of `devices` devices that share `capacity`
+    bytes of `where`: CPU devices share the host) exceeds `USABLE_MEMORY_FRACTION` of it: one line
+    naming the keys that size the sampler's KV pool (and the trainer), with their values and the
+    estimate."""
+    if need.total <= USABLE_MEMORY_FRACTION * capacity:
         return
     s, b, gb = config.sampler, config.batch, lambda n: f"{n / 1e9:,.1f} GB"
-    tokens = f"{need.pages:,} pages x {s.page_size} tokens" if s.num_pages else (
-        f"{s.num_slots} slots x {max_sequence_length(config):,} tokens"
+    tokens = (
+        f"{need.pages:,} pages x {s.page_size} tokens"
+        if s.num_pages
+        else f"{s.num_slots} slots x {max_sequence_length(config):,} tokens"
     )
     parts = [
-        f"sampler KV pool {gb(need.kv_cache * devices)} ({tokens} x {need.kv_per_token:,} B per token"
-        + (f", over {need.kv_groups} devices" if need.kv_groups > 1 else "")
-        + ")",
-        f"weights {gb(need.weights * devices)}",
+        f"sampler KV pool {gb(need.kv_cache)} ({tokens} x {need.kv_per_token:,} B per token)",
+        f"weights {gb(need.weights)}",
     ]
-    if need.trainer:
-        parts.append(f"trainer state and activations {gb(need.trainer * devices)}")
     keys = [
         ("sampler.num_slots", s.num_slots),
         ("sampler.num_pages", s.num_pages),
@@ -755,6 +753,7 @@ def check_memory(
         ("model.dtype", config.model.dtype),
     ]
     if need.trainer:
+        parts.append(f"trainer state and activations {gb(need.trainer)}")
         keys += [
             ("batch.prompts_per_step", b.prompts_per_step),
             ("batch.generations_per_prompt", b.generations_per_prompt),
@@ -762,8 +761,57 @@ def check_memory(
             ("model.remat_policy", config.model.remat_policy),
         ]
     raise ConfigError(
-        f"config keys {', '.join(f'`{k}` = {v!r}' for k, v in keys)} need about {gb(total)} "
+        f"config keys {', '.join(f'`{k}` = {v!r}' for k, v in keys)} need about {gb(need.total)} "
         f"({' + '.join(parts)}) on {devices} device{'s' if devices > 1 else ''}, more than "
         f"{USABLE_MEMORY_FRACTION:.0%} of the {where}'s {gb(capacity)}: lower `sampler.num_slots`, "
         "`sampler.max_new_tokens` or `data.max_prompt_tokens`, or cap the KV pool with `sampler.num_pages`"
+        + (", or train fewer rows per microbatch (more `batch.microbatches`)" if need.trainer else "")
+    )
+
+
+def check_run_memory(
+    config: ml_collections.ConfigDict,
+    model_config: Any,
+    *,
+    generator_devices: Sequence[Any],
+    trainer_devices: Sequence[Any] = (),
+) -> None:
+    """`check_memory` for this process's devices: each generator device holds the weights and its
+    share of the KV pool (`mesh.generator_shape` over `generator_devices`), each trainer device its
+    share of the train state (`mesh.trainer_shape`); a device in both holds both. CPU devices share
+    the host's memory, so their needs add up; an accelerator is checked alone, the fullest one."""
+    from scalerl_jax.models import memory  # shapes of a Transformer: flax, only when a run asks
+
+    device = (list(generator_devices) + list(trainer_devices))[0]
+    platform = device.platform
+    gen_shape = _mesh_shape(config.mesh.generator_shape, len(generator_devices)) or (len(generator_devices), 1, 1)
+    trainer_shape = (
+        (_mesh_shape(config.mesh.trainer_shape, len(trainer_devices)) or (1, len(trainer_devices), 1))
+        if trainer_devices
+        else None
+    )
+    need = memory_need(
+        config,
+        model_config,
+        generator_groups=gen_shape[0] * gen_shape[1],
+        trainer_shape=trainer_shape,
+        platform=platform if platform in memory.PLATFORMS else "gpu",
+    )
+    shared = set(generator_devices) & set(trainer_devices)
+    capacity, where = device_memory_bytes(device)
+    if platform == "cpu":
+        gens, trainers = len(generator_devices), len(trainer_devices)
+        devices = len(set(generator_devices) | set(trainer_devices))
+    else:
+        gens = 1 if generator_devices and (shared or need.weights + need.kv_cache >= need.trainer) else 0
+        trainers = 1 if trainer_devices and (shared or not gens) else 0
+        devices = 1
+    check_memory(
+        config,
+        dataclasses.replace(
+            need, weights=gens * need.weights, kv_cache=gens * need.kv_cache, trainer=trainers * need.trainer
+        ),
+        devices=devices,
+        capacity=capacity,
+        where=where,
     )

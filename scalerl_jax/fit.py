@@ -396,7 +396,9 @@ def report(paths: Sequence[str], options: FitOptions) -> int:
             return report_error(f"error: {error}", EXIT_INPUT_ERROR)
         for run_name, a_range in ranges.items():
             if a_range is not None:
-                print(f"{run_name}: A grid [{a_range[0]:g}, {a_range[1]:g}] from the run's config.json (eval.fit_a_range)")
+                print(
+                    f"{run_name}: A grid [{a_range[0]:g}, {a_range[1]:g}] from the run's config.json (eval.fit_a_range)"
+                )
     reports = [fit_run(run, options) for run in runs]
     print(format_table(table_rows(reports)))
     if options.bootstrap > 0:

@@ -289,24 +289,27 @@ def test_data_path_alone_selects_the_reader(tmp_path):
 
 # SmolLM2-135M's shapes (its config.json): 30 layers, 3 KV heads of 64, hidden 576, MLP 1536,
 # 9 heads, 49,152 tokens, tied embeddings.
-SMOLLM2 = dict(
-    family="llama",
-    vocab_size=49_152,
-    hidden_size=576,
-    intermediate_size=1_536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    tie_word_embeddings=True,
-)
+def smollm2_shapes(dtype: str):
+    from scalerl_jax.models.config import ModelConfig
+
+    return ModelConfig(
+        family="llama",
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1_536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        dtype=dtype,
+    )
 
 
 def test_recipe_sampler_that_cannot_fit_is_named_with_its_keys():
     from scalerl_jax.config_validation import check_memory, memory_need
-    from scalerl_jax.models.config import ModelConfig
 
-    model = ModelConfig(**SMOLLM2, dtype="float32")
+    model = smollm2_shapes("float32")
     config = recipe.scalerl_8b()
     config.model.dtype = "float32"
     need = memory_need(config, model, generator_groups=1, trainer_shape=None, platform="cpu")

@@ -271,7 +271,9 @@ def build_local_file(
     builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     if not builder.is_prepared():
         field_map = {"problem": problem_field, "answer": answer_field}
-        check_heldout_size(path, field_map | ({"difficulty": difficulty_field} if difficulty_field else {}), heldout_size)
+        check_heldout_size(
+            path, field_map | ({"difficulty": difficulty_field} if difficulty_field else {}), heldout_size
+        )
     _prepare(builder)
     return builder
 
