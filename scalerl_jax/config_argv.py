@@ -3,6 +3,7 @@ one line for each way such a command line can be wrong (`config_argv_problem`)."
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,18 @@ def parse_config_argv(argv: Sequence[str]) -> ml_collections.ConfigDict | None:
     if config is not None:
         touch_config(config)
     return config
+
+
+def apply_config_overrides(config: ml_collections.ConfigDict, argv: Sequence[str]) -> ml_collections.ConfigDict:
+    """A locked copy of `config` with each `--config.KEY=VALUE` of `argv` (program name first)
+    applied in order, parsed as `main` parses them (a value of the key's type; a key `config` does
+    not have is an error). For a config that comes from elsewhere than a `--config=FILE`: the
+    recipe's defaults, or a run's config.json. Raises one of `CONFIG_ARGV_ERRORS` on a bad key or
+    value (`config_argv_problem(argv, error, base=config)` says which in one line)."""
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_dict("config", copy.deepcopy(config), flag_values=flag_values, sys_argv=list(argv))
+    flag_values(list(argv))
+    return flag_values.config
 
 
 def touch_config(config: object) -> None:
@@ -82,11 +95,22 @@ def line_in_file(error: BaseException, path: str) -> int | None:
     return line
 
 
-def config_argv_problem(argv: Sequence[str], error: BaseException, name: str = "config") -> str:
+def config_argv_problem(
+    argv: Sequence[str], error: BaseException, name: str = "config", base: ml_collections.ConfigDict | None = None
+) -> str:
     """One line saying what is wrong with the `--NAME=FILE` / `--NAME.KEY=VALUE` flags of `argv`,
     given the error their parsing raised: the file that is missing or not Python (with the line),
-    the key the config does not have (with the nearest one), or the value that does not parse."""
+    the key the config does not have (with the nearest one), or the value that does not parse.
+    `base`: the config the overrides were applied to when `argv` names no file
+    (`apply_config_overrides`)."""
     spec = _config_file(argv, name)
+    if base is not None and spec is None and isinstance(error, (KeyError, AttributeError, TypeError, flags.Error)):
+        for arg in argv:
+            if arg.startswith(f"--{name}."):
+                key = arg.split("=", 1)[0].removeprefix(f"--{name}.")
+                problem = _unknown_key(base, key)
+                if problem is not None:
+                    return f"--{name}.{key}: the config has {problem}"
     path = spec.split(":", 1)[0] if spec is not None else None
     if isinstance(error, SyntaxError):
         where = f"{error.filename or path}, line {error.lineno}" if error.lineno else f"{error.filename or path}"

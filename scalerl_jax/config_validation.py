@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ml_collections
@@ -22,13 +22,14 @@ from absl import logging
 
 from scalerl_jax import recipe
 from scalerl_jax.data.answers import ANSWER_FORMATS, ANSWER_STYLES, BOXED, HASHES, parse_styles
-from scalerl_jax.data.builders import DATASETS
+from scalerl_jax.data.builders import DATASET_CHOICES, POLARIS_FILENAME, dataset_kind
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
 from scalerl_jax.models.sharding import split_devices
 from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
+from scalerl_jax.sampler.engine import interrupts, max_sequence_length
 from scalerl_jax.train.step import NAN_POLICIES
 from scalerl_jax.wandb_sink import WANDB_MODES
 
@@ -44,7 +45,7 @@ CHOICES = {
     "rl.advantage_normalization": NORMALIZATIONS,
     "rl.length_control": LENGTH_CONTROLS,
     "schedule.kind": SCHEDULES,
-    "data.dataset": DATASETS,
+    "data.dataset": DATASET_CHOICES,
     "data.answer_format": ANSWER_FORMATS,
     "model.dtype": RUN_DTYPES,
     "model.head_precision": HEAD_PRECISIONS,
@@ -263,7 +264,8 @@ def check_generator_fraction(value: Any) -> list[str]:
 
 
 def check_values(config: ml_collections.ConfigDict) -> list[str]:
-    """Enumerations, booleans, strings, finite numbers in range, ordered budgets, dividing batches."""
+    """Enumerations, booleans, strings, finite numbers in range, ordered budgets (those of forced
+    interruption only when it applies: `sampler.engine.interrupts`), dividing batches."""
     problems: list[str] = []
     flat = set(_flat_keys(config))
     for key, allowed in CHOICES.items():
@@ -283,12 +285,13 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
     if problems:  # the relations below assume well-typed values
         return problems
     s, b, rl = config.sampler, config.batch, config.rl
-    if not s.think_budget_min <= s.think_budget_max <= s.max_new_tokens:
+    # The think and answer budgets size forced interruption only; without it no code reads them.
+    if interrupts(config) and not s.think_budget_min <= s.think_budget_max <= s.max_new_tokens:
         problems.append(
             "config keys `sampler.think_budget_min` <= `sampler.think_budget_max` <= `sampler.max_new_tokens` "
             f"must hold, got {s.think_budget_min}, {s.think_budget_max}, {s.max_new_tokens}"
         )
-    if s.answer_budget > s.max_new_tokens:
+    if interrupts(config) and s.answer_budget > s.max_new_tokens:
         problems.append(
             f"config key `sampler.answer_budget` = {s.answer_budget} exceeds "
             f"`sampler.max_new_tokens` = {s.max_new_tokens}"
@@ -464,10 +467,17 @@ def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list
 def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     """Local inputs exist (nothing is downloaded at run time)."""
     problems = []
-    if config.data.dataset in ("polaris_53k", "jsonl") and not os.path.isfile(config.data.path):
+    d = config.data
+    kind = dataset_kind(d.dataset, d.path)
+    if kind in ("polaris_53k", "jsonl") and not os.path.isfile(d.path):
         problems.append(
-            f"config key `data.path` = {config.data.path!r}: set it to a local jsonl file "
-            "(for polaris_53k: polaris-data-53K.jsonl with fields problem, answer, difficulty)"
+            f"config key `data.path` = {d.path!r}: set it to a local .jsonl or .parquet file "
+            "(polaris-data-53K.jsonl, with fields problem, answer, difficulty, is read as Polaris-53K)"
+        )
+    elif kind == "polaris_53k" and os.path.basename(d.path) != POLARIS_FILENAME:
+        problems.append(
+            f"config key `data.dataset` = 'polaris_53k' reads a file named {POLARIS_FILENAME}, but `data.path` = "
+            f"{d.path!r}; set `data.dataset` to '' (the reader follows `data.path`) to train on this file"
         )
     if "warm_start" not in config:
         checkpoint = config.model.checkpoint
@@ -685,3 +695,170 @@ def validate(
     for warning in warnings:
         logging.warning("config: %s", warning)
     return warnings
+
+
+# Of a device's memory, the share a run may plan to fill (XLA's workspace, the prefill's and the
+# train step's scratch, the host's own processes take the rest).
+USABLE_MEMORY_FRACTION = 0.9
+
+
+def device_memory_bytes(device: Any) -> tuple[int, str]:
+    """Memory a JAX `device` has and its name: the allocator's `bytes_limit` when the device
+    reports one (GPU, TPU), else the host's physical memory (CPU devices share it)."""
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 -- a backend without memory statistics raises or returns None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.platform} device {device.id}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryNeed:
+    """Estimated bytes of one device's share of a run, from shapes only (`models.memory`):
+    `weights` the generator's params, `kv_cache` its KV page pool (`pages` x `page_size` tokens x
+    `kv_per_token` bytes, over `kv_groups` devices), `trainer` the train state and activations
+    (`MemoryPlan.total`; 0 without a trainer role)."""
+
+    weights: int
+    kv_cache: int
+    trainer: int
+    pages: int
+    kv_per_token: int
+    kv_groups: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.trainer
+
+
+def memory_need(
+    config: ml_collections.ConfigDict,
+    model_config: Any,
+    *,
+    generator_groups: int,
+    trainer_shape: tuple[int, ...] | None,
+    platform: str,
+) -> MemoryNeed:
+    """One device's `MemoryNeed`: a generator device holds all weights and 1/`generator_groups`
+    of the KV pool (the slots split over the generator mesh's data x fsdp devices); with
+    `trainer_shape` (data, fsdp, tensor) it also trains: `plan_memory` at the run's microbatch of
+    prompts x generations / microbatches rows of `data.max_prompt_tokens + sampler.max_new_tokens`
+    tokens. The KV pool: `sampler.num_pages` pages, or (0) every slot's ceil(max_len / page_size)."""
+    from scalerl_jax.models import memory  # shapes of a Transformer: flax, only when a run asks
+
+    s, b = config.sampler, config.batch
+    max_len = max_sequence_length(config)
+    pages = s.num_pages or s.num_slots * -(-max_len // s.page_size)
+    kv_per_token = memory.kv_bytes_per_token(model_config)
+    trainer = 0
+    if trainer_shape is not None:
+        trainer = memory.plan_memory(
+            model_config,
+            trainer_shape,
+            microbatch=b.prompts_per_step * b.generations_per_prompt // b.microbatches,
+            seq_len=max_len,
+            logprob_chunk=config.model.logprob_chunk,
+            platform=platform,
+        ).total
+    return MemoryNeed(
+        weights=memory.generator_weight_bytes(model_config),
+        kv_cache=-(-pages // generator_groups) * s.page_size * kv_per_token,
+        trainer=trainer,
+        pages=pages,
+        kv_per_token=kv_per_token,
+        kv_groups=generator_groups,
+    )
+
+
+def check_memory(
+    config: ml_collections.ConfigDict, need: MemoryNeed, *, devices: int, capacity: int, where: str
+) -> None:
+    """Raises one ConfigError when `need` (the bytes of `devices` devices that share `capacity`
+    bytes of `where`: CPU devices share the host) exceeds `USABLE_MEMORY_FRACTION` of it: one line
+    naming the keys that size the sampler's KV pool (and the trainer), with their values and the
+    estimate."""
+    if need.total <= USABLE_MEMORY_FRACTION * capacity:
+        return
+    s, b, gb = config.sampler, config.batch, lambda n: f"{n / 1e9:,.1f} GB"
+    tokens = (
+        f"{need.pages:,} pages x {s.page_size} tokens"
+        if s.num_pages
+        else f"{s.num_slots} slots x {max_sequence_length(config):,} tokens"
+    )
+    parts = [
+        f"sampler KV pool {gb(need.kv_cache)} ({tokens} x {need.kv_per_token:,} B per token)",
+        f"weights {gb(need.weights)}",
+    ]
+    keys = [
+        ("sampler.num_slots", s.num_slots),
+        ("sampler.num_pages", s.num_pages),
+        ("data.max_prompt_tokens", config.data.max_prompt_tokens),
+        ("sampler.max_new_tokens", s.max_new_tokens),
+        ("model.dtype", config.model.dtype),
+    ]
+    if need.trainer:
+        parts.append(f"trainer state and activations {gb(need.trainer)}")
+        keys += [
+            ("batch.prompts_per_step", b.prompts_per_step),
+            ("batch.generations_per_prompt", b.generations_per_prompt),
+            ("batch.microbatches", b.microbatches),
+            ("model.remat_policy", config.model.remat_policy),
+        ]
+    raise ConfigError(
+        f"config keys {', '.join(f'`{k}` = {v!r}' for k, v in keys)} need about {gb(need.total)} "
+        f"({' + '.join(parts)}) on {devices} device{'s' if devices > 1 else ''}, more than "
+        f"{USABLE_MEMORY_FRACTION:.0%} of the {where}'s {gb(capacity)}: lower `sampler.num_slots`, "
+        "`sampler.max_new_tokens` or `data.max_prompt_tokens`, or cap the KV pool with `sampler.num_pages`"
+        + (", or train fewer rows per microbatch (more `batch.microbatches`)" if need.trainer else "")
+    )
+
+
+def check_run_memory(
+    config: ml_collections.ConfigDict,
+    model_config: Any,
+    *,
+    generator_devices: Sequence[Any],
+    trainer_devices: Sequence[Any] = (),
+) -> None:
+    """`check_memory` for this process's devices: each generator device holds the weights and its
+    share of the KV pool (`mesh.generator_shape` over `generator_devices`), each trainer device its
+    share of the train state (`mesh.trainer_shape`); a device in both holds both. CPU devices share
+    the host's memory, so their needs add up; an accelerator is checked alone, the fullest one."""
+    from scalerl_jax.models import memory  # shapes of a Transformer: flax, only when a run asks
+
+    device = (list(generator_devices) + list(trainer_devices))[0]
+    platform = device.platform
+    gen_shape = _mesh_shape(config.mesh.generator_shape, len(generator_devices)) or (len(generator_devices), 1, 1)
+    trainer_shape = (
+        (_mesh_shape(config.mesh.trainer_shape, len(trainer_devices)) or (1, len(trainer_devices), 1))
+        if trainer_devices
+        else None
+    )
+    need = memory_need(
+        config,
+        model_config,
+        generator_groups=gen_shape[0] * gen_shape[1],
+        trainer_shape=trainer_shape,
+        platform=platform if platform in memory.PLATFORMS else "gpu",
+    )
+    shared = set(generator_devices) & set(trainer_devices)
+    capacity, where = device_memory_bytes(device)
+    if platform == "cpu":
+        gens, trainers = len(generator_devices), len(trainer_devices)
+        devices = len(set(generator_devices) | set(trainer_devices))
+    else:
+        gens = 1 if generator_devices and (shared or need.weights + need.kv_cache >= need.trainer) else 0
+        trainers = 1 if trainer_devices and (shared or not gens) else 0
+        devices = 1
+    check_memory(
+        config,
+        dataclasses.replace(
+            need, weights=gens * need.weights, kv_cache=gens * need.kv_cache, trainer=trainers * need.trainer
+        ),
+        devices=devices,
+        capacity=capacity,
+        where=where,
+    )

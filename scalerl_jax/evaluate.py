@@ -5,15 +5,21 @@
 DIR_OR_RUN is a run directory (its config.json gives the sampling settings, as training used them:
 temperature, top-p/k, max_new_tokens, length control with its interruption phrase and budgets,
 prompt template, chat template use, verifier kind; the params come from its latest checkpoint, or
-``--step``) or a Hugging Face directory (settings from ``--config=FILE`` with ``--config.KEY=VALUE``
-overrides; default ``configs/scalerl_8b.py``, the recipe's settings). FILE is ``.jsonl`` or
+``--step``) or a Hugging Face directory (settings from ``--config=FILE``, default the recipe's,
+``configs/scalerl_8b.py``). ``--config.KEY=VALUE`` overrides apply to either, with or without
+``--config=FILE``. Sizes the machine cannot hold (the sampler's KV pool and the weights against
+the device's or host's memory) are refused before anything compiles, naming their keys. Progress
+(samples and prompts done, completion tokens/s, ETA, compiles) is logged every
+``--progress-every`` seconds. FILE is ``.jsonl`` or
 ``.parquet``; each row needs the problem and answer fields (non-string answers are taken as
 ``str(value)``) and, with ``--group-field``, that field.
 
 Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
   mean@K = (1/N) sum_i c_i / K   (the paper's metric: mean over prompts of the pass rate)
   pass@k = (1/N) sum_i [1 - C(K - c_i, k) / C(K, k)]   (unbiased estimator, Chen et al. 2021)
-and both per value of the group field. The JSON output also holds every sample's correctness.
+and both per value of the group field, with every other metric the evaluation returns (the
+fractions of interrupted, truncated and unformatted samples, ...) and the wall time. The JSON
+output also holds every sample's correctness.
 
 Exit status: 0 on success, 2 on bad input (one line naming the file, row, field or flag), 1 when
 the report cannot be written (`SCALERL_DEBUG=1` prints the traceback too).
@@ -26,22 +32,27 @@ import dataclasses
 import json
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+from absl import flags, logging
 
 from scalerl_jax import data as data_lib
 from scalerl_jax import policy_source, recipe
 from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
-from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, config_argv_problem, parse_config_argv
-from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.compile_events import compile_log
+from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
+from scalerl_jax.config_validation import ConfigError, check_run_memory
+from scalerl_jax.console import quiet_library_logs
 from scalerl_jax.data.rows import DataFileError, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
-from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
+from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import (
     check_think_end,
     check_token_ids,
@@ -150,6 +161,88 @@ def parse_ks(text: str, num_samples: int) -> list[int]:
     return ks
 
 
+# ------------------------------------------------------------------ progress
+
+
+def progress_line(
+    samples_done: int, samples: int, prompts_done: int, prompts: int, tokens: int, elapsed_s: float, compiles: int
+) -> str:
+    """One progress line: samples and prompts done, completion tokens/s = tokens of the finished
+    samples / elapsed seconds, ETA = elapsed / samples done x samples left (unknown before the
+    first sample), and the programs compiled so far."""
+    rate = tokens / elapsed_s if elapsed_s > 0 else 0.0
+    eta = f"{elapsed_s / samples_done * (samples - samples_done):.0f} s" if samples_done else "unknown"
+    return (
+        f"evaluate: {samples_done}/{samples} samples, {prompts_done}/{prompts} prompts done, "
+        f"{rate:.1f} completion tokens/s, {elapsed_s:.0f} s elapsed, ETA {eta}, {compiles} programs compiled"
+    )
+
+
+class Progress:
+    """Counts finished samples (a prompt is done when all its samples are) and logs
+    `progress_line` every `interval_s` seconds from a thread of its own, so that a long compile or
+    a slow first chunk shows too; a last line at `close`."""
+
+    def __init__(self, samples: int, samples_per_prompt: int, interval_s: float):
+        self.samples, self.per_prompt, self.interval_s = samples, samples_per_prompt, interval_s
+        self._lock = threading.Lock()
+        self._done: dict[int, int] = {}  # prompt -> finished samples
+        self._samples_done = self._tokens = 0
+        self._log = compile_log()
+        self._compiles_before = self._log.count()
+        self._start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="evaluate-progress", daemon=True)
+        self._thread.start()
+
+    def add(self, completions: Sequence[Completion]) -> None:
+        """Counts finished completions (request id i samples prompt i // samples_per_prompt)."""
+        with self._lock:
+            for completion in completions:
+                assert isinstance(completion.request_id, int)  # make_sample_fn numbers the requests
+                prompt = completion.request_id // self.per_prompt
+                self._done[prompt] = self._done.get(prompt, 0) + 1
+                self._samples_done += 1
+                self._tokens += len(completion.tokens)
+
+    def line(self) -> str:
+        with self._lock:
+            prompts_done = sum(n == self.per_prompt for n in self._done.values())
+            return progress_line(
+                self._samples_done,
+                self.samples,
+                prompts_done,
+                self.samples // self.per_prompt,
+                self._tokens,
+                time.perf_counter() - self._start,
+                self._log.count() - self._compiles_before,
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            logging.info("%s", self.line())
+
+    def close(self) -> float:
+        """Stops the thread, logs the last line; returns the seconds since the start."""
+        self._stop.set()
+        self._thread.join()
+        logging.info("%s", self.line())
+        return time.perf_counter() - self._start
+
+
+class ProgressBatcher(ContinuousBatcher):
+    """A `ContinuousBatcher` that tells `progress` of each completion as it finishes."""
+
+    def __init__(self, *args: Any, progress: Progress, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.progress = progress
+
+    def run_chunk(self) -> list[Completion]:
+        done = super().run_chunk()
+        self.progress.add(done)
+        return done
+
+
 # ------------------------------------------------------------------ evaluation
 
 
@@ -162,10 +255,12 @@ def evaluate_policy(
     ks: Sequence[int],
     seed: int = 0,
     keep_texts: bool = False,
+    progress_every_s: float = 10.0,
 ) -> dict[str, Any]:
     """Samples `num_samples` completions per problem with the run's sampler on all devices
     (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
-    (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`)."""
+    (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`),
+    logging progress every `progress_every_s` seconds and each program compiled."""
     tok = load_checkpoint_tokenizer(policy.checkpoint_dir)
     check_think_end(config, tok, policy.checkpoint_dir)
     check_token_ids(config, tok, policy.checkpoint_dir)
@@ -178,7 +273,9 @@ def evaluate_policy(
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tok), mesh=mesh)
-    batcher = ContinuousBatcher(engine, params, version=policy.step or 0, seed=seed)
+    compile_log().warn_from_now("evaluate started")  # each program compiled from here on: one log line
+    progress = Progress(len(kept) * num_samples, num_samples, progress_every_s)
+    batcher = ProgressBatcher(engine, params, version=policy.step or 0, seed=seed, progress=progress)
     reward_config = data_lib.RewardConfig.from_config(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
@@ -201,6 +298,7 @@ def evaluate_policy(
             reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool, problems=problems),
         )
     finally:
+        sampling_s = progress.close()
         verify_pool.close()
     correct = result.correct
     per_prompt = []
@@ -211,14 +309,15 @@ def evaluate_policy(
         if keep_texts:
             entry["completions"] = texts[n * num_samples : (n + 1) * num_samples]
         per_prompt.append(entry)
-    extra = {
-        key.split("/", 1)[1]: value
-        for key, value in result.metrics.items()
-        if key.split("/", 1)[1]
-        in ("interrupted_frac", "truncated_frac", "format_failure_frac", "timeouts", "mean_completion_tokens")
-    }
+    # Every metric the evaluation returns (answer-found and format fractions, truncation, lengths,
+    # timeouts); the table's mean@K / pass@k / prompt count are `summarize`'s.
+    extra = {key.split("/", 1)[1]: value for key, value in result.metrics.items()}
+    summary = summarize(correct, ks)
+    tokens = extra.get("mean_completion_tokens", 0.0) * len(kept) * num_samples
     report = {
-        "metrics": {**summarize(correct, ks), **extra},
+        "metrics": {**extra, **summary},
+        "sampling_seconds": sampling_s,
+        "completion_tokens_per_s": tokens / sampling_s if sampling_s > 0 else 0.0,
         "samples_per_prompt": num_samples,
         "skipped_too_long": [benchmark.rows[i] for i in sorted(set(range(len(benchmark.problems))) - set(kept))],
         "sampling": {
@@ -240,17 +339,20 @@ def evaluate_policy(
 
 
 def format_table(report: dict[str, Any], group_field: str | None) -> str:
-    """The report's metrics (and per-group metrics) as a plain-text table."""
+    """The report's metrics (and per-group metrics) as a plain-text table, then every other metric
+    of the evaluation, one `name value` pair each, and the wall time."""
     metrics = report["metrics"]
-    keys = [k for k in metrics if k.startswith(("mean@", "pass@"))]
+    keys = [k for k in metrics if k.startswith(("mean@", "pass@")) and "/" not in k]
     lines = [f"{'':>16} {'prompts':>8} " + " ".join(f"{k:>9}" for k in keys)]
     rows = [("all", metrics)] + [(f"{group_field}={v}", m) for v, m in report.get("groups", {}).items()]
     for name, values in rows:
         lines.append(f"{name:>16} {values['num_prompts']:>8} " + " ".join(f"{values[k]:>9.4f}" for k in keys))
+    others = [(k, v) for k, v in metrics.items() if k not in keys and k not in ("num_prompts", "pass_rate")]
+    lines.append("  ".join(f"{k} {v:.4g}" for k, v in others))
     lines.append(
-        f"interrupted {metrics['interrupted_frac']:.3f}  truncated {metrics['truncated_frac']:.3f}  "
-        f"format failures {metrics['format_failure_frac']:.3f}  mean tokens "
-        f"{metrics['mean_completion_tokens']:.1f}  skipped (too long) {len(report['skipped_too_long'])}"
+        f"skipped (too long) {len(report['skipped_too_long'])}  sampling {report['sampling_seconds']:.1f} s, "
+        f"{report['completion_tokens_per_s']:.1f} completion tokens/s"
+        + (f"  wall time {report['wall_seconds']:.1f} s" if "wall_seconds" in report else "")
     )
     return "\n".join(lines)
 
@@ -277,56 +379,88 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
     parser.add_argument("--out", help="write the JSON report here")
     parser.add_argument("--completions", action="store_true", help="include completion texts in the JSON")
+    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     return parser
 
 
-def _config_from_flags(extra: Sequence[str]) -> ml_collections.ConfigDict | None:
-    """The config of `--config=FILE [--config.KEY=VALUE ...]` in `extra`, or None when absent."""
+def load_config(path: str, extra: Sequence[str]) -> tuple[bool, ml_collections.ConfigDict]:
+    """(whether `path` is a run directory, its sampling config): a run's config.json, or for a
+    Hugging Face directory the config of `--config=FILE` (default: the recipe's), each with the
+    `--config.KEY=VALUE` overrides in `extra` applied in order."""
     unknown = [a for a in extra if not a.startswith("--config")]
     if unknown:
         raise EvaluateError(f"unrecognized arguments: {' '.join(unknown)}")
-    if not extra:
-        return None
+    is_run = policy_source.is_run_dir(path)
+    argv = ["evaluate", *extra]
+    has_file = any(a == "--config" or a.startswith("--config=") for a in extra)
+    if is_run and has_file:
+        raise EvaluateError(
+            f"--config=FILE is for Hugging Face directories; the run {path!r} uses its config.json "
+            "(--config.KEY=VALUE overrides it)"
+        )
+    base = None if has_file else policy_source.load_run_config(path) if is_run else recipe.scalerl_8b()
     try:
-        config = parse_config_argv(["evaluate", *extra])
+        config = parse_config_argv(argv) if base is None else apply_config_overrides(base, argv)
     except CONFIG_ARGV_ERRORS as e:
-        raise EvaluateError(config_argv_problem(["evaluate", *extra], e)) from e
-    if config is None:
-        raise EvaluateError("--config.KEY=VALUE overrides need --config=FILE")
-    return config
+        raise EvaluateError(config_argv_problem(argv, e, base=base)) from e
+    assert config is not None  # parse_config_argv returns None only without --config=FILE
+    return is_run, config
 
 
-def load_policy_and_config(
-    path: str, config: ml_collections.ConfigDict | None, *, step: int | None
-) -> tuple[policy_source.Policy, ml_collections.ConfigDict]:
-    """A run directory with its own config, or an HF directory with `config` (default: the recipe)."""
-    if policy_source.is_run_dir(path):
-        if config is not None:
-            raise EvaluateError(f"--config is for Hugging Face directories; the run {path!r} uses its config.json")
-        run_config = policy_source.load_run_config(path)
-        return policy_source.load_run_policy(path, run_config, step=step), run_config
-    if step is not None:
+def load_policy(
+    path: str, is_run: bool, config: ml_collections.ConfigDict, *, step: int | None
+) -> policy_source.Policy:
+    """The policy of a run directory (its checkpoint at `step`, default the latest) or of a Hugging
+    Face directory, after checking that the sampler's KV pool and the weights fit this machine's
+    devices (`check_run_memory`: a ConfigError naming the keys, before anything loads or compiles)."""
+    devices = jax.devices()
+    if is_run:
+        base = policy_source.base_checkpoint_dir(config, path)
+    elif step is not None:
         raise EvaluateError(f"--step is for run directories; {path!r} is a Hugging Face directory")
-    config = config or recipe.scalerl_8b()
-    return policy_source.load_hf_policy(path, config, mesh=make_mesh(config.mesh.generator_shape)), config
+    else:
+        base = path
+    check_run_memory(config, policy_source.run_model_config(config, base), generator_devices=devices)
+    if is_run:
+        return policy_source.load_run_policy(path, config, step=step)
+    return policy_source.load_hf_policy(path, config, mesh=make_mesh(config.mesh.generator_shape))
+
+
+def use_absl_logging() -> None:
+    """Progress and compile lines (absl INFO and up) to stderr, as `main` logs them."""
+    flags.FLAGS.mark_as_parsed()  # this CLI parses its own flags; absl's are at their defaults
+    logging.use_absl_handler()
+    logging.set_verbosity(logging.INFO)
+    quiet_library_logs()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (2 on bad input, with the reason on stderr)."""
     args, extra = build_parser().parse_known_args(argv)
+    started = time.perf_counter()
+    use_absl_logging()
     try:
         if args.samples < 1:
             raise EvaluateError(f"--samples must be >= 1, got {args.samples}")
+        if not args.progress_every > 0:
+            raise EvaluateError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
         ks = parse_ks(args.k, args.samples)
         if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise EvaluateError(f"--out {args.out!r}: the directory {os.path.dirname(args.out)!r} does not exist")
-        config = _config_from_flags(extra)
+        is_run, config = load_config(args.checkpoint, extra)
         benchmark = read_benchmark(
             args.data, problem_field=args.problem_field, answer_field=args.answer_field, group_field=args.group_field
         )
-        policy, config = load_policy_and_config(args.checkpoint, config, step=args.step)
+        policy = load_policy(args.checkpoint, is_run, config, step=args.step)
         report = evaluate_policy(
-            policy, config, benchmark, num_samples=args.samples, ks=ks, seed=args.seed, keep_texts=args.completions
+            policy,
+            config,
+            benchmark,
+            num_samples=args.samples,
+            ks=ks,
+            seed=args.seed,
+            keep_texts=args.completions,
+            progress_every_s=args.progress_every,
         )
     except INPUT_ERRORS as e:
         return report_error(f"error: {e}", EXIT_INPUT_ERROR)
@@ -335,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step": policy.step,
         "data": os.path.abspath(args.data),
         "group_field": args.group_field,
+        "wall_seconds": time.perf_counter() - started,
         **report,
     }
     print(format_table(report, args.group_field))

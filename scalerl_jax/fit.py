@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import math
 import os
 import sys
@@ -46,6 +47,7 @@ from scalerl_jax.scaling.plot import DEFAULT_EXTEND, format_compute, unit_label
 from scalerl_jax.scaling.runs import METRICS_FILENAME
 
 LEADER_PROBE_FACTOR = 1.01  # which curve leads is read 1% past a crossing
+RUN_CONFIG_FILENAME = "config.json"  # a run directory's config, written by scalerl_jax.main
 
 
 def _checked(kind: type, accept: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
@@ -102,7 +104,7 @@ class FitOptions:
     method: str = "grid"
     unit: str | None = None
     r0: float | None = None
-    a_range: tuple[float, float] = PAPER_A_RANGE
+    a_range: tuple[float, float] | None = None  # None: each run's own (`run_a_range`), else the paper's
     bootstrap: int = 200
     level: float = 0.95
     seed: int = 0
@@ -140,7 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_checked(float, lambda x: 0 <= x <= 1, "in [0, 1]"),
         help="start pass rate (default: the one at the smallest compute)",
     )
-    parser.add_argument("--a-range", type=_a_range, default=DEFAULTS.a_range, help="A grid LO,HI (default 0.45,0.8)")
+    parser.add_argument(
+        "--a-range",
+        type=_a_range,
+        default=DEFAULTS.a_range,
+        help="A grid LO,HI (default: a run directory's eval.fit_a_range from its config.json, else 0.45,0.8)",
+    )
     parser.add_argument(
         "--bootstrap",
         type=_checked(int, lambda x: x >= 0, ">= 0"),
@@ -184,8 +191,35 @@ class RunReport:
     notes: tuple[str, ...] = ()
 
 
+def run_a_range(path: str) -> tuple[float, float] | None:
+    """The A grid a run fitted its own curve with: `eval.fit_a_range` of the `config.json` (written
+    by `scalerl_jax.main`) beside the run's metrics (`path`: the run directory or its metrics
+    file); None when there is no such file or key (e.g. a bare metrics file). ValueError naming the
+    file when it is not JSON or the range is not 0 <= LO < HI <= 1."""
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    config_file = os.path.join(directory, RUN_CONFIG_FILENAME)
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        with open(config_file) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_file}: cannot read the run's config ({e})") from e
+    value = config.get("eval", {}).get("fit_a_range") if isinstance(config, dict) else None
+    if value is None:
+        return None
+    try:
+        low, high = (float(x) for x in value)
+    except (TypeError, ValueError):
+        low = high = math.nan
+    if not 0.0 <= low < high <= 1.0:  # False for NaN
+        raise ValueError(f"{config_file}: eval.fit_a_range = {value!r}; expected [LO, HI] with 0 <= LO < HI <= 1")
+    return low, high
+
+
 def fit_run(run: RunCurve, options: FitOptions) -> RunReport:
-    """Sigmoid fit, bootstrap interval, power-law comparison and extrapolation errors of a run."""
+    """Sigmoid fit, bootstrap interval, power-law comparison and extrapolation errors of a run,
+    its A grid `options.a_range`, else the run's own (`run_a_range`), else the paper's."""
     start, end, name = options.fit_start, options.fit_end, f"run {run.name!r}"
     try:
         fit = fit_sigmoid(
@@ -193,7 +227,7 @@ def fit_run(run: RunCurve, options: FitOptions) -> RunReport:
             run.pass_rate,
             r0=options.r0,
             method=options.method,
-            a_range=options.a_range,
+            a_range=options.a_range or run_a_range(run.path) or PAPER_A_RANGE,
             fit_start=start,
             fit_end=end,
             unit=run.unit,
@@ -355,6 +389,16 @@ def report(paths: Sequence[str], options: FitOptions) -> int:
         return report_error(f"error: {undecodable_metrics(paths) or error}", EXIT_INPUT_ERROR)
     except ValueError as error:
         return report_error(f"error: {error}", EXIT_INPUT_ERROR)
+    if options.a_range is None:
+        try:
+            ranges = {run.name: run_a_range(run.path) for run in runs}
+        except ValueError as error:
+            return report_error(f"error: {error}", EXIT_INPUT_ERROR)
+        for run_name, a_range in ranges.items():
+            if a_range is not None:
+                print(
+                    f"{run_name}: A grid [{a_range[0]:g}, {a_range[1]:g}] from the run's config.json (eval.fit_a_range)"
+                )
     reports = [fit_run(run, options) for run in runs]
     print(format_table(table_rows(reports)))
     if options.bootstrap > 0:

@@ -46,8 +46,10 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     c.model.logprob_chunk = 1024
 
     c.data = ml_collections.ConfigDict()
-    c.data.dataset = "polaris_53k"  # 'polaris_53k' | 'synthetic' | 'jsonl'
-    c.data.path = ""  # local polaris-data-53K.jsonl (or any jsonl for 'jsonl')
+    # '' (default): the reader follows `data.path` (Polaris-53K for polaris-data-53K.jsonl, else any
+    # .jsonl / .parquet with `data.problem_field` / `data.answer_field`); or 'polaris_53k' | 'jsonl' | 'synthetic'.
+    c.data.dataset = ""
+    c.data.path = ""  # local polaris-data-53K.jsonl, or any .jsonl / .parquet file
     c.data.data_dir = ""  # TFDS data_dir; empty means WORKDIR/tfds
     c.data.problem_field = "problem"
     c.data.answer_field = "answer"

@@ -140,7 +140,7 @@ BAD_CHOICES = {
     "rl.advantage_normalization": ("group", ("batch", "prompt", "none")),
     "rl.length_control": ("truncate", ("interruption", "length_penalty", "none")),
     "schedule.kind": ("sync", ("pipeline", "ppo_off_policy")),
-    "data.dataset": ("gsm8k", ("polaris_53k", "synthetic", "jsonl")),
+    "data.dataset": ("gsm8k", ("", "polaris_53k", "synthetic", "jsonl")),
     "data.answer_format": ("xml", ("think", "plain")),
     "model.dtype": ("float16", ("float32", "bfloat16")),
     "model.remat_policy": ("everything", ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")),
@@ -244,3 +244,113 @@ def test_resume_without_config_json_uses_the_checkpoint_fingerprint(tmp_path):
         check_resume(config, str(tmp_path), saved_fingerprint=fingerprint)
     with pytest.raises(ConfigError, match="malformed"):
         check_resume(config, str(tmp_path), saved_fingerprint=None)
+
+
+def test_think_budgets_are_checked_only_where_interruption_applies():
+    # The recipe's budgets (10,240 / 12,288 / 2,048) exceed a 512-token completion: a problem under
+    # forced interruption, irrelevant under the plain answer format or without interruption.
+    config = recipe.scalerl_8b()
+    config.sampler.max_new_tokens = 512
+    with pytest.raises(ConfigError, match="think_budget_min") as error:
+        validate(config, check_files=False)
+    assert "answer_budget" in str(error.value)
+    config.data.answer_format = "plain"
+    config.rl.length_control = "none"
+    assert validate(config, check_files=False) == []
+    config.data.answer_format, config.rl.length_control = "think", "length_penalty"
+    validate(config, check_files=False)
+
+
+def test_data_path_alone_selects_the_reader(tmp_path):
+    from scalerl_jax.config_validation import check_paths
+    from scalerl_jax.data.builders import dataset_kind
+
+    assert recipe.scalerl_8b().data.dataset == ""
+    assert dataset_kind("", "/data/polaris-data-53K.jsonl") == "polaris_53k"
+    assert dataset_kind("", "/data/gsm8k/test.jsonl") == "jsonl"
+    assert dataset_kind("", "/data/rows.parquet") == "jsonl"
+    assert [dataset_kind(d, "/x/my.jsonl") for d in ("jsonl", "polaris_53k", "synthetic")] == [
+        "jsonl",
+        "polaris_53k",
+        "synthetic",
+    ]
+    data = tmp_path / "my.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    config = recipe.scalerl_8b()
+    config.data.path = str(data)
+    assert not [p for p in check_paths(config) if "data." in p]
+    config.data.dataset = "polaris_53k"  # explicit: reads only a file named polaris-data-53K.jsonl
+    (problem,) = [p for p in check_paths(config) if "data." in p]
+    assert "`data.dataset` = 'polaris_53k'" in problem and str(data) in problem
+    config.data.dataset, config.data.path = "", ""
+    (problem,) = [p for p in check_paths(config) if "data." in p]
+    assert problem.startswith("config key `data.path` = ''")
+
+
+# SmolLM2-135M's shapes (its config.json): 30 layers, 3 KV heads of 64, hidden 576, MLP 1536,
+# 9 heads, 49,152 tokens, tied embeddings.
+def smollm2_shapes(dtype: str):
+    from scalerl_jax.models.config import ModelConfig
+
+    return ModelConfig(
+        family="llama",
+        vocab_size=49_152,
+        hidden_size=576,
+        intermediate_size=1_536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        dtype=dtype,
+    )
+
+
+def test_recipe_sampler_that_cannot_fit_is_named_with_its_keys():
+    from scalerl_jax.config_validation import check_memory, memory_need
+
+    model = smollm2_shapes("float32")
+    config = recipe.scalerl_8b()
+    config.model.dtype = "float32"
+    need = memory_need(config, model, generator_groups=1, trainer_shape=None, platform="cpu")
+    # By hand: K and V of a token = 2 x 30 layers x 3 heads x 64 x 4 B = 46,080 B; every one of 256
+    # slots holds 2,048 + 14,336 = 16,384 tokens (1,024 pages of 16).
+    assert need.kv_per_token == 46_080 and need.pages == 256 * 1_024
+    assert need.kv_cache == 256 * 16_384 * 46_080
+    # Params: embedding 49,152 x 576 (tied) + 30 x (q, o 576^2; k, v 576 x 192; 3 MLP 576 x 1,536;
+    # 2 norms 576) + the final norm, 4 B each.
+    params = 49_152 * 576 + 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1_536 + 2 * 576) + 576
+    assert need.weights == 4 * params and need.trainer == 0
+    with pytest.raises(ConfigError) as error:
+        check_memory(config, need, devices=1, capacity=24 * 10**9, where="host")
+    message = str(error.value)
+    for text in ("`sampler.num_slots` = 256", "`data.max_prompt_tokens` = 2048", "`sampler.max_new_tokens` = 14336"):
+        assert text in message, message
+    assert "`model.dtype` = 'float32'" in message and "193.3 GB" in message and "24.0 GB" in message
+    # 8 slots of 256 + 512 tokens: 8 x 768 x 46,080 B = 0.28 GB of KV + 0.54 GB of weights fit.
+    config.sampler.num_slots, config.data.max_prompt_tokens, config.sampler.max_new_tokens = 8, 256, 512
+    small = memory_need(config, model, generator_groups=1, trainer_shape=None, platform="cpu")
+    assert small.kv_cache == 8 * 768 * 46_080
+    check_memory(config, small, devices=1, capacity=24 * 10**9, where="host")
+    # The trainer's share (main on one device) is added and named.
+    with_trainer = memory_need(config, model, generator_groups=1, trainer_shape=(1, 1, 1), platform="cpu")
+    assert with_trainer.trainer > 3 * 4 * params  # AdamW's mu and nu and the fp32 gradient accumulator at least
+    with pytest.raises(ConfigError, match="batch.prompts_per_step"):
+        check_memory(config, with_trainer, devices=1, capacity=with_trainer.total, where="host")
+
+
+def test_config_overrides_apply_without_a_config_file():
+    from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem
+
+    base = recipe.scalerl_8b()
+    argv = ["evaluate", "--config.data.answer_format=plain", "--config.sampler.num_slots=8"]
+    config = apply_config_overrides(base, argv)
+    assert (config.data.answer_format, config.sampler.num_slots) == ("plain", 8)
+    assert (base.data.answer_format, base.sampler.num_slots) == ("think", 256)  # the base is not changed
+    for bad, phrase in (
+        ("--config.data.answer_formt=plain", 'no key `data.answer_formt`. Did you mean "answer_format"?'),
+        ("--config.sampler.num_slots=many", "--config.sampler.num_slots=many"),
+    ):
+        with pytest.raises(CONFIG_ARGV_ERRORS) as error:
+            apply_config_overrides(base, ["evaluate", bad])
+        assert phrase in config_argv_problem(["evaluate", bad], error.value, base=base)

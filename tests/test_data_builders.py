@@ -151,3 +151,25 @@ def test_changed_file_is_rebuilt(tmp_path):
     second = builders.build_local_file(str(tmp_path / "d"), str(path), heldout_size=1)
     assert len(builders.read_split(first, "train")) == 5
     assert len(builders.read_split(second, "train")) == 8
+
+
+def test_heldout_size_that_leaves_no_train_rows_is_named_before_building(tmp_path):
+    # 40 distinct problems (41 rows, one repeated): a held-out split of 1,000 leaves nothing to
+    # train on. The error names the key, its value, the file and its 40 problems, and suggests
+    # 40 // 5 = 8; nothing is built.
+    path = tmp_path / "small.jsonl"
+    rows = _polaris_rows(40)
+    _write_jsonl(path, rows + [rows[3]])
+    with pytest.raises(builders.rows_lib.DataFileError) as error:
+        builders.build_local_file(str(tmp_path / "tfds"), str(path), heldout_size=1000)
+    message = str(error.value)
+    assert message.startswith("config key `data.heldout_size` = 1000: ")
+    assert f"{path} has 40 distinct problems" in message and "--config.data.heldout_size=8" in message
+    assert not (tmp_path / "tfds").exists()
+    manual = tmp_path / "manual"
+    manual.mkdir()
+    _write_jsonl(manual / builders.POLARIS_FILENAME, rows)
+    with pytest.raises(builders.rows_lib.DataFileError, match="`data.heldout_size` = 40: "):
+        builders.build_polaris(str(tmp_path / "tfds"), str(manual), heldout_size=40)
+    builder = builders.build_local_file(str(tmp_path / "tfds"), str(path), heldout_size=8)
+    assert len(builders.read_split(builder, "heldout")) == 8 and len(builders.read_split(builder, "train")) == 32

@@ -205,3 +205,37 @@ def test_evaluate_errors_name_the_problem(setup, tmp_path, capsys):
     fails(["--checkpoint", base_dir, "--data", jsonl, "--step", "3"], "--step is for run directories")
     fails(["--checkpoint", str(tmp_path / "nope"), "--data", jsonl], "does not exist")
     fails(["--checkpoint", run_dir, "--data", jsonl, "--step", "5"], "no checkpoint at step 5", "[3]")
+
+
+def test_overrides_without_a_config_file_apply_to_the_recipe_and_the_run(setup):
+    run_dir, base_dir, _, _ = setup
+    is_run, config = evaluate.load_config(base_dir, ["--config.data.answer_format=plain"])
+    assert not is_run and config.data.answer_format == "plain"
+    assert config.sampler.num_slots == 256  # the rest is the recipe's (configs/scalerl_8b.py)
+    saved = json.load(open(os.path.join(run_dir, "config.json")))
+    is_run, config = evaluate.load_config(run_dir, ["--config.sampler.max_new_tokens=7"])
+    assert is_run and config.sampler.max_new_tokens == 7
+    assert config.sampler.num_slots == saved["sampler"]["num_slots"]  # the rest is the run's
+
+
+def test_sizes_the_host_cannot_hold_are_named_before_any_compile(setup, capsys):
+    from scalerl_jax.compile_events import compile_log
+
+    _, base_dir, jsonl, _ = setup
+    compiles = compile_log().count()
+    # 2**24 slots of the recipe's 16,384 tokens: petabytes of KV pool on any host.
+    status = evaluate.main(["--checkpoint", base_dir, "--data", jsonl, "--config.sampler.num_slots=16777216"])
+    err = capsys.readouterr().err
+    assert status == 2 and "`sampler.num_slots` = 16777216" in err and "`sampler.max_new_tokens` = 14336" in err
+    assert "Traceback" not in err and compile_log().count() == compiles
+
+
+def test_progress_line_by_hand():
+    # 10 of 40 samples (3 of 10 prompts) in 20 s with 500 completion tokens: 25 tokens/s, and 30
+    # samples left at 2 s each: ETA 60 s.
+    line = evaluate.progress_line(10, 40, 3, 10, 500, 20.0, 4)
+    assert line == (
+        "evaluate: 10/40 samples, 3/10 prompts done, 25.0 completion tokens/s, 20 s elapsed, ETA 60 s, "
+        "4 programs compiled"
+    )
+    assert "ETA unknown" in evaluate.progress_line(0, 40, 0, 10, 0, 5.0, 0)

@@ -92,3 +92,31 @@ def test_malformed_line_exits_2_naming_file_and_line(tmp_path):
     )
     assert result.returncode == 2
     assert re.search(r"broken/metrics.jsonl line 42: malformed JSON", result.stderr), result.stderr
+
+
+def test_fit_of_a_run_dir_uses_its_config_fit_a_range(tmp_path, capsys):
+    # A sigmoid whose asymptote is A = 0.9 (points up to 40,000 GPU-hours, C_mid 5,000: the curve
+    # is within 0.01 of 0.9 at the end). The paper's grid stops at 0.8, so a fit on it ends at its
+    # edge, 0.8; the run's own config.json widens the grid to [0.45, 1.0], where the fit finds ~0.9.
+    run = write_run(tmp_path / "wide", a=0.9, c_mid=5_000.0, seed=0)
+    (run / "config.json").write_text(json.dumps({"eval": {"fit_a_range": [0.45, 1.0]}}))
+    assert fit_cli.main([str(run), "--bootstrap", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "A grid [0.45, 1] from the run's config.json" in out
+    assert float(table_row(out, "wide")[3]) == pytest.approx(0.9, abs=0.01)
+    # A flag overrides the run's range: the paper's grid puts A on its upper edge.
+    assert fit_cli.main([str(run), "--bootstrap", "0", "--a-range", "0.45,0.8"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert "from the run's config.json" not in out and float(table_row(out, "wide")[3]) == pytest.approx(0.8)
+    # A metrics file with no config.json beside it keeps the paper's grid.
+    bare = write_run(tmp_path / "bare", a=0.9, c_mid=5_000.0, seed=0)
+    fit_cli.main([str(bare / "metrics.jsonl"), "--bootstrap", "0", "--names", "bare"])
+    assert float(table_row(capsys.readouterr().out, "bare")[3]) == pytest.approx(0.8)
+
+
+def test_fit_names_a_bad_range_in_the_run_config(tmp_path, capsys):
+    run = write_run(tmp_path / "bad", a=0.6, c_mid=5_000.0, seed=0)
+    (run / "config.json").write_text(json.dumps({"eval": {"fit_a_range": [0.9, 0.5]}}))
+    assert fit_cli.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert str(run / "config.json") in err and "eval.fit_a_range" in err

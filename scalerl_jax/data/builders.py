@@ -27,7 +27,36 @@ from scalerl_jax.data import synthetic
 FILE_FORMAT = "array_record"
 POLARIS_FILENAME = "polaris-data-53K.jsonl"
 DATASETS = ("polaris_53k", "synthetic", "jsonl")  # `data.dataset`: build_polaris, build_synthetic, build_local_file
+FROM_PATH = ""  # `data.dataset` = '': the builder follows `data.path` (`dataset_kind`)
+DATASET_CHOICES = (FROM_PATH, *DATASETS)
 _VERSION = tfds.core.Version("1.0.0")
+
+
+def dataset_kind(dataset: str, path: str) -> str:
+    """The builder that `data.dataset` and `data.path` select: `dataset` when set; when '' (the
+    default), 'polaris_53k' for a file named polaris-data-53K.jsonl, else 'jsonl' (the reader of
+    any local .jsonl or .parquet file)."""
+    if dataset != FROM_PATH:
+        return dataset
+    return "polaris_53k" if os.path.basename(path) == POLARIS_FILENAME else "jsonl"
+
+
+def suggested_heldout_size(num_rows: int) -> int:
+    """A held-out split for a file of `num_rows` distinct problems: a fifth of them (at least 1)."""
+    return max(1, num_rows // 5)
+
+
+def check_heldout_size(path: str, field_map: dict[str, str], heldout_size: int) -> None:
+    """DataFileError unless `heldout_size` (`data.heldout_size`) leaves `path`'s distinct
+    problems (read with `field_map`) some rows to train on, with a value that would."""
+    rows, _ = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
+    if 0 <= heldout_size < len(rows):
+        return
+    hint = f"; e.g. --config.data.heldout_size={suggested_heldout_size(len(rows))}" if len(rows) > 1 else ""
+    raise rows_lib.DataFileError(
+        f"config key `data.heldout_size` = {heldout_size}: {path} has {len(rows)} distinct problems, so a "
+        f"held-out split of {heldout_size} leaves none to train on; expected a value below {len(rows)}{hint}"
+    )
 
 
 def _sha256_of_file(path: str) -> str:
@@ -259,6 +288,11 @@ def build_local_file(
         gold_extraction=gold_extraction,
     )
     builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    if not builder.is_prepared():
+        field_map = {"problem": problem_field, "answer": answer_field}
+        check_heldout_size(
+            path, field_map | ({"difficulty": difficulty_field} if difficulty_field else {}), heldout_size
+        )
     _prepare(builder)
     return builder
 
@@ -285,6 +319,8 @@ def build_polaris(
         gold_extraction=gold_extraction,
     )
     builder = Polaris53k(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    if not builder.is_prepared():
+        check_heldout_size(path, {"problem": "problem", "answer": "answer", "difficulty": "difficulty"}, heldout_size)
     _prepare(builder, manual_dir=manual_dir)
     return builder
 

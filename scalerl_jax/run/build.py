@@ -25,6 +25,7 @@ from flax import nnx
 from scalerl_jax import data as data_lib
 from scalerl_jax.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.data.builders import dataset_kind
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.data.rows import read_rows, with_extracted_golds
 from scalerl_jax.distributed.roles import Roles
@@ -115,9 +116,10 @@ def _encode_rows(
 def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, str]:
     """The configured TFDS builder (prepared) and the label field of its held-out rows."""
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
-    if config.data.dataset == "synthetic":
+    kind = dataset_kind(config.data.dataset, config.data.path)
+    if kind == "synthetic":
         return data_lib.build_synthetic(data_dir, synthetic_task(config)), "level"
-    if config.data.dataset == "polaris_53k":
+    if kind == "polaris_53k":
         return data_lib.build_polaris(
             data_dir,
             os.path.dirname(os.path.abspath(config.data.path)),

@@ -20,7 +20,7 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config_validation import ConfigError, check_resume, config_json
+from scalerl_jax.config_validation import ConfigError, check_resume, check_run_memory, config_json
 from scalerl_jax.console import quiet_library_logs
 from scalerl_jax.distributed import coordination
 from scalerl_jax.distributed.roles import assign_roles
@@ -66,6 +66,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
             Heartbeat(links.heartbeats(), interval_s=d.heartbeat_s, timeout_s=d.heartbeat_timeout_s) if links else None
         )
         policy = AbstractPolicy(*abstract_hf(source.checkpoint_dir, **run_model_overrides(config)))
+        check_run_memory(  # before any program compiles: recipe sizes the devices cannot hold, named
+            config,
+            policy.model_config,
+            generator_devices=roles.local_generator_devices(),
+            trainer_devices=[d for d in roles.trainer_devices if d.process_index == roles.process],
+        )
         meshes = build_meshes(config, roles)
         transfer = build_transfer(config, roles, plan_routes(roles), policy.params, meshes.trainer)
         ctx = RunContext(config, workdir, roles, source, policy, links, meshes, transfer)

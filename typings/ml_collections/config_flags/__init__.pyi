@@ -13,3 +13,14 @@ def DEFINE_config_file(
     sys_argv: list[str] | None = None,
     **kwargs: Any,
 ) -> flags.FlagHolder[ConfigDict]: ...
+
+def DEFINE_config_dict(
+    name: str,
+    config: ConfigDict,
+    help_string: str = "ConfigDict instance.",
+    flag_values: flags.FlagValues = ...,
+    lock_config: bool = True,
+    accept_new_attributes: bool = False,
+    sys_argv: list[str] | None = None,
+    **kwargs: Any,
+) -> flags.FlagHolder[ConfigDict]: ...
