@@ -132,6 +132,7 @@ NUMBERS: dict[str, Bound] = {
     "model.logprob_chunk": COUNT,
     "data.heldout_size": COUNT,
     "data.heldout_seed": NON_NEGATIVE_INT,
+    "data.max_solution_steps": NON_NEGATIVE_INT,
     "data.max_prompt_tokens": COUNT,
     "data.reward_correct": FINITE,
     "data.reward_incorrect": FINITE,
@@ -406,6 +407,12 @@ def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list
         problems.append(
             f"config key `data.path` = {d.path!r} is not used: `data.dataset` = 'synthetic' trains on the "
             "generated arithmetic task; set `data.dataset` to 'jsonl' or 'polaris_53k' to train on the file"
+        )
+    if d.max_solution_steps and dataset_kind(d.dataset, d.path) != "jsonl":
+        problems.append(
+            f"config key `data.max_solution_steps` = {d.max_solution_steps} is not used: it narrows a local "
+            f"jsonl/parquet file of worked solutions, and `data.dataset` = {d.dataset!r} with `data.path` = "
+            f"{d.path!r} reads {dataset_kind(d.dataset, d.path)!r}; set it to 0"
         )
     if rl.refill_zero_variance and not rl.zero_variance_filter:
         problems.append(

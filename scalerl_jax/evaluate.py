@@ -1,6 +1,7 @@
 """Evaluate a policy on a local benchmark file with the training sampler and verifier:
 ``python -m scalerl_jax.evaluate --checkpoint DIR_OR_RUN --data FILE [--samples 16] [--k 1,4,16]
-[--problem-field problem] [--answer-field answer] [--group-field level] [--out results.json]``.
+[--problem-field question] [--answer-field answer] [--group-field level] [--out results.json]
+[--config.KEY=VALUE ...]``.
 
 DIR_OR_RUN is a run directory (its config.json gives the sampling settings, as training used them:
 temperature, top-p/k, max_new_tokens, length control with its interruption phrase and budgets,
@@ -11,8 +12,10 @@ prompt template, chat template use, verifier kind; the params come from its late
 the device's or host's memory) are refused before anything compiles, naming their keys. Progress
 (samples and prompts done, completion tokens/s, ETA, compiles) is logged every
 ``--progress-every`` seconds. FILE is ``.jsonl`` or
-``.parquet``; each row needs the problem and answer fields (non-string answers are taken as
-``str(value)``) and, with ``--group-field``, that field.
+``.parquet``; each row needs the problem and answer fields (default: the config's
+`data.problem_field` / `data.answer_field`; non-string answers are taken as ``str(value)``, and
+`data.gold_extraction` finds the gold inside worked solutions such as GSM8K's ``#### 72``) and,
+with ``--group-field``, that field.
 
 Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
   mean@K = (1/N) sum_i c_i / K   (the paper's metric: mean over prompts of the pass rate)
@@ -49,7 +52,7 @@ from scalerl_jax.compile_events import compile_log
 from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
 from scalerl_jax.config_validation import ConfigError, check_run_memory
 from scalerl_jax.console import quiet_library_logs
-from scalerl_jax.data.rows import DataFileError, read_records
+from scalerl_jax.data.rows import DataFileError, extract_golds, read_records, solution_steps
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
@@ -104,10 +107,21 @@ def _records(path: str) -> list[dict]:
 
 
 def read_benchmark(
-    path: str, *, problem_field: str = "problem", answer_field: str = "answer", group_field: str | None = None
+    path: str,
+    *,
+    problem_field: str = "problem",
+    answer_field: str = "answer",
+    group_field: str | None = None,
+    gold_extraction: str = "",
+    max_solution_steps: int = 0,
 ) -> Benchmark:
     """Reads a benchmark file; a row missing a field (or None there, or an empty problem) is an
-    error naming the file, row and field. Answers and group values are taken as `str(value)`."""
+    error naming the file, row and field. Answers and group values are taken as `str(value)`; with
+    `gold_extraction` (`data.gold_extraction`, e.g. 'hashes' for GSM8K's worked solutions) the
+    gold is what its styles find in the answer field, and rows where they find none are skipped
+    with one warning naming the count (`data.rows.extract_golds`); `max_solution_steps` > 0 keeps
+    the rows whose answer field has at most that many solution steps (`data.max_solution_steps`,
+    as training read its file)."""
     records = _records(path)
     if not records:
         raise EvaluateError(f"{path}: the file has no rows")
@@ -120,12 +134,23 @@ def read_benchmark(
             raise EvaluateError(f"{path}: row {index} field {problem_field!r} is not a non-empty string")
         if not str(record[answer_field]).strip():
             raise EvaluateError(f"{path}: row {index} field {answer_field!r} is empty; expected the gold answer")
+    answers = [str(r[answer_field]) for r in records]
+    narrowed = {
+        i for i, answer in enumerate(answers) if not max_solution_steps or solution_steps(answer) <= max_solution_steps
+    }
+    if not narrowed:
+        raise EvaluateError(
+            f"{path}: no row's field {answer_field!r} has at most {max_solution_steps} solution steps (lines before the last ####) "
+            "(data.max_solution_steps)"
+        )
+    golds = extract_golds(answers, gold_extraction, path=path, field=answer_field)
+    kept = sorted(narrowed & set(golds))
     return Benchmark(
         path=path,
-        problems=[r[problem_field] for r in records],
-        answers=[str(r[answer_field]) for r in records],
-        groups=[str(r[group_field]) for r in records] if group_field else None,
-        rows=list(range(len(records))),
+        problems=[records[i][problem_field] for i in kept],
+        answers=[golds[i] for i in kept],
+        groups=[str(records[i][group_field]) for i in kept] if group_field else None,
+        rows=kept,
     )
 
 
@@ -372,8 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="benchmark file (.jsonl or .parquet)")
     parser.add_argument("--samples", type=int, default=16, help="samples per problem, K of mean@K")
     parser.add_argument("--k", default="1", help="comma-separated k values of pass@k (each <= --samples)")
-    parser.add_argument("--problem-field", default="problem")
-    parser.add_argument("--answer-field", default="answer")
+    parser.add_argument("--problem-field", help="the problem's row field (default: the config's data.problem_field)")
+    parser.add_argument("--answer-field", help="the gold's row field (default: the config's data.answer_field)")
     parser.add_argument("--group-field", help="a row field to break the metrics down by (e.g. level)")
     parser.add_argument("--step", type=int, help="run checkpoint step (default: the latest)")
     parser.add_argument("--seed", type=int, default=0, help="sampler seed")
@@ -449,7 +474,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise EvaluateError(f"--out {args.out!r}: the directory {os.path.dirname(args.out)!r} does not exist")
         is_run, config = load_config(args.checkpoint, extra)
         benchmark = read_benchmark(
-            args.data, problem_field=args.problem_field, answer_field=args.answer_field, group_field=args.group_field
+            args.data,
+            problem_field=args.problem_field or config.data.problem_field,
+            answer_field=args.answer_field or config.data.answer_field,
+            group_field=args.group_field,
+            gold_extraction=config.data.gold_extraction,
+            max_solution_steps=config.data.max_solution_steps,
         )
         policy = load_policy(args.checkpoint, is_run, config, step=args.step)
         report = evaluate_policy(

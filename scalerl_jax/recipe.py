@@ -75,6 +75,9 @@ def scalerl_8b() -> ml_collections.ConfigDict:
     # as is; else a style list as above applied to the answer field (GSM8K's worked solutions:
     # 'hashes'). Rows where no style finds a gold are counted, skipped and named in one warning.
     c.data.gold_extraction = ""
+    # Narrows a worked-solution task (GSM8K) to its easier problems: only rows whose answer field
+    # has at most this many steps (lines before its last ####; GSM8K: 2 to 8) are read (0: every row).
+    c.data.max_solution_steps = 0
     c.data.reward_fn = ""  # 'package.module:function' (completion, gold, problem) -> float; '' = math-verify
     c.data.max_prompt_tokens = 2_048
     c.data.reward_correct = 1.0

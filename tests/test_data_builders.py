@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -9,6 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from scalerl_jax.data import builders, synthetic
+
+GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
 
 TASK = synthetic.SyntheticTaskConfig(seed=1, split_sizes=(("heldout", 16), ("sft", 40), ("train", 48)))
 
@@ -173,3 +176,51 @@ def test_heldout_size_that_leaves_no_train_rows_is_named_before_building(tmp_pat
         builders.build_polaris(str(tmp_path / "tfds"), str(manual), heldout_size=40)
     builder = builders.build_local_file(str(tmp_path / "tfds"), str(path), heldout_size=8)
     assert len(builders.read_split(builder, "heldout")) == 8 and len(builders.read_split(builder, "train")) == 32
+
+
+def _worked(steps: int, gold: int) -> str:
+    """A GSM8K-style worked solution of `steps` lines ending in `#### gold`."""
+    return "\n".join(f"Step {k}: {k} + {k} = {2 * k}." for k in range(steps)) + f"\n#### {gold:,}"
+
+
+def test_max_solution_steps_keeps_the_easier_worked_solutions(tmp_path):
+    # 3 rows of 2 steps, 4 of 3 and 5 of 5 (one with a blank line, which is no step); at most 3
+    # steps keeps 3 + 4 = 7 rows; golds are the `####` line's text (the reward reads `1,000` as 1000).
+    rows = [{"question": f"Q{i} (2 steps)?", "answer": _worked(2, 1000 + i)} for i in range(3)]
+    rows += [{"question": f"Q{i} (3 steps)?", "answer": _worked(3, 2000 + i)} for i in range(4)]
+    rows += [
+        {"question": f"Q{i} (5 steps)?", "answer": _worked(5, 3000 + i).replace("\n", "\n\n", 1)} for i in range(5)
+    ]
+    path = tmp_path / "worked.jsonl"
+    _write_jsonl(path, rows)
+    builder = builders.build_local_file(
+        str(tmp_path / "d"),
+        str(path),
+        problem_field="question",
+        heldout_size=2,
+        gold_extraction="hashes",
+        max_solution_steps=3,
+    )
+    kept = builders.read_split(builder, "train") + builders.read_split(builder, "heldout")
+    assert len(kept) == 7
+    assert sorted(row["answer"] for row in kept) == ["1,000", "1,001", "1,002", "2,000", "2,001", "2,002", "2,003"]
+    with pytest.raises(builders.rows_lib.DataFileError, match="at most 1 solution steps"):
+        builders.build_local_file(
+            str(tmp_path / "d"), str(path), problem_field="question", heldout_size=1, max_solution_steps=1
+        )
+
+
+@pytest.mark.skipif(not os.path.isfile(GSM8K_TEST), reason=f"GSM8K not found at {GSM8K_TEST}")
+def test_gsm8k_test_set_has_326_two_step_problems(tmp_path):
+    # GSM8K's test split: 326 of its 1,319 worked solutions take two lines before `#### ` (counted
+    # by hand with a one-line script over the published file); 26 of them held out leaves 300.
+    builder = builders.build_local_file(
+        str(tmp_path / "d"),
+        GSM8K_TEST,
+        problem_field="question",
+        heldout_size=26,
+        gold_extraction="hashes",
+        max_solution_steps=2,
+    )
+    assert len(builders.read_split(builder, "train")) == 300
+    assert len(builders.read_split(builder, "heldout")) == 26

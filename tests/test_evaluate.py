@@ -239,3 +239,21 @@ def test_progress_line_by_hand():
         "4 programs compiled"
     )
     assert "ETA unknown" in evaluate.progress_line(0, 40, 0, 10, 0, 5.0, 0)
+
+
+GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gsm8k", "test.jsonl")
+
+
+@pytest.mark.skipif(not os.path.isfile(GSM8K_TEST), reason=f"GSM8K not found at {GSM8K_TEST}")
+def test_gsm8k_rows_as_published_with_gold_extraction_and_two_step_problems():
+    # GSM8K's test file as published: `question`, and `answer` a worked solution whose gold follows
+    # the last `#### `. Rows 0, 1 and 3 are the first of its 326 two-line solutions (counted by a
+    # one-line script over the file); their golds read by hand: 18 (Janet's ducks) and 3 (bolts).
+    benchmark = evaluate.read_benchmark(
+        GSM8K_TEST, problem_field="question", answer_field="answer", gold_extraction="hashes", max_solution_steps=2
+    )
+    assert len(benchmark.problems) == 326 and benchmark.rows[:3] == [0, 1, 3]
+    assert benchmark.answers[:2] == ["18", "3"]
+    assert benchmark.problems[0].startswith("Janet’s ducks lay 16 eggs per day.")
+    everything = evaluate.read_benchmark(GSM8K_TEST, problem_field="question", gold_extraction="hashes")
+    assert len(everything.problems) == 1319 and everything.answers[0] == "18"

@@ -46,10 +46,13 @@ def suggested_heldout_size(num_rows: int) -> int:
     return max(1, num_rows // 5)
 
 
-def check_heldout_size(path: str, field_map: dict[str, str], heldout_size: int) -> None:
+def check_heldout_size(path: str, field_map: dict[str, str], heldout_size: int, *, max_solution_steps: int = 0) -> None:
     """DataFileError unless `heldout_size` (`data.heldout_size`) leaves `path`'s distinct
-    problems (read with `field_map`) some rows to train on, with a value that would."""
-    rows, _ = rows_lib.drop_duplicate_problems(rows_lib.read_rows(path, field_map))
+    problems (read with `field_map`, at most `max_solution_steps` solution steps) some rows to
+    train on, with a value that would."""
+    rows = rows_lib.read_rows(path, field_map)
+    rows = rows_lib.with_solution_steps_at_most(rows, max_solution_steps, path=path, field=field_map["answer"])
+    rows, _ = rows_lib.drop_duplicate_problems(rows)
     if 0 <= heldout_size < len(rows):
         return
     hint = f"; e.g. --config.data.heldout_size={suggested_heldout_size(len(rows))}" if len(rows) > 1 else ""
@@ -151,6 +154,8 @@ class LocalFileConfig(tfds.core.BuilderConfig):
       heldout_size, seed: the held-out split (a seeded draw of distinct problems).
       gold_extraction: '' (the answer field is the gold) or the answer styles that find the gold
         in it (``data.gold_extraction``; rows without one are skipped and counted).
+      max_solution_steps: keep only rows whose answer field has at most this many solution
+        steps (``rows.solution_steps``; ``data.max_solution_steps``; 0 keeps every row).
     """
 
     path: str = ""
@@ -160,6 +165,7 @@ class LocalFileConfig(tfds.core.BuilderConfig):
     heldout_size: int = 1000
     seed: int = 0
     gold_extraction: str = ""
+    max_solution_steps: int = 0
 
 
 def _local_config(builder: tfds.core.DatasetBuilder) -> LocalFileConfig:
@@ -194,6 +200,7 @@ def _rows_with_golds(path: str, field_map: dict[str, str], config: LocalFileConf
     """The file's rows with ``config.gold_extraction`` applied to their answers
     (``rows.with_extracted_golds``), and how many rows had no gold and were skipped."""
     rows = rows_lib.read_rows(path, field_map)
+    rows = rows_lib.with_solution_steps_at_most(rows, config.max_solution_steps, path=path, field=config.answer_field)
     kept = rows_lib.with_extracted_golds(rows, config.gold_extraction, path=path, field=config.answer_field)
     return kept, len(rows) - len(kept)
 
@@ -267,6 +274,7 @@ def build_local_file(
     heldout_size: int = 1000,
     seed: int = 0,
     gold_extraction: str = "",
+    max_solution_steps: int = 0,
 ) -> LocalMathFile:
     """Builds a local jsonl/parquet file into ``data_dir`` (DataFileError naming a bad row).
 
@@ -274,7 +282,7 @@ def build_local_file(
     the gold in it (``answers.gold_of``; rows without one are skipped and counted)."""
     path = os.path.abspath(path)
     rows_lib.check_data_file(path)
-    fields = (problem_field, answer_field, difficulty_field, heldout_size, seed, gold_extraction)
+    fields = (problem_field, answer_field, difficulty_field, heldout_size, seed, gold_extraction, max_solution_steps)
     name = f"file_{_short_digest(_sha256_of_file(path), *fields)}"
     config = LocalFileConfig(
         name=name,
@@ -286,12 +294,16 @@ def build_local_file(
         heldout_size=heldout_size,
         seed=seed,
         gold_extraction=gold_extraction,
+        max_solution_steps=max_solution_steps,
     )
     builder = LocalMathFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     if not builder.is_prepared():
         field_map = {"problem": problem_field, "answer": answer_field}
         check_heldout_size(
-            path, field_map | ({"difficulty": difficulty_field} if difficulty_field else {}), heldout_size
+            path,
+            field_map | ({"difficulty": difficulty_field} if difficulty_field else {}),
+            heldout_size,
+            max_solution_steps=max_solution_steps,
         )
     _prepare(builder)
     return builder

@@ -158,6 +158,39 @@ def extract_golds(answers: Sequence[str], gold_extraction: str, *, path: str, fi
     return golds
 
 
+def solution_steps(solution: str) -> int:
+    """The steps of a worked solution: its non-empty lines before the last ``####`` (the line
+    of the final answer), as GSM8K writes one step per line (its problems take 2 to 8 steps):
+    ``"Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips.\n#### 72"`` has 2."""
+    worked = solution.rsplit("####", 1)[0]
+    return sum(1 for line in worked.splitlines() if line.strip())
+
+
+def with_solution_steps_at_most(rows: list[Row], max_steps: int, *, path: str, field: str) -> list[Row]:
+    """The ``rows`` whose answer field (``fields['answer']``, the worked solution as read) has at
+    most ``max_steps`` steps (``solution_steps``); ``max_steps`` 0 keeps every row.
+    The rows left out are counted in one log line (``data.max_solution_steps`` narrows the task to
+    easier problems); none left is a DataFileError naming the file."""
+    if max_steps == 0:
+        return rows
+    kept = [row for row in rows if solution_steps(row.fields["answer"]) <= max_steps]
+    if not kept:
+        raise DataFileError(
+            f"{path}: no row's field {field!r} has at most {max_steps} solution steps (lines before the last ####) "
+            f"(data.max_solution_steps = {max_steps}; {len(rows)} rows)"
+        )
+    logging.info(
+        "%s: data.max_solution_steps = %d keeps %d of %d rows (field %r: at most %d lines before the last ####)",
+        path,
+        max_steps,
+        len(kept),
+        len(rows),
+        field,
+        max_steps,
+    )
+    return kept
+
+
 def with_extracted_golds(
     rows: list[Row], gold_extraction: str, *, path: str, field: str, answer_key: str = "answer"
 ) -> list[Row]:

@@ -135,6 +135,7 @@ def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[An
         heldout_size=config.data.heldout_size,
         seed=config.data.heldout_seed,
         gold_extraction=config.data.gold_extraction,
+        max_solution_steps=config.data.max_solution_steps,
     ), "difficulty"
 
 
