@@ -22,6 +22,7 @@ from scalerl_jax import data as data_lib
 from scalerl_jax.config_validation import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
 from scalerl_jax.models.hf_tokenizer import (
+    CHAT_TEMPLATE_FILE,
     GENERATION_CONFIG_FILE,
     MODEL_CONFIG_FILE,
     TOKENIZER_CONFIG_FILE,
@@ -44,11 +45,13 @@ def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokeniz
 
 
 def check_token_ids(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str) -> None:
-    """Every id the run feeds the model or stops on is a row of the model's embedding: the named
-    special tokens, the stop ids and (when the run interrupts thinking) the think-end tag must be
-    below `config.json`'s `vocab_size`. An id past it would be clamped by the gather on device (a
-    wrong row, silently) or never sampled; ConfigError naming the ids and the files. A config.json
-    without an integer `vocab_size` is left to the model loader, which names it."""
+    """Every id the run feeds the model or stops on is a row of the model's embedding: every id of
+    `tokenizer.json` (a prompt may hold any of them), the named special tokens, the stop ids and
+    (when the run interrupts thinking) the think-end tag must be below `config.json`'s `vocab_size`.
+    An id past it would be clamped by the gather on device (a wrong row, silently) or never sampled;
+    ConfigError naming the sizes, the ids and the files. A tokenizer smaller than the embedding is
+    fine (checkpoints pad their embedding). A config.json without an integer `vocab_size` is left to
+    the model loader, which names it."""
     config_file = os.path.join(checkpoint_dir, MODEL_CONFIG_FILE)
     if not os.path.isfile(config_file):
         return
@@ -60,6 +63,10 @@ def check_token_ids(config: ml_collections.ConfigDict, tokens: CheckpointTokeniz
         return
     tokenizer = tokens.tokenizer
     outside = []
+    largest_id = max(tokenizer.get_vocab(with_added_tokens=True).values())
+    if largest_id >= vocab_size:
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        outside.append(f"{TOKENIZER_FILE} has {size} tokens (ids up to {largest_id})")
     for field, token in tokens.special_tokens.items():
         token_id = tokenizer.token_to_id(token)
         if token_id is not None and token_id >= vocab_size:
@@ -87,8 +94,9 @@ def make_prompt_encoder(
     if config.data.use_chat_template and tokens.chat_template is None:
         raise ConfigError(
             f"config key `data.use_chat_template` = True, but the checkpoint {checkpoint_dir} has no chat "
-            "template (tokenizer_config.json `chat_template` or chat_template.jinja); set it to False for "
-            "a base model's plain prompts"
+            f"template ({os.path.join(checkpoint_dir, CHAT_TEMPLATE_FILE)} does not exist and "
+            f"{os.path.join(checkpoint_dir, TOKENIZER_CONFIG_FILE)} has no `chat_template`); set it to False "
+            "for a base model's plain prompts"
         )
     return data_lib.PromptEncoder(
         tokens.tokenizer,

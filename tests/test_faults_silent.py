@@ -379,7 +379,9 @@ def test_n7_tokenizer_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     model_config["vocab_size"] = min(tokens.stop_ids)  # every stop id and the think-end tag fall outside
     (tmp_path / "model" / "config.json").write_text(json.dumps(model_config))
     assert tokens.special_tokens == {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    vocab = tokens.tokenizer.get_vocab(with_added_tokens=True)
     outside = [
+        f"tokenizer.json has {len(vocab)} tokens (ids up to {max(vocab.values())})",
         f"eos_token '<|im_end|>' = {tokens.eos_id}",
         f"pad_token '<|endoftext|>' = {tokens.pad_id}",
         f"stop ids {list(tokens.stop_ids)}",
