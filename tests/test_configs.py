@@ -354,3 +354,21 @@ def test_config_overrides_apply_without_a_config_file():
         with pytest.raises(CONFIG_ARGV_ERRORS) as error:
             apply_config_overrides(base, ["evaluate", bad])
         assert phrase in config_argv_problem(["evaluate", bad], error.value, base=base)
+
+
+def test_smollm2_gsm8k_config_validates_without_warnings_and_asks_for_what_it_reads():
+    config = load_config_file("smollm2_gsm8k.py", None)
+    config.model.checkpoint, config.data.path = "/models/smollm2", "/data/gsm8k/train.jsonl"
+    assert validate(config, check_files=False) == []
+    prompt = "What is 1+1?\n\nSolve the problem step by step. Then write the final answer, a number only, on its own last line in the form:\n#### <number>"
+    assert format_problem_of(config, "What is 1+1?") == prompt
+    assert config.data.answer_extraction.split(",")[0] == "hashes" and config.data.gold_extraction == "hashes"
+    config.data.path = "/data/polaris-data-53K.jsonl"  # the Polaris reader does not narrow by solution steps
+    with pytest.raises(ConfigError, match="data.max_solution_steps"):
+        validate(config, check_files=False)
+
+
+def format_problem_of(config, problem: str) -> str:
+    from scalerl_jax.data import format_problem
+
+    return format_problem(problem, config.data.prompt_template)
