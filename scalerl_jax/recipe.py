@@ -383,7 +383,6 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
     c = scalerl_8b()
     c.num_steps = 200
     c.model.dtype = "float32"
-    c.model.remat_policy = "none"
     c.model.logprob_chunk = 256
 
     c.data.problem_field = "question"
@@ -399,7 +398,7 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
 
     c.batch.prompts_per_step = 8
     c.batch.generations_per_prompt = 8
-    c.batch.microbatches = 4
+    c.batch.microbatches = 8
     c.batch.length_buckets_per_octave = 2
 
     c.rl.length_control = "none"
