@@ -103,6 +103,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on_policy", action="store_true", help="also run ours as PPO-off-policy-1 (TRL's order)")
     p.add_argument("--skip_trl", action="store_true", help="run only ours")
     p.add_argument("--skip_ours", action="store_true", help="run only TRL")
+    p.add_argument(
+        "--torch_threads",
+        type=int,
+        default=0,
+        help="TRL: torch.set_num_threads (0: torch's default). On a machine shared with other jobs, "
+        "more threads than free cores can slow torch 10x (measured: transformers' generate 2.2 s/token "
+        "with 2 threads and one core busy elsewhere, 0.21 s/token with 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="where run directories and logs go (default: a new temp dir)")
     args = p.parse_args(argv)
@@ -213,6 +221,8 @@ def run_trl(args: argparse.Namespace, checkpoint: str, rows: list[dict[str, str]
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     torch.manual_seed(args.seed)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     loss_type = "cispo" if "cispo" in (GRPOConfig.__doc__ or "") else "dapo"
     batch = args.prompts * args.generations
     config = GRPOConfig(
