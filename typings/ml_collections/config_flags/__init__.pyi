@@ -13,7 +13,6 @@ def DEFINE_config_file(
     sys_argv: list[str] | None = None,
     **kwargs: Any,
 ) -> flags.FlagHolder[ConfigDict]: ...
-
 def DEFINE_config_dict(
     name: str,
     config: ConfigDict,
