@@ -157,7 +157,7 @@ def restore_params(
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings
     )
-    checkpointer = RunCheckpointer(run_dir, keep=1)
+    checkpointer = RunCheckpointer(run_dir, keep=1, writes=False)
     try:
         train_state, _ = checkpointer.restore(step, abstract_state)
     finally:

@@ -83,8 +83,8 @@ MAIN_ONLY_FAULTS = {
     "too_few_rows_for_the_heldout_split": (
         "problems.jsonl",
         b'{"problem": "1+1", "answer": "2"}\n',
-        "{path}: 1 distinct problems leave none to train on after a held-out split of 1 (data.heldout_size); "
-        "expected more than 1 rows",
+        "config key `data.heldout_size` = 1: {path} has 1 distinct problems, so a held-out split of 1 leaves "
+        "none to train on; expected a value below 1",
     ),
 }
 

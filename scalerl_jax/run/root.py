@@ -113,7 +113,7 @@ def prepare_shared_files(config: ml_collections.ConfigDict, workdir: str, stack:
 
 def check_workdir_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     """A resumed workdir must get its own config back (`check_resume`); then `config.json` is written."""
-    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=(0,))
+    checkpointer = RunCheckpointer(workdir, keep=config.checkpoint.keep, processes=(0,), writes=False)
     try:
         saved = checkpointer.saved_config()
     finally:

@@ -210,9 +210,12 @@ def _serializable(train_state: Any) -> Any:
 class RunCheckpointer:
     """Saves and restores `(train_state, run_state)` pairs under `WORKDIR/checkpoints`, verified."""
 
-    def __init__(self, workdir: str, *, keep: int, processes: Sequence[int] | None = None):
+    def __init__(self, workdir: str, *, keep: int, processes: Sequence[int] | None = None, writes: bool = True):
         """`processes`: the trainer processes of a multi-process run (all of them save and restore
-        together; process 0, the leader, writes the JSON items); None: every process (one)."""
+        together; process 0, the leader, writes the JSON items); None: every process (one).
+        `writes=False` for a checkpointer that only reads: it leaves the temporary directories of
+        interrupted saves to the run that writes (orbax removes them in a background thread that
+        `close` does not wait for, and a process that ends just after would print its traceback)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
@@ -232,7 +235,7 @@ class RunCheckpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 create=multiprocessing.active_processes is None,
-                cleanup_tmp_directories=True,
+                cleanup_tmp_directories=writes,
                 multiprocessing_options=multiprocessing,
             ),
             item_handlers={  # the handlers take the same processes (orbax's defaults: all of them)
