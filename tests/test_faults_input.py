@@ -97,9 +97,12 @@ def write_fault(tmp_path, fault) -> str:
 
 
 def stub_checkpoint(tmp_path) -> str:
+    """A Hugging Face directory whose config.json says what it is and nothing more: the commands
+    read it (evaluate: to tell a run from a model) but never reach its weights, as the data error
+    comes first."""
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "llama"}')
     return str(model)
 
 
