@@ -213,12 +213,13 @@ class _Clock:
 
 def run_trl(args: argparse.Namespace, checkpoint: str, rows: list[dict[str, str]], workdir: str) -> SideResult:
     """TRL's GRPOTrainer for --warmup + --steps steps; the timed window's result."""
-    import datasets
+    # datasets and trl come with the `bench` extra, which `make test` does not install.
+    import datasets  # pyright: ignore[reportMissingImports]
     import torch
-    import trl
+    import trl  # pyright: ignore[reportMissingImports]
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl.trainer.grpo_config import GRPOConfig
-    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.grpo_config import GRPOConfig  # pyright: ignore[reportMissingImports]
+    from trl.trainer.grpo_trainer import GRPOTrainer  # pyright: ignore[reportMissingImports]
 
     torch.manual_seed(args.seed)
     if args.torch_threads:
