@@ -376,9 +376,11 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
 
     SmolLM2-135M-Instruct writes no think tag and no \\boxed{}: answers are read as it writes them
     (`#### 3`, "The answer is: 3", else the last number), golds after the last `####`, and no
-    forced interruption. Its held-out pass rate on all of GSM8K starts below 0.05, so the task is
-    narrowed to GSM8K's easiest problems, two-step solutions (`data.max_solution_steps`: 1,961 of
-    the 7,473 train rows).
+    forced interruption. Its pass rate on all of GSM8K starts below 0.05, so the task is narrowed
+    to GSM8K's easiest problems, two-step solutions (`data.max_solution_steps`: 1,961 of the 7,473
+    train rows). On those, sampled at temperature 1 (or 0.7) it still solves 1 of 128 (64 problems
+    x 2 samples, transformers, 200 new tokens); at 0.4, 8 of 128 (0.06): the sampler (and with it
+    the train step's log-probs, of logits / temperature) runs at 0.4.
     """
     c = scalerl_8b()
     c.num_steps = 200
@@ -406,6 +408,7 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
     c.sampler.num_slots = 64
     c.sampler.chunk_steps = 16
     c.sampler.max_new_tokens = 256
+    c.sampler.temperature = 0.4
 
     c.schedule.k = 2
 
