@@ -838,7 +838,13 @@ def check_run_memory(
 
     device = (list(generator_devices) + list(trainer_devices))[0]
     platform = device.platform
-    gen_shape = _mesh_shape(config.mesh.generator_shape, len(generator_devices)) or (len(generator_devices), 1, 1)
+    # A process without generator devices (a multi-process run's trainer) holds no KV pool; its
+    # shape is one group so that the per-device share is defined (and then counted zero times).
+    gen_shape = (
+        (_mesh_shape(config.mesh.generator_shape, len(generator_devices)) or (len(generator_devices), 1, 1))
+        if generator_devices
+        else (1, 1, 1)
+    )
     trainer_shape = (
         (_mesh_shape(config.mesh.trainer_shape, len(trainer_devices)) or (1, len(trainer_devices), 1))
         if trainer_devices
