@@ -52,7 +52,7 @@ from scalerl_jax.compile_events import compile_log
 from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
 from scalerl_jax.config_validation import ConfigError, check_run_memory
 from scalerl_jax.console import quiet_library_logs
-from scalerl_jax.data.rows import DataFileError, extract_golds, read_records, solution_steps
+from scalerl_jax.data.rows import DataFileError, extract_golds, indices_with_solution_steps_at_most, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
@@ -135,14 +135,7 @@ def read_benchmark(
         if not str(record[answer_field]).strip():
             raise EvaluateError(f"{path}: row {index} field {answer_field!r} is empty; expected the gold answer")
     answers = [str(r[answer_field]) for r in records]
-    narrowed = {
-        i for i, answer in enumerate(answers) if not max_solution_steps or solution_steps(answer) <= max_solution_steps
-    }
-    if not narrowed:
-        raise EvaluateError(
-            f"{path}: no row's field {answer_field!r} has at most {max_solution_steps} solution steps (lines before the last ####) "
-            "(data.max_solution_steps)"
-        )
+    narrowed = set(indices_with_solution_steps_at_most(answers, max_solution_steps, path=path, field=answer_field))
     golds = extract_golds(answers, gold_extraction, path=path, field=answer_field)
     kept = sorted(narrowed & set(golds))
     return Benchmark(

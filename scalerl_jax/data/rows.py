@@ -166,29 +166,38 @@ def solution_steps(solution: str) -> int:
     return sum(1 for line in worked.splitlines() if line.strip())
 
 
-def with_solution_steps_at_most(rows: list[Row], max_steps: int, *, path: str, field: str) -> list[Row]:
-    """The ``rows`` whose answer field (``fields['answer']``, the worked solution as read) has at
-    most ``max_steps`` steps (``solution_steps``); ``max_steps`` 0 keeps every row.
-    The rows left out are counted in one log line (``data.max_solution_steps`` narrows the task to
-    easier problems); none left is a DataFileError naming the file."""
+def indices_with_solution_steps_at_most(solutions: list[str], max_steps: int, *, path: str, field: str) -> list[int]:
+    """Indices of the worked ``solutions`` with at most ``max_steps`` steps (``solution_steps``);
+    ``max_steps`` 0 keeps every one. The ones left out are counted in one log line
+    (``data.max_solution_steps`` narrows the task to easier problems); none left is a
+    DataFileError naming the file and field."""
     if max_steps == 0:
-        return rows
-    kept = [row for row in rows if solution_steps(row.fields["answer"]) <= max_steps]
+        return list(range(len(solutions)))
+    kept = [i for i, solution in enumerate(solutions) if solution_steps(solution) <= max_steps]
     if not kept:
         raise DataFileError(
             f"{path}: no row's field {field!r} has at most {max_steps} solution steps (lines before the last ####) "
-            f"(data.max_solution_steps = {max_steps}; {len(rows)} rows)"
+            f"(data.max_solution_steps = {max_steps}; {len(solutions)} rows)"
         )
     logging.info(
         "%s: data.max_solution_steps = %d keeps %d of %d rows (field %r: at most %d lines before the last ####)",
         path,
         max_steps,
         len(kept),
-        len(rows),
+        len(solutions),
         field,
         max_steps,
     )
     return kept
+
+
+def with_solution_steps_at_most(rows: list[Row], max_steps: int, *, path: str, field: str) -> list[Row]:
+    """The ``rows`` whose answer field (``fields['answer']``, the worked solution as read) has at
+    most ``max_steps`` steps (``indices_with_solution_steps_at_most``)."""
+    kept = indices_with_solution_steps_at_most(
+        [row.fields["answer"] for row in rows], max_steps, path=path, field=field
+    )
+    return [rows[i] for i in kept]
 
 
 def with_extracted_golds(
