@@ -278,7 +278,7 @@ def evaluate_policy(
     """Samples `num_samples` completions per problem with the run's sampler on all devices
     (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
     (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`),
-    logging progress every `progress_every_s` seconds and each program compiled."""
+    logging progress every `progress_every_s` seconds (the engine logs each program it compiles)."""
     tok = load_checkpoint_tokenizer(policy.checkpoint_dir)
     check_think_end(config, tok, policy.checkpoint_dir)
     check_token_ids(config, tok, policy.checkpoint_dir)
@@ -291,7 +291,6 @@ def evaluate_policy(
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tok), mesh=mesh)
-    compile_log().warn_from_now("evaluate started")  # each program compiled from here on: one log line
     progress = Progress(len(kept) * num_samples, num_samples, progress_every_s)
     batcher = ProgressBatcher(engine, params, version=policy.step or 0, seed=seed, progress=progress)
     reward_config = data_lib.RewardConfig.from_config(config)
