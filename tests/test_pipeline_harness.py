@@ -8,6 +8,7 @@ on the buffer's observable state, not on sleeps, so the orderings asserted here 
 """
 
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -17,8 +18,9 @@ from typing import Any
 
 import pytest
 
+from scalerl_jax.pipeline.generator import GeneratorStats
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, quiet_progress_line
 from scalerl_jax.sampler import Completion
 
 
@@ -399,3 +401,44 @@ def test_mask_truncated_and_flops_reach_the_batch_and_metrics():
         want = 1e9 * 2 * metrics["pipeline/sequence_length"] / metrics["pipeline/step_s"]
         assert metrics["compute/model_flops_per_s"] == pytest.approx(want)
         assert metrics["compute/mfu"] == pytest.approx(want / 1e15)
+
+
+def test_quiet_progress_line_names_what_each_side_does():
+    stats = GeneratorStats(chunks=412, busy_s=980.4, generated_tokens=9536, groups_finished=37, groups_discarded=12)
+    line = quiet_progress_line(
+        quiet_s=312.0,
+        next_step=3,
+        num_steps=200,
+        trainer="waiting for a batch",
+        groups_ready=5,
+        groups_per_step=8,
+        generator=stats,
+        evaluations=[(0, 260, 400)],
+    )
+    assert line == (
+        "no step finished for 5.2 min (step 3/200 next) | trainer waiting for a batch, 5 of 8 groups ready | "
+        "generator: 412 decode chunks (980 s), 37 groups finished (12 discarded), 9536 completion tokens | "
+        "evaluation of step 0: 260/400 samples back"
+    )
+
+
+def test_a_long_step_is_reported_while_it_runs(caplog):
+    # Step 0 does not finish until the pipeline has said, with no step done, that the trainer trains.
+    caplog.set_level(logging.INFO)
+
+    def quiet_lines():
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("no step finished")]
+
+    def gate(version):
+        deadline = time.monotonic() + 10
+        while version == 0 and not any("trainer training" in line for line in quiet_lines()):
+            assert time.monotonic() < deadline, "no progress line while step 0 ran"
+            time.sleep(0.005)
+
+    pipeline, records = make_pipeline(ScriptedBatcher(2), CountingStep(gate), num_steps=2, quiet_log_s=0.05)
+    pipeline.run()
+    assert len(records) == 2
+    line = next(line for line in quiet_lines() if "trainer training" in line)
+    # two slots, k=1: groups 0 and 1 finish in the first chunk; group 0 is in the step, group 1 waits
+    assert "(step 1/2 next) | trainer training, 1 of 1 groups ready | generator: 1 decode chunks" in line
+    assert "2 groups finished (0 discarded), 2 completion tokens" in line

@@ -64,6 +64,18 @@ def test_plan_and_padding_fraction_by_hand():
     assert padding_fraction(lengths, 8 * 12) == pytest.approx(1 - 40 / 96)
 
 
+def test_plan_puts_rows_outside_the_loss_last_and_skips_a_microbatch_of_them():
+    lengths = [10, 3, 7, 1, 0, 5, 12, 2]
+    contributes = [True, False, True, False, False, True, False, True]
+    plan = plan_sorted_microbatches(lengths, 4, octave_buckets(2, 16, 2), contributes)
+    # in the loss, longest first: 10 (row 0), 7 (2), 5 (5), 2 (7); then rows 1, 3, 4, 6 by index
+    np.testing.assert_array_equal(plan.order, [[0, 2], [5, 7], [1, 3], [4, 6]])
+    # chunk maxima 10, 5 -> buckets 12, 6; the row of length 12 is outside the loss: not computed
+    assert plan.lengths == (12, 6, 0, 0) and plan.padded_tokens == 36
+    nothing = plan_sorted_microbatches(lengths, 4, (16,), [False] * 8)
+    assert nothing.lengths == (0, 0, 0, 0) and nothing.padded_tokens == 0
+
+
 def test_plan_rejects_rows_that_do_not_split():
     with pytest.raises(ValueError, match="num_microbatches=3"):
         plan_sorted_microbatches([1, 2, 3, 4], 3, (8,))
@@ -134,13 +146,19 @@ def _run(graphdef, params, step_config, batch, *, mesh=None):
     return step, new_state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
 
+def _in_loss(batch):
+    """Rows of an unsorted batch that the loss sees: valid, with a loss token."""
+    return batch["sample_valid"] & batch["loss_mask"].any(1)
+
+
 def _permuted(batch, sorted_batch):
     """The unsorted batch with its rows in the sorted batch's dealt order (row p M + m holds row p
-    of sorted microbatch m), found by matching the tokens."""
+    of sorted microbatch m), found by matching the tokens; the sorted layout's empty rows are the
+    unsorted rows outside the loss (a zero-variance group's, padding), in index order."""
     rows = {tuple(np.trim_zeros(r, "b")): i for i, r in enumerate(batch["tokens"]) if r.any()}
     _, microbatches = split_sorted_batch(sorted_batch, MICROBATCHES)
     order = np.zeros(ROWS, int)
-    padding = iter(i for i, r in enumerate(batch["tokens"]) if not r.any())
+    padding = iter(np.flatnonzero(~_in_loss(batch)))
     for m, microbatch in enumerate(microbatches):
         for p, r in enumerate(microbatch["tokens"]):
             order[p * MICROBATCHES + m] = rows[tuple(np.trim_zeros(r, "b"))] if r.any() else next(padding)
@@ -199,11 +217,31 @@ def test_sorted_step_equals_unsorted_step(model_parts, objective, aggregation, n
     assert got["train/update_applied"] == 1.0 and want["train/num_loss_tokens"] > 0
     if objective in ("dapo", "grpo"):
         assert want["train/clip_frac"] > 0  # the clipped branch is exercised
-    # sequence lengths sorted: 60 55 50 43 | 35 34 31 22 | 17 13 12 10 | 6 5 4 0 (padding row)
+    # sequence lengths in the loss, sorted: 60 50 43 35 | 34 31 22 13 | 12 6 5 4; prompt 3's
+    # rows (55 17 10, zero variance) and the padding row fill the last microbatch, not computed
     assert info.padded_shapes == ((16, 64),)
-    assert sorted_info.padded_shapes == ((4, 64), (4, 40), (4, 40), (4, 8))
+    assert sorted_info.padded_shapes == ((4, 64), (4, 40), (4, 16), (4, 0))
+    assert sorted_info.skipped_microbatches == 1
     assert sorted_info.padding_frac < info.padding_frac
     assert sorted_info.sampled_tokens == info.sampled_tokens
+
+
+def test_a_batch_without_rows_in_the_loss_computes_no_microbatch(model_parts):
+    """Every group zero-variance: the sorted step runs no microbatch, and its metrics and update
+    (Adam on a zero gradient: weight decay only) are the unsorted step's, which computes them all."""
+    graphdef, params = model_parts
+    groups = [dataclasses.replace(g, rewards=np.ones_like(g.rewards)) for g in _groups()]
+    batch, _ = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS)
+    sorted_batch, info = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS, microbatches=MICROBATCHES)
+    assert info.padded_shapes == ((4, 0),) * MICROBATCHES and info.padding_frac == 0.0
+    config = TrainStepConfig(num_microbatches=MICROBATCHES, temperature=TEMPERATURE, logprob_chunk_size=16)
+    _, want_state, want = _run(graphdef, params, config, batch)
+    step, got_state, got = _run(graphdef, params, dataclasses.replace(config, sort_by_length=True), sorted_batch)
+    assert step.num_traces == 3  # prepare, zeros, update
+    assert want["train/num_loss_tokens"] == 0 and want["train/grad_norm"] == 0
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7, err_msg=name)
+    _assert_close(got_state.params, want_state.params)
 
 
 def test_sorted_layout_deals_rows_like_the_unsorted_step():
@@ -212,21 +250,24 @@ def test_sorted_layout_deals_rows_like_the_unsorted_step():
     groups = _groups()
     batch, _ = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS)
     sorted_batch, info = build_train_batch(groups, rows=ROWS, length_buckets=BUCKETS, microbatches=MICROBATCHES)
-    # sequence lengths 60 5 22 | 4 43 12 | 35 34 6 | 17 55 10 | 13 31 50: 397 tokens, in
-    # 4 x (64 + 40 + 40 + 8) = 608 positions sorted, 16 x 64 = 1024 unsorted
-    assert info.sequence_tokens == 397
-    assert info.padding_frac == pytest.approx(1 - 397 / 608)
+    # sequence lengths 60 5 22 | 4 43 12 | 35 34 6 | 17 55 10 | 13 31 50: 397 tokens, 315 of them
+    # outside prompt 3 (zero variance), in 4 x (64 + 40 + 16) = 480 positions computed sorted
+    assert info.sequence_tokens == 315
+    assert info.padding_frac == pytest.approx(1 - 315 / 480)
     assert info.sequence_length == 64 and info.longest_sequence == 60
     permuted = _permuted(batch, sorted_batch)
     for name in ("rewards", "group_ids", "sample_valid"):
         np.testing.assert_array_equal(sorted_batch[name], permuted[name])
     np.testing.assert_array_equal(sorted_batch["loss_tokens"], permuted["loss_mask"].sum(1))
+    in_loss = _in_loss(permuted)
     for m in range(MICROBATCHES):
         tokens = sorted_batch[sorted_batch_key("tokens", m)]
         rows = permuted["tokens"][m::MICROBATCHES]
-        np.testing.assert_array_equal(tokens, rows[:, : tokens.shape[1]])
-        assert not rows[:, tokens.shape[1] :].any()  # nothing cut off
-    lengths = [(r > 0).sum() for r in batch["tokens"]]
+        computed = in_loss[m::MICROBATCHES]
+        np.testing.assert_array_equal(tokens[computed], rows[computed, : tokens.shape[1]])
+        assert not rows[computed, tokens.shape[1] :].any()  # nothing cut off
+        assert not tokens[~computed].any()  # rows outside the loss are left empty
+    lengths = [(r > 0).sum() for r, counted in zip(batch["tokens"], _in_loss(batch)) if counted]
     first = sorted_batch[sorted_batch_key("tokens", 0)]
     assert sorted((first > 0).sum(1).tolist()) == sorted(lengths)[-4:]  # longest first
 
@@ -267,8 +308,9 @@ def test_compiles_once_per_microbatch_shape(model_parts):
     lengths = {shorter[sorted_batch_key("tokens", m)].shape[1] for m in range(MICROBATCHES)}
     seen = {batch[sorted_batch_key("tokens", m)].shape[1] for m in range(MICROBATCHES)}
     step(state, shorter)
-    assert lengths - seen == {16}  # 55 50 43 35 | 34 31 17 13 | 12 10 6 4 | 0 0 0 0
-    assert step.num_traces == first + 1
+    # in the loss: 50 43 35 34 | 31 13 12 6 | 4 (prompt 3's rows, 3 padding rows and 4 more) | none
+    assert lengths - seen == {8} and lengths & {0} == {0}
+    assert step.num_traces == first + 1  # a length-0 microbatch is skipped, never traced
 
 
 def test_bad_sorted_batch_names_the_key(model_parts):

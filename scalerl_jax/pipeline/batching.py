@@ -94,19 +94,35 @@ class MicrobatchPlan:
 
 
 def plan_sorted_microbatches(
-    lengths: Sequence[int] | np.ndarray, num_microbatches: int, length_buckets: Sequence[int]
+    lengths: Sequence[int] | np.ndarray,
+    num_microbatches: int,
+    length_buckets: Sequence[int],
+    contributes: Sequence[bool] | np.ndarray | None = None,
 ) -> MicrobatchPlan:
     """Samples sorted by length, longest first (ties by index), cut into `num_microbatches`
     chunks of R = B / M consecutive samples; chunk m is padded to the smallest bucket >= its
     longest sample. Sorting makes the rows of a chunk nearly equal in length, so the padding is
-    mostly the bucket's rounding."""
+    mostly the bucket's rounding.
+
+    `contributes[s]` False (default: all True) marks a sample that adds nothing to the loss, its
+    gradient or any of the step's sums (a zero-variance group's, a padding row, a row without
+    loss tokens): such samples go last, in index order, as length 0, so a chunk's bucket is
+    that of its longest contributing sample and a chunk of none has length 0 (the step skips it).
+    """
     sizes = np.asarray(lengths, np.int64)
     rows = len(sizes)
     if num_microbatches < 1 or rows % num_microbatches:
         raise ValueError(f"sorted microbatches: B={rows} rows do not split into num_microbatches={num_microbatches}")
-    order = np.argsort(-sizes, kind="stable").reshape(num_microbatches, rows // num_microbatches)
+    counted = np.ones(rows, bool) if contributes is None else np.asarray(contributes, bool)
+    sizes = np.where(counted, sizes, 0)
+    # np.lexsort's last key is the primary one: contributing first, then longest, then by index
+    order = np.lexsort((np.arange(rows), -sizes, ~counted)).reshape(num_microbatches, rows // num_microbatches)
     return MicrobatchPlan(
-        order=order, lengths=tuple(pick_bucket(int(max(sizes[chunk].max(), 1)), length_buckets) for chunk in order)
+        order=order,
+        lengths=tuple(
+            pick_bucket(int(max(sizes[chunk].max(), 1)), length_buckets) if counted[chunk].any() else 0
+            for chunk in order
+        ),
     )
 
 
@@ -129,14 +145,20 @@ class BatchInfo:
     interrupted: int
     truncated: int
     truncated_masked: int = 0  # completions whose tokens left the loss (`mask_truncated`)
-    # (rows, T) of every padded block the step computes: ((B, T),) unsorted, ((R, T_m), ...) sorted
+    # (rows, T) of every padded block: ((B, T),) unsorted, ((R, T_m), ...) sorted (T_m 0: skipped)
     padded_shapes: tuple[tuple[int, int], ...] = ()
-    sequence_tokens: int = 0  # prompt + completion tokens of all samples (no padding)
+    sequence_tokens: int = 0  # prompt + completion tokens of the samples the step computes (no padding)
+
+    @property
+    def skipped_microbatches(self) -> int:
+        """Microbatches of the sorted layout with no contributing row: length 0, not computed."""
+        return sum(1 for _, length in self.padded_shapes if length == 0)
 
     @property
     def padding_frac(self) -> float:
-        """Share of the computed token positions that are padding."""
-        return padding_fraction([self.sequence_tokens], sum(r * t for r, t in self.padded_shapes))
+        """Share of the computed token positions that are padding (0 when nothing is computed)."""
+        computed = sum(r * t for r, t in self.padded_shapes)
+        return padding_fraction([self.sequence_tokens], computed) if computed else 0.0
 
 
 def cut_by_length(completion) -> bool:
@@ -243,8 +265,9 @@ def build_train_batch(
         }
         padded_shapes = ((rows, length),)
         sampled_tokens = int(batch["loss_mask"].sum())
+        sequence_tokens = int(lengths.sum())
     else:
-        batch, padded_shapes = _sorted_layout(
+        batch, padded_shapes, sequence_tokens = _sorted_layout(
             sequences,
             lengths,
             microbatches,
@@ -265,7 +288,7 @@ def build_train_batch(
         truncated=sum(bool(c.truncated) for c in completions),
         truncated_masked=truncated_masked,
         padded_shapes=padded_shapes,
-        sequence_tokens=int(lengths.sum()),
+        sequence_tokens=sequence_tokens,
     )
     return batch, info
 
@@ -276,13 +299,19 @@ def _sorted_layout(
     microbatches: int,
     length_buckets: Sequence[int],
     per_row: dict[str, np.ndarray],
-) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...]]:
-    """The sorted layout (`build_train_batch`) and its padded (R, T_m) shapes."""
-    plan = plan_sorted_microbatches(lengths, microbatches, length_buckets)
-    dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]: batch_layout's deal
+) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...], int]:
+    """The sorted layout (`build_train_batch`), its padded (R, T_m) shapes and the tokens of the
+    samples it computes. A sample that contributes nothing (not `sample_valid`, or no loss
+    token) keeps its per-row entries, but its microbatch row is left empty (all 0, as a padding
+    row), and a microbatch of such rows only has length 0 (`plan_sorted_microbatches`)."""
     loss_tokens = np.asarray([0.0 if s is None else float(s.loss_mask.sum()) for s in sequences], np.float32)
+    contributes = per_row["sample_valid"] & (loss_tokens > 0)
+    plan = plan_sorted_microbatches(lengths, microbatches, length_buckets, contributes)
+    dealt = plan.order.T.reshape(-1)  # row p M + m <- sample order[m, p]: batch_layout's deal
     batch = {name: array[dealt] for name, array in {**per_row, "loss_tokens": loss_tokens}.items()}
     for m, (chunk, length) in enumerate(zip(plan.order, plan.lengths)):
-        for name, array in _pad_rows([sequences[i] for i in chunk], length).items():
+        computed = [sequences[i] if contributes[i] else None for i in chunk]
+        for name, array in _pad_rows(computed, length).items():
             batch[sorted_batch_key(name, m)] = array
-    return batch, tuple((len(chunk), length) for chunk, length in zip(plan.order, plan.lengths))
+    shapes = tuple((len(chunk), length) for chunk, length in zip(plan.order, plan.lengths))
+    return batch, shapes, int(lengths[contributes].sum())

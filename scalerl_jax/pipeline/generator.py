@@ -368,6 +368,11 @@ class LocalLink:
             done = self._jobs.pop(job).done
         return [done[i] for i in range(len(prompts))]
 
+    def evaluations_in_progress(self) -> list[tuple[int, int, int]]:
+        """(params version, samples back, samples asked) of each evaluation not yet returned."""
+        with self._cond:
+            return [(job.version, len(job.done), len(job.prompts)) for job in self._jobs.values()]
+
     def _takeable(self, version: int) -> bool:
         return bool(self._eval_queue) and self._eval_queue[0].version <= version
 

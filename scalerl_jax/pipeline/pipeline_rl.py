@@ -92,6 +92,8 @@ class PipelineConfig:
     `microbatches` microbatches each padded to its own bucket (the train step must be a
     `SortedTrainStep` with as many microbatches); length buckets `length_buckets_per_octave` to
     an octave from `min_length_bucket` to `max_seq_len` (`batching.octave_buckets`).
+    `quiet_log_s`: while no step has finished for this long, one progress line (`quiet_progress_line`)
+    every `quiet_log_s` seconds, so the minutes of a first batch or a long evaluation show.
     `train_step_flops(rows, sequence_length)`: model FLOPs of one train step on a padded
     [rows, sequence_length] block (summed over a sorted batch's microbatches), e.g.
     `functools.partial(train.flops.train_step_flops, model_config)`; gives
@@ -120,6 +122,7 @@ class PipelineConfig:
     first_version: int = 0
     poll_s: float = 0.05
     join_timeout_s: float = 30.0
+    quiet_log_s: float = 60.0
     mask_truncated: bool = False
     train_step_flops: Callable[[int, int], float] | None = None
     peak_flops_per_s: float | None = None
@@ -151,8 +154,8 @@ class PipelineConfig:
             )
         if self.admission_slack is not None and self.admission_slack < 0:
             raise ValueError(f"PipelineConfig.admission_slack={self.admission_slack} must be >= 0")
-        if self.poll_s <= 0 or self.join_timeout_s <= 0:
-            raise ValueError("PipelineConfig.poll_s and join_timeout_s must be > 0")
+        if self.poll_s <= 0 or self.join_timeout_s <= 0 or self.quiet_log_s <= 0:
+            raise ValueError("PipelineConfig.poll_s, join_timeout_s and quiet_log_s must be > 0")
         if self.peak_flops_per_s is not None and not self.peak_flops_per_s > 0:
             raise ValueError(
                 f"PipelineConfig.peak_flops_per_s={self.peak_flops_per_s} must be > 0 "
@@ -244,6 +247,31 @@ class PipelineResult:
     waits: WaitTimes
     generator: GeneratorStats
     wall_s: float
+
+
+def quiet_progress_line(
+    *,
+    quiet_s: float,
+    next_step: int,
+    num_steps: int,
+    trainer: str,
+    groups_ready: int,
+    groups_per_step: int,
+    generator: GeneratorStats,
+    evaluations: Sequence[tuple[int, int, int]],
+) -> str:
+    """What a pipeline is doing while no step finishes: how long it has been quiet, the step it
+    works towards (of `num_steps` this run), what the trainer does, `groups_ready` finished groups
+    waiting of the `groups_per_step` a batch takes, the generators' cumulative counters, and each
+    evaluation in flight as (params version, samples back, samples asked)."""
+    parts = [
+        f"no step finished for {quiet_s / 60:.1f} min (step {next_step}/{num_steps} next)",
+        f"trainer {trainer}, {groups_ready} of {groups_per_step} groups ready",
+        f"generator: {generator.chunks} decode chunks ({generator.busy_s:.0f} s), {generator.groups_finished} groups "
+        f"finished ({generator.groups_discarded} discarded), {generator.generated_tokens} completion tokens",
+    ]
+    parts += [f"evaluation of step {version}: {done}/{asked} samples back" for version, done, asked in evaluations]
+    return " | ".join(parts)
 
 
 SampleEval = Callable[[int, Sequence[Sequence[int]]], list[Completion]]
@@ -360,6 +388,8 @@ class Pipeline:
         self._stop_reason = ""
         self._errors = FirstError()
         self._started = False
+        self._trainer_activity = "starting"  # read by the quiet-period progress line
+        self._last_step_at = time.monotonic()
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "stop_requested") -> None:
@@ -386,7 +416,12 @@ class Pipeline:
         try:
             for thread in threads:
                 thread.start()
+            self._last_step_at = last_line = time.monotonic()
             while any(thread.is_alive() for thread in threads):
+                now = time.monotonic()
+                if now - max(self._last_step_at, last_line) >= self.config.quiet_log_s:
+                    logging.info("%s", self._quiet_line(now - self._last_step_at))
+                    last_line = now
                 # A trainer waiting for a batch leaves now, a training one after its step and on_step
                 # (`_stopping`); its end stops the other loops. The wake-up is sent from here, not
                 # from the signal handler, which must not wait for the buffer's lock.
@@ -459,6 +494,19 @@ class Pipeline:
         )
 
     # ------------------------------------------------------------------ generator
+    def _quiet_line(self, quiet_s: float) -> str:
+        cfg = self.config
+        return quiet_progress_line(
+            quiet_s=quiet_s,
+            next_step=self._version + 1,
+            num_steps=cfg.first_version + cfg.num_steps,
+            trainer=self._trainer_activity,
+            groups_ready=self.buffer.counts().queued,
+            groups_per_step=cfg.prompts_per_step,
+            generator=self._generator_stats.snapshot(),
+            evaluations=self.link.evaluations_in_progress(),
+        )
+
     def _generator_loop(self, batcher: Batcher) -> None:
         GeneratorLoop(
             batcher, self.link, self.sampling, self._generator_stats, clock=self.clock, eval_batcher=self.eval_batcher
@@ -496,11 +544,14 @@ class Pipeline:
         totals = _Totals(start=self.clock())
         state = self._train_state
         if self._on_start is not None:
+            self._trainer_activity = "evaluating the start"
             with self._reporting_step():
                 self._on_start(self.sample_eval)
         while self._version - cfg.first_version < cfg.num_steps and not self._stopping():
             wait_before = self.buffer.waits().trainer_waiting_for_data
+            self._trainer_activity = "waiting for a batch"
             version, groups = self.buffer.take_batch(stop=self._stopping)
+            self._trainer_activity = "training"
             if version != self._version:
                 raise RuntimeError(f"trainer at version {self._version} got batch {version}")
             counts = self.buffer.counts()
@@ -520,6 +571,8 @@ class Pipeline:
             totals.step_s += step_s
             self._train_state = state
             self._version += 1
+            self._last_step_at = time.monotonic()
+            self._trainer_activity = "reporting (metrics, evaluation, checkpoint)"
             with self._reporting_step():
                 push_s = self._push(state, self._version) if self.schedule.should_push(self._version) else 0.0
                 self._trained_ids.extend(g.group_id for g in groups)
@@ -543,7 +596,7 @@ class Pipeline:
                         step_flops=(
                             None
                             if cfg.train_step_flops is None
-                            else sum(cfg.train_step_flops(rows, length) for rows, length in info.padded_shapes)
+                            else sum(cfg.train_step_flops(r, length) for r, length in info.padded_shapes if length)
                         ),
                         peak_flops_per_s=cfg.peak_flops_per_s,
                     )
@@ -637,7 +690,8 @@ def step_metrics(
     the population std of their rewards, train/completion_len_mean / _max their generated
     tokens (forced phrase tokens included). pipeline/sequence_length: the longest padded length
     of the step; pipeline/padding_frac: the share of padding among the token positions the step
-    computes (`BatchInfo.padding_frac`). data/truncated_masked: completions masked out of
+    computes (`BatchInfo.padding_frac`); pipeline/skipped_microbatches: sorted microbatches
+    without a row in the loss, not computed. data/truncated_masked: completions masked out of
     the loss as cut by length. Given `step_flops` (model FLOPs of the step, padding included),
     compute/model_flops_per_s = step_flops / step_s, where step_s is the step's wall time up to
     its metrics on the host (compilation included on a new length bucket); with
@@ -671,6 +725,7 @@ def step_metrics(
         "pipeline/push_s": push_s,
         "pipeline/sequence_length": float(info.sequence_length),
         "pipeline/padding_frac": info.padding_frac,
+        "pipeline/skipped_microbatches": float(info.skipped_microbatches),
         "sampler/tokens_per_s": generator.generated_tokens / elapsed,
         "sampler/completions_per_s": generator.completions / elapsed,
         "sampler/busy_frac": generator.busy_s / elapsed,

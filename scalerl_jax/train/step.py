@@ -643,6 +643,8 @@ class SortedTrainStep(_JittedStep):
         accumulator = self._run("train/zero_accumulator", "params", self._zeros, state.params)
         for index, microbatch in enumerate(microbatches):
             per_microbatch, length = microbatch["tokens"].shape
+            if length == 0:  # no row of it in the loss (`plan_sorted_microbatches`): it would add zeros
+                continue
             accumulator = self._run(
                 "train/accumulate",
                 _microbatch_shape(per_microbatch, length),
