@@ -1,13 +1,16 @@
 """Our sampler vs Hugging Face transformers `generate` on the same tiny model and batch, on CPU.
 
 A random `LlamaForCausalLM` is created with transformers, saved as safetensors and loaded with
-`load_hf`, so both sides run the same weights. Both decode the same batch of equal-length
+`load_hf`, so both sides run the same weights; with `--checkpoint DIR` both sides load that local
+Hugging Face directory instead (e.g. SmolLM2-135M-Instruct: `python tests/real_models.py smollm2`
+prints it), in float32, and the prompts are random ids below its vocabulary size. Both decode the same batch of equal-length
 prompts greedily for `--max_new` tokens (no EOS), HF with its KV cache (`generate`, batch =
 all prompts), ours with `generate(..., num_slots=batch)`. Reported: generated tokens per second,
 median over `--repeats` after one warm-up run each (ours compiles in the warm-up; the engine is
 cached across calls), and whether the tokens agree.
 
   .venv/bin/python benchmarks/bench_sampler_hf.py
+  .venv/bin/python benchmarks/bench_sampler_hf.py --checkpoint DIR --batch 64 --prompt_len 160 --max_new 64
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--chunk_size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--checkpoint", default="", help="a local HF directory both sides load (default: random)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -51,11 +55,16 @@ def main() -> None:
         eos_token_id=None,
         pad_token_id=0,
     )
-    hf_model = transformers.LlamaForCausalLM(config).eval()
-    prompts = np.random.default_rng(0).integers(1, args.vocab, (args.batch, args.prompt_len))
-    with tempfile.TemporaryDirectory() as path:
-        hf_model.save_pretrained(path, safe_serialization=True)
-        model = load_hf(path, dtype="float32")
+    if args.checkpoint:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+        model = load_hf(args.checkpoint, dtype="float32")
+        config = hf_model.config
+    else:
+        hf_model = transformers.LlamaForCausalLM(config).eval()
+        with tempfile.TemporaryDirectory() as path:
+            hf_model.save_pretrained(path, safe_serialization=True)
+            model = load_hf(path, dtype="float32")
+    prompts = np.random.default_rng(0).integers(1, config.vocab_size, (args.batch, args.prompt_len))
 
     def run_hf() -> np.ndarray:
         with torch.no_grad():
@@ -65,6 +74,7 @@ def main() -> None:
                 torch.tensor(prompts),
                 attention_mask=torch.ones_like(torch.tensor(prompts)),
                 max_new_tokens=args.max_new,
+                min_new_tokens=args.max_new,  # a real checkpoint's end-of-sequence id does not stop it
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
@@ -87,9 +97,9 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         rates[name] = args.batch * args.max_new / statistics.median(times)
     agree = float((outputs["transformers"] == outputs["scalerl_jax"]).mean())
+    model_name = args.checkpoint or f"random llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}"
     print(
-        f"batch {args.batch} x prompt {args.prompt_len} -> {args.max_new} new tokens, greedy, "
-        f"llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}; "
+        f"batch {args.batch} x prompt {args.prompt_len} -> {args.max_new} new tokens, greedy, {model_name}; "
         f"torch threads {torch.get_num_threads()}"
     )
     for name, rate in rates.items():
