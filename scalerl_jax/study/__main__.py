@@ -8,7 +8,11 @@ Variants: 'baseline' (the --config as given) or names of recipe.LEAVE_ONE_OUT ap
 it; 'loo' is the baseline and every leave-one-out variant. `--config.key=value` flags go to every
 run (after the variant's change). Each (variant, seed) runs as `python -m scalerl_jax.main` in
 WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) prints its tables
-and writes WORKDIR/study.md, curves.png and params.png.
+and writes WORKDIR/study.md, curves.png, params.png and extrapolation.png.
+
+Fit windows: each curve is fitted from fit_start (the `fit` convention, or --fit-start-fraction x
+C_end) to --cut x C_end for the detailed tables and figures, and to each of --fit-ends x C_end
+(default: the --cut alone) for the comparison of fit-window ends, sigmoid against power law.
 
 Exit status: 0 done; 1 a run failed or was refused (its workdir in use; the same command resumes)
 or a curve could not be fitted; 2 bad input (flags, study directory, metrics files), with one line
@@ -26,7 +30,7 @@ from pathlib import Path
 from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.config_argv import line_in_file
 from scalerl_jax.study import driver, report
-from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, analyze_variant, pair_orders
+from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, FitEndResult, VariantResult, analyze_variant, pair_orders
 from scalerl_jax.study.variants import expand_variants
 
 
@@ -45,28 +49,83 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CUT_FRACTION,
         help="fit up to this fraction of each curve's last compute (default 0.5)",
     )
+    parser.add_argument(
+        "--fit-ends",
+        help="comma-separated fit-window ends (fractions of each curve's last compute) to compare, e.g. "
+        "0.25,0.5,0.75 (default: --cut)",
+    )
+    parser.add_argument(
+        "--fit-start-fraction",
+        type=float,
+        help="fit from this fraction of each curve's last compute (default: the `fit` convention, 0.09375)",
+    )
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples per variant fit (0: none)")
     parser.add_argument("--a-range", help="A grid LO,HI (default: the runs' eval.fit_a_range)")
     return parser
 
 
-def analyze(study_dir: Path, *, cut_fraction: float, bootstrap: int, a_range: tuple[float, float] | None) -> int:
-    """Fits, prints and writes the study's report; 1 when some variant curve could not be fitted."""
+def analyze(
+    study_dir: Path,
+    *,
+    cut_fraction: float,
+    fit_ends: Sequence[float] | None = None,
+    fit_start_fraction: float | None = None,
+    bootstrap: int,
+    a_range: tuple[float, float] | None,
+) -> int:
+    """Fits, prints and writes the study's report; 1 when some variant curve could not be fitted
+    (at the cut or at a fit end)."""
     runs = report.read_study(study_dir)
     a_range = a_range or report.study_a_range(study_dir, runs)
-    results = [
-        analyze_variant(name, curves, cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
-        for name, curves in runs.items()
+
+    def analyze_at(fit_end: float, bootstrap: int) -> list[VariantResult]:
+        return [
+            analyze_variant(
+                name,
+                curves,
+                cut_fraction=fit_end,
+                fit_start_fraction=fit_start_fraction,
+                a_range=a_range,
+                bootstrap=bootstrap,
+            )
+            for name, curves in runs.items()
+        ]
+
+    results = analyze_at(cut_fraction, bootstrap)
+    # The fit-end comparison reads the per-seed fits and the mean-curve fits, not their bootstrap.
+    sweep = [
+        FitEndResult(end, tuple(results if end == cut_fraction else analyze_at(end, 0)))
+        for end in (fit_ends or [cut_fraction])
     ]
     text = report.write_report(
-        study_dir, results, pair_orders(results), cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap
+        study_dir,
+        results,
+        pair_orders(results),
+        sweep,
+        cut_fraction=cut_fraction,
+        fit_start_fraction=fit_start_fraction,
+        a_range=a_range,
+        bootstrap=bootstrap,
     )
     print(text)
-    print(
-        f"wrote {study_dir / report.REPORT_FILE}, {study_dir / report.CURVES_FIGURE}, "
-        f"{study_dir / report.PARAMS_FIGURE}"
-    )
-    return 0 if all(r.mean_fit.fit is not None for r in results) else 1
+    figures = (report.CURVES_FIGURE, report.PARAMS_FIGURE, report.EXTRAPOLATION_FIGURE)
+    print(f"wrote {study_dir / report.REPORT_FILE}, " + ", ".join(str(study_dir / f) for f in figures))
+    fitted = all(v.mean_fit.fit is not None for end in sweep for v in end.variants)
+    return 0 if fitted and all(r.mean_fit.fit is not None for r in results) else 1
+
+
+def _fit_ends(text: str | None) -> list[float] | None:
+    """The --fit-ends fractions, ascending and distinct (None when not given)."""
+    if text is None:
+        return None
+    message = f"--fit-ends must be comma-separated fractions in (0, 1), got {text!r}"
+    try:
+        ends = sorted({float(x) for x in text.split(",")})
+    except ValueError:  # not numbers
+        raise ValueError(message) from None
+    if not all(0.0 < end < 1.0 for end in ends):
+        raise ValueError(message)
+    return ends
 
 
 def _a_range(text: str | None) -> tuple[float, float] | None:
@@ -90,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.bootstrap < 0:
             raise ValueError(f"--bootstrap must be >= 0, got {args.bootstrap}")
         a_range = _a_range(args.a_range)
+        fit_ends = _fit_ends(args.fit_ends)
+        lowest_end = min([args.cut, *(fit_ends or [])])
+        if args.fit_start_fraction is not None and not 0.0 < args.fit_start_fraction < lowest_end:
+            raise ValueError(
+                f"--fit-start-fraction must be in (0, {lowest_end:g}) (below --cut and every --fit-ends), "
+                f"got {args.fit_start_fraction}"
+            )
         if args.analyze:
             if overrides or args.config or args.workdir:
                 raise ValueError("--analyze DIR takes no --config, --workdir or config overrides")
@@ -110,7 +176,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if status != 0:
                 return status
             study_dir = study.study_dir
-        return analyze(study_dir, cut_fraction=args.cut, bootstrap=args.bootstrap, a_range=a_range)
+        return analyze(
+            study_dir,
+            cut_fraction=args.cut,
+            fit_ends=fit_ends,
+            fit_start_fraction=args.fit_start_fraction,
+            bootstrap=args.bootstrap,
+            a_range=a_range,
+        )
     except ValueError as error:
         return report_error(f"error: {error}", EXIT_INPUT_ERROR)
     except (KeyError, AttributeError, TypeError) as error:  # only when the base config file raised it

@@ -16,26 +16,53 @@ Per variant:
 Ordering: for each pair of variants, the late half's observed order (mean pass rate of the
 held-back points) against the early fits' order, read two ways: the predicted mean over the same
 held-back computes, and the asymptote A.
+
+Fit-window ends. The same analysis runs at several cuts (`FitEndResult`); each curve's window also
+gets the power law R(C) = A - D C^(-alpha) (`scaling.fit_power_law`, same window), scored the
+same way. `fit_start_fraction` replaces the `fit` convention by fit_start = fraction * C_end.
+
+Claims against the seed spread (`Claim`). A claim has a margin m, positive when it holds by the
+means over seeds, and the combined standard error of those means, SE = sqrt(sum_v s_v^2 / n_v)
+(s_v the sample std over variant v's n_v seeds; one term per variant the claim involves). It
+holds beyond the seed spread when m > 2 SE, fails beyond it when m < -2 SE, else the seeds do not
+decide it; with fewer than 2 seeds in a variant there is no SE and no verdict.
+
+Crossings. Two variants' fitted sigmoids are compared on [max fit_start, CROSSING_HORIZON x the
+last compute] (`sigmoid_crossings`), their measured mean curves from the same max fit_start to the
+end of the shorter one (`observed_crossing`): before fit_start both sit near R0, where the
+difference is noise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 
 from scalerl_jax.scaling import (
     BootstrapIntervals,
+    PowerLawFit,
     RunCurve,
     SigmoidFit,
     bootstrap_sigmoid,
+    crossing_computes,
     default_fit_start,
+    fit_power_law,
     fit_sigmoid,
 )
+from scalerl_jax.scaling.fitting import FittedCurve
 
 DEFAULT_CUT_FRACTION = 0.5
+RMSE_CLAIM = 0.02  # "the fit predicts the rest within 0.02 RMSE": the paper's A run-to-run spread
+SPREAD_FACTOR = 2.0  # a claim holds beyond the seed spread when its margin exceeds 2 combined SEs
+CROSSING_HORIZON = 10.0  # predicted crossings are searched up to this factor x the last compute
+Predict = Callable[[float | np.ndarray], float | np.ndarray]  # a fitted curve's R(C)
+Verdict = Literal["holds", "fails", "within the seed spread", "no spread (< 2 seeds)", "no data"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +79,8 @@ class Curve:
 @dataclasses.dataclass(frozen=True)
 class CurveFit:
     """An early-half fit of a curve and its score on the held-back points (fit None: `error` says
-    why; interval None with a fit: not asked for, or `interval_error` says why)."""
+    why; interval None with a fit: not asked for, or `interval_error` says why), with the power law
+    fitted on the same window (None: `power_law_error` says why)."""
 
     curve: Curve
     fit_start: float
@@ -61,6 +89,8 @@ class CurveFit:
     error: str = ""
     interval: BootstrapIntervals | None = None
     interval_error: str = ""
+    power_law: PowerLawFit | None = None
+    power_law_error: str = ""
 
     @property
     def held_out(self) -> np.ndarray:
@@ -81,21 +111,39 @@ class CurveFit:
             return float("nan")
         return float(np.mean(self.fit.predict(self.curve.compute[held])))
 
+    def _late_rmse(self, model: FittedCurve | None) -> float:
+        """sqrt(mean (R(C_i) - y_i)^2) of `model` over the held-back points (NaN without model or points)."""
+        held = self.held_out
+        if model is None or not held.any():
+            return float("nan")
+        residual = np.asarray(model.predict(self.curve.compute[held])) - self.curve.pass_rate[held]
+        return float(np.sqrt(np.mean(residual**2)))
+
+    def _final_error(self, model: FittedCurve | None) -> float:
+        """R(C_last) - y_last of `model`, signed (NaN without model or when the last point was fitted)."""
+        if model is None or not self.held_out[-1]:
+            return float("nan")
+        return float(np.asarray(model.predict(self.curve.compute[-1])) - self.curve.pass_rate[-1])
+
     @property
     def late_rmse(self) -> float:
-        """sqrt(mean (R(C_i) - y_i)^2) over the held-back points (NaN without fit or points)."""
-        held = self.held_out
-        if self.fit is None or not held.any():
-            return float("nan")
-        residual = self.fit.predict(self.curve.compute[held]) - self.curve.pass_rate[held]
-        return float(np.sqrt(np.mean(residual**2)))
+        """The sigmoid's sqrt(mean (R(C_i) - y_i)^2) over the held-back points."""
+        return self._late_rmse(self.fit)
 
     @property
     def final_error(self) -> float:
-        """R(C_last) - y_last, signed (NaN without fit or when the last point was fitted)."""
-        if self.fit is None or not self.held_out[-1]:
-            return float("nan")
-        return float(self.fit.predict(self.curve.compute[-1]) - self.curve.pass_rate[-1])
+        """The sigmoid's R(C_last) - y_last, signed."""
+        return self._final_error(self.fit)
+
+    @property
+    def power_law_late_rmse(self) -> float:
+        """The power law's sqrt(mean (R(C_i) - y_i)^2) over the held-back points."""
+        return self._late_rmse(self.power_law)
+
+    @property
+    def power_law_final_error(self) -> float:
+        """The power law's R(C_last) - y_last, signed."""
+        return self._final_error(self.power_law)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +153,20 @@ class Spread:
     mean: float
     std: float
     count: int
+
+    @property
+    def standard_error(self) -> float:
+        """Standard error of the mean, std / sqrt(count) (NaN for fewer than 2 values)."""
+        return self.std / math.sqrt(self.count) if self.count > 1 else float("nan")
+
+
+def spread_of(values: Sequence[float]) -> Spread:
+    """Spread of the finite `values` (a seed without a fit gives NaN and is left out)."""
+    finite = np.array([v for v in values if math.isfinite(v)], dtype=np.float64)
+    if finite.size == 0:
+        return Spread(float("nan"), float("nan"), 0)
+    std = float(finite.std(ddof=1)) if finite.size > 1 else float("nan")
+    return Spread(float(finite.mean()), std, int(finite.size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +179,11 @@ class VariantResult:
 
     def spread(self, parameter: str) -> Spread:
         """Spread over the seeds that could be fitted of 'a', 'b' or 'c_mid'."""
-        values = np.array([getattr(f.fit, parameter) for f in self.seed_fits if f.fit is not None])
-        if values.size == 0:
-            return Spread(float("nan"), float("nan"), 0)
-        std = float(values.std(ddof=1)) if values.size > 1 else float("nan")
-        return Spread(float(values.mean()), std, int(values.size))
+        return spread_of([getattr(f.fit, parameter) for f in self.seed_fits if f.fit is not None])
+
+    def seed_score(self, score: str) -> Spread:
+        """Spread over the seeds of a `CurveFit` score ('late_rmse', 'power_law_final_error', ...)."""
+        return spread_of([getattr(f, score) for f in self.seed_fits])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,21 +234,38 @@ def mean_curve(name: str, runs: Sequence[RunCurve]) -> Curve:
     return Curve(name, units.pop(), np.asarray(steps), compute, pass_rate)
 
 
+def fit_window(curve: Curve, cut_fraction: float, fit_start_fraction: float | None) -> tuple[float, float]:
+    """(fit_start, cut) of `curve`: cut = cut_fraction C_end; fit_start = fit_start_fraction C_end,
+    or the `fit` convention (`scaling.default_fit_start`) when None."""
+    c_end = float(curve.compute[-1])
+    if fit_start_fraction is None:
+        return default_fit_start(curve.unit, c_end), cut_fraction * c_end
+    return fit_start_fraction * c_end, cut_fraction * c_end
+
+
 def fit_early(
     curve: Curve,
     *,
     cut_fraction: float = DEFAULT_CUT_FRACTION,
+    fit_start_fraction: float | None = None,
     a_range: tuple[float, float],
     bootstrap: int = 0,
     seed: int = 0,
 ) -> CurveFit:
-    """The early-half fit of `curve` (module docstring), with a bootstrap interval when `bootstrap` > 0."""
+    """The early fits of `curve` (module docstring): the sigmoid, with a bootstrap interval when
+    `bootstrap` > 0, and the power law on the same window."""
     if not 0.0 < cut_fraction < 1.0:
         raise ValueError(f"cut_fraction must be in (0, 1), got {cut_fraction}")
-    c_end = float(curve.compute[-1])
-    fit_start, cut = default_fit_start(curve.unit, c_end), cut_fraction * c_end
+    fit_start, cut = fit_window(curve, cut_fraction, fit_start_fraction)
     if cut <= fit_start:
         return CurveFit(curve, fit_start, cut, error=f"the cut {cut:.4g} is not past fit_start {fit_start:.4g}")
+    try:
+        power_law = fit_power_law(
+            curve.compute, curve.pass_rate, fit_start=fit_start, fit_end=cut, unit=curve.unit, name=curve.name
+        )
+        power_only = CurveFit(curve, fit_start, cut, power_law=power_law)
+    except ValueError as error:
+        power_only = CurveFit(curve, fit_start, cut, power_law_error=str(error))
     try:
         fit = fit_sigmoid(
             curve.compute,
@@ -198,14 +277,14 @@ def fit_early(
             name=curve.name,
         )
     except ValueError as error:
-        return CurveFit(curve, fit_start, cut, error=str(error))
+        return dataclasses.replace(power_only, error=str(error))
     if bootstrap == 0:
-        return CurveFit(curve, fit_start, cut, fit=fit)
+        return dataclasses.replace(power_only, fit=fit)
     try:
         interval = bootstrap_sigmoid(curve.compute, curve.pass_rate, fit, num_samples=bootstrap, seed=seed)
     except ValueError as error:
-        return CurveFit(curve, fit_start, cut, fit=fit, interval_error=str(error))
-    return CurveFit(curve, fit_start, cut, fit=fit, interval=interval)
+        return dataclasses.replace(power_only, fit=fit, interval_error=str(error))
+    return dataclasses.replace(power_only, fit=fit, interval=interval)
 
 
 def analyze_variant(
@@ -213,12 +292,16 @@ def analyze_variant(
     runs: Sequence[RunCurve],
     *,
     cut_fraction: float = DEFAULT_CUT_FRACTION,
+    fit_start_fraction: float | None = None,
     a_range: tuple[float, float],
     bootstrap: int = 200,
 ) -> VariantResult:
     """Per-seed fits and the mean-curve fit (with its bootstrap interval) of one variant."""
-    seed_fits = tuple(fit_early(run_curve(run), cut_fraction=cut_fraction, a_range=a_range) for run in runs)
-    mean_fit = fit_early(mean_curve(name, runs), cut_fraction=cut_fraction, a_range=a_range, bootstrap=bootstrap)
+    window = functools.partial(
+        fit_early, cut_fraction=cut_fraction, fit_start_fraction=fit_start_fraction, a_range=a_range
+    )
+    seed_fits = tuple(window(run_curve(run)) for run in runs)
+    mean_fit = window(mean_curve(name, runs), bootstrap=bootstrap)
     return VariantResult(name, seed_fits, mean_fit)
 
 
@@ -234,3 +317,190 @@ def pair_orders(results: Sequence[VariantResult]) -> list[PairOrder]:
             )
         )
     return orders
+
+
+@dataclasses.dataclass(frozen=True)
+class FitEndResult:
+    """Every variant analyzed with its fit window ending at `fit_end` C_end."""
+
+    fit_end: float
+    variants: tuple[VariantResult, ...]
+
+
+def combined_standard_error(*spreads: Spread) -> float:
+    """sqrt(sum_v SE_v^2): the standard error of a sum or difference of independent seed means."""
+    return math.sqrt(sum(s.standard_error**2 for s in spreads))
+
+
+def seed_verdict(margin: float, standard_error: float) -> Verdict:
+    """'holds' when margin > 2 SE, 'fails' when margin < -2 SE, else 'within the seed spread';
+    no verdict without a margin (no fit or no held-back point) or an SE (fewer than 2 seeds)."""
+    if not math.isfinite(margin):
+        return "no data"
+    if not math.isfinite(standard_error):
+        return "no spread (< 2 seeds)"
+    if margin > SPREAD_FACTOR * standard_error:
+        return "holds"
+    if margin < -SPREAD_FACTOR * standard_error:
+        return "fails"
+    return "within the seed spread"
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A statement about the study, its margin (> 0 when it holds by the seed means) and the
+    combined standard error of that margin (module docstring)."""
+
+    statement: str
+    fit_end: float
+    margin: float
+    standard_error: float
+
+    @property
+    def verdict(self) -> Verdict:
+        return seed_verdict(self.margin, self.standard_error)
+
+
+def rmse_claims(sweep: Sequence[FitEndResult]) -> list[Claim]:
+    """Per fit end, variant and model: 'predicts the rest within RMSE_CLAIM', margin
+    RMSE_CLAIM - mean late RMSE over seeds, SE that mean's standard error."""
+    claims = []
+    for end in sweep:
+        for variant in end.variants:
+            for model, score in (("sigmoid", "late_rmse"), ("power law", "power_law_late_rmse")):
+                rmse = variant.seed_score(score)
+                claims.append(
+                    Claim(
+                        f"{model} fit to {end.fit_end:g} C_end predicts {variant.name}'s rest within "
+                        f"{RMSE_CLAIM:g} RMSE",
+                        end.fit_end,
+                        RMSE_CLAIM - rmse.mean,
+                        rmse.standard_error,
+                    )
+                )
+    return claims
+
+
+def order_claims(sweep: Sequence[FitEndResult]) -> list[Claim]:
+    """Per fit end and pair of variants, two claims on the late part (beyond the cut), from the
+    per-seed values: the observed order (margin |d_obs|, d_obs the difference of the seed means of
+    the late measured pass rate) and the early fits' prediction of that order (margin
+    sign(d_obs) d_pred, d_pred the same difference of the fits' late predictions). SE combines
+    both variants' standard errors."""
+    claims = []
+    for end in sweep:
+        for first, second in itertools.combinations(end.variants, 2):
+            observed = first.seed_score("late_observed"), second.seed_score("late_observed")
+            predicted = first.seed_score("late_predicted"), second.seed_score("late_predicted")
+            observed_diff = observed[0].mean - observed[1].mean
+            leader, other = (first, second) if observed_diff >= 0 else (second, first)
+            claims.append(
+                Claim(
+                    f"late part (beyond {end.fit_end:g} C_end): {leader.name} above {other.name}",
+                    end.fit_end,
+                    abs(observed_diff),
+                    combined_standard_error(*observed),
+                )
+            )
+            claims.append(
+                Claim(
+                    f"fit to {end.fit_end:g} C_end predicts {leader.name} above {other.name} in the late part",
+                    end.fit_end,
+                    float(np.sign(observed_diff)) * (predicted[0].mean - predicted[1].mean),
+                    combined_standard_error(*predicted),
+                )
+            )
+    return claims
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """Where two curves cross, and which leads just after: the first (True) or the second."""
+
+    compute: float
+    first_leads_after: bool
+
+
+def sigmoid_crossings(first: Predict, second: Predict, *, c_lo: float, c_hi: float) -> tuple[Crossing, ...]:
+    """Every C in [c_lo, c_hi] with R_1(C) = R_2(C), ascending, for two fitted curves' predictions
+    R_1 = `first`, R_2 = `second` (ValueError if they coincide on the whole range).
+
+    The difference R_1 - R_2 is scanned on a log-compute grid and each sign change refined by
+    Brent's method (`scaling.crossing_computes`). Between consecutive roots the difference keeps
+    its sign, so the leader after a root is the sign at the log-midpoint to the next root (or c_hi).
+    """
+    roots = crossing_computes(first, second, c_lo=c_lo, c_hi=c_hi)
+    probes = [math.sqrt(root * end) for root, end in zip(roots, [*roots[1:], c_hi])]
+    return tuple(
+        Crossing(root, bool(np.asarray(first(probe)) > np.asarray(second(probe)))) for root, probe in zip(roots, probes)
+    )
+
+
+def observed_crossing(first: Curve, second: Curve, *, c_lo: float) -> Crossing | None:
+    """The first crossing at compute >= c_lo of two measured curves, each read as straight lines
+    between its points (None when they do not cross).
+
+    On P = {c_lo, c_hi} and every point of either curve in between (c_hi the shorter curve's last
+    compute), d = y_1(P) - y_2(P) by linear interpolation. Both interpolants are linear between
+    consecutive points of P, so d is too: the first sign change of d between nonzero values at
+    P_j and P_k crosses at P_j + d_j (P_k - P_j) / (d_j - d_k) when k = j + 1, at P_(j+1) (where
+    d = 0) otherwise; the first curve leads after it when d_k > 0.
+    """
+    c_hi = min(float(first.compute[-1]), float(second.compute[-1]))
+    if not c_lo < c_hi:
+        return None
+    both = np.concatenate([first.compute, second.compute])
+    points = np.unique(np.concatenate([[c_lo, c_hi], both[(both > c_lo) & (both < c_hi)]]))
+    diff = np.interp(points, first.compute, first.pass_rate) - np.interp(points, second.compute, second.pass_rate)
+    nonzero = np.flatnonzero(diff != 0)
+    for j, k in zip(nonzero[:-1], nonzero[1:]):
+        if np.sign(diff[j]) == np.sign(diff[k]):
+            continue
+        if k == j + 1:
+            compute = points[j] + diff[j] * (points[k] - points[j]) / (diff[j] - diff[k])
+        else:
+            compute = points[j + 1]
+        return Crossing(float(compute), bool(diff[k] > 0))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PairCrossings:
+    """Where two variants' mean-curve fits cross on [c_lo, c_hi] (`error`: why none was sought)
+    and where their measured mean curves first cross from c_lo on."""
+
+    first: str
+    second: str
+    c_lo: float
+    c_hi: float
+    predicted: tuple[Crossing, ...]
+    observed: Crossing | None
+    error: str = ""
+
+
+def _predicted_crossings(
+    first: CurveFit, second: CurveFit, c_lo: float, c_hi: float
+) -> tuple[tuple[Crossing, ...], str]:
+    """(the crossings of the two sigmoid fits on [c_lo, c_hi], '') or ((), why none were sought)."""
+    if first.fit is None or second.fit is None:
+        return (), "no fit"
+    if not 0 < c_lo < c_hi:
+        return (), f"no compute range [{c_lo:.4g}, {c_hi:.4g}]"
+    try:
+        return sigmoid_crossings(first.fit.predict, second.fit.predict, c_lo=c_lo, c_hi=c_hi), ""
+    except ValueError:  # crossing_computes: the two fits coincide on the whole range
+        return (), "the fits coincide"
+
+
+def pair_crossings(variants: Sequence[VariantResult]) -> list[PairCrossings]:
+    """Every pair of variants (given order): predicted crossings of their mean-curve fits on
+    [max fit_start, CROSSING_HORIZON x the later last compute], observed from that fit_start."""
+    pairs = []
+    for first, second in itertools.combinations(variants, 2):
+        f, s = first.mean_fit, second.mean_fit
+        c_lo = max(f.fit_start, s.fit_start)
+        c_hi = CROSSING_HORIZON * max(float(f.curve.compute[-1]), float(s.curve.compute[-1]))
+        predicted, error = _predicted_crossings(f, s, c_lo, c_hi)
+        observed = observed_crossing(f.curve, s.curve, c_lo=c_lo)
+        pairs.append(PairCrossings(first.name, second.name, c_lo, c_hi, predicted, observed, error))
+    return pairs

@@ -1,6 +1,7 @@
 """A study's results on disk: its runs read back, the tables (stdout and STUDY/study.md) and the
 figures (STUDY/curves.png: every variant's points and early-half fit on one log-compute axis with
-its cut; STUDY/params.png: A and B per variant with the spread over seeds)."""
+its cut; STUDY/params.png: A and B per variant with the spread over seeds; STUDY/extrapolation.png:
+late RMSE against fit-window end, sigmoid and power law, per variant with the spread over seeds)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,29 @@ from scalerl_jax.scaling import RunCurve, read_run
 from scalerl_jax.scaling.fitting import PAPER_A_RANGE
 from scalerl_jax.scaling.plot import format_compute, unit_label
 from scalerl_jax.study import driver
-from scalerl_jax.study.analysis import CurveFit, PairOrder, VariantResult
+from scalerl_jax.study.analysis import (
+    CROSSING_HORIZON,
+    RMSE_CLAIM,
+    SPREAD_FACTOR,
+    Claim,
+    Crossing,
+    CurveFit,
+    FitEndResult,
+    PairCrossings,
+    PairOrder,
+    Spread,
+    VariantResult,
+    order_claims,
+    pair_crossings,
+    rmse_claims,
+)
 from scalerl_jax.study.variants import BASELINE
 
 REPORT_FILE = "study.md"
 CURVES_FIGURE = "curves.png"
 PARAMS_FIGURE = "params.png"
+EXTRAPOLATION_FIGURE = "extrapolation.png"
+MODELS = (("sigmoid", "late_rmse", "final_error"), ("power law", "power_law_late_rmse", "power_law_final_error"))
 CURVE_EXTEND = 1.5  # fitted curves drawn up to this factor x the last compute
 
 
@@ -233,6 +251,56 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
     )
 
 
+def _mean_std(s: Spread, signed: bool = False) -> str:
+    if s.count == 0:
+        return "-"
+    mean = f"{s.mean:+.3f}" if signed else f"{s.mean:.3f}"
+    return mean if s.count == 1 else f"{mean} ± {s.std:.3f}"
+
+
+def extrapolation_table(sweep: Sequence[FitEndResult]) -> str:
+    """One row per variant and fit end: late RMSE and final error of the per-seed sigmoid and
+    power-law fits, mean ± sample std over the seeds that could be fitted."""
+    header = ["variant", "fit end", "seeds fitted (sigmoid/power law)"]
+    header += [f"{model} {what}" for model, _, _ in MODELS for what in ("late RMSE", "final err")]
+    rows = []
+    for index in range(len(sweep[0].variants)):
+        for end in sweep:
+            v = end.variants[index]
+            fitted = sum(f.fit is not None for f in v.seed_fits), sum(f.power_law is not None for f in v.seed_fits)
+            row = [v.name, f"{end.fit_end:g}", f"{fitted[0]}/{fitted[1]} of {len(v.seed_fits)}"]
+            for _, rmse, final in MODELS:
+                row += [_mean_std(v.seed_score(rmse)), _mean_std(v.seed_score(final), signed=True)]
+            rows.append(row)
+    return markdown_table(header, rows)
+
+
+def _crossing_text(crossings: Sequence[Crossing], first: str, second: str) -> str:
+    return "; ".join(
+        f"{format_compute(c.compute)} ({first if c.first_leads_after else second} ahead after)" for c in crossings
+    )
+
+
+def crossing_table(sweep: Sequence[FitEndResult]) -> str:
+    """One row per pair of variants: the first crossing of the measured mean curves beside every
+    crossing of the mean-curve sigmoid fits, per fit end."""
+    by_end: list[list[PairCrossings]] = [pair_crossings(end.variants) for end in sweep]
+    header = ["first vs second", "observed"] + [f"predicted, fit to {end.fit_end:g} C_end" for end in sweep]
+    rows = []
+    for pair_at_ends in zip(*by_end):
+        pair = pair_at_ends[0]  # the observed crossing does not depend on the fit end
+        observed = "none" if pair.observed is None else _crossing_text([pair.observed], pair.first, pair.second)
+        predicted = [p.error or _crossing_text(p.predicted, p.first, p.second) or "none" for p in pair_at_ends]
+        rows.append([f"{pair.first} vs {pair.second}", observed, *predicted])
+    return markdown_table(header, rows)
+
+
+def claims_table(claims: Sequence[Claim]) -> str:
+    header = ["claim", "margin", f"{SPREAD_FACTOR:g} SE", "verdict"]
+    rows = [[c.statement, _num(c.margin), _num(SPREAD_FACTOR * c.standard_error), c.verdict] for c in claims]
+    return markdown_table(header, rows)
+
+
 def timing_line(study_dir: Path) -> str:
     """Wall time of the study's launches from study_log.jsonl: the sum of the ended launches'
     minutes; a launch killed before it ended has no end record, so it is counted, not timed. A run
@@ -256,18 +324,22 @@ def report_text(
     study_dir: Path,
     results: Sequence[VariantResult],
     orders: Sequence[PairOrder],
+    sweep: Sequence[FitEndResult],
     cut_fraction: float,
+    fit_start_fraction: float | None,
     a_range: tuple[float, float],
     bootstrap: int,
 ) -> str:
     """The whole report in markdown (also what stdout shows)."""
     unit = unit_label(results[0].mean_fit.curve.unit)
+    start = "0.09375" if fit_start_fraction is None else f"{fit_start_fraction:g}"
+    ends = ", ".join(f"{end.fit_end:g}" for end in sweep)
     return (
         "\n\n".join(
             [
                 f"# Study {study_dir}",
                 timing_line(study_dir),
-                f"Fit window per curve: [0.09375 C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
+                f"Fit window per curve: [{start} C_end, {cut_fraction:g} C_end] in {unit} (C_end: the curve's last "
                 f"evaluation); points beyond are held back and predicted. A grid {a_range[0]:g}..{a_range[1]:g}. "
                 "(seeds): mean ± sample std of the per-seed fits. Mean curve: the mean over seeds at each evaluation "
                 f"step, fitted with a {bootstrap}-resample 95% bootstrap interval [boot]. late obs / late pred: mean "
@@ -279,7 +351,30 @@ def report_text(
                 order_summary(orders),
                 "## Runs",
                 seed_table(results),
-                f"Figures: {CURVES_FIGURE} (points and early-half fits, cut dotted), {PARAMS_FIGURE} (A and B, seed std).",
+                "## Extrapolation by fit-window end",
+                f"Each seed's run fitted on [{start} C_end, END C_end] for END in {ends}, by the sigmoid and by the "
+                "power law R(C) = A - D C^(-alpha) on the same window, and scored on the rest: late RMSE and final "
+                "err (predicted - measured at the last point), mean ± sample std over the seeds that could be fitted.",
+                extrapolation_table(sweep),
+                "## Crossings",
+                "observed: the first crossing of two variants' mean curves (straight lines between points) from the "
+                "later fit start on; predicted: every crossing of their mean-curve sigmoid fits from that fit start "
+                f"up to {CROSSING_HORIZON:g} x the later C_end. C in {unit}; who leads just after each crossing.",
+                crossing_table(sweep),
+                "## Claims against the seed spread",
+                "Each claim's margin is positive when it holds by the means over seeds. SE combines the standard "
+                "errors of those means (sample std / sqrt(seeds)) of every variant involved, SE = sqrt(sum SE_v^2). "
+                f"A claim holds beyond the seed spread when margin > {SPREAD_FACTOR:g} SE, fails beyond it when "
+                f"margin < -{SPREAD_FACTOR:g} SE, else it stays within the seed spread. Extrapolation: margin = "
+                f"{RMSE_CLAIM:g} - mean late RMSE. Orders (late part: each curve's points beyond its cut): margin = "
+                "the difference of the seed means of the late measured pass rate (observed), or of the fits' late "
+                "predictions, taken in the observed order (predicted).",
+                f"### Extrapolation within {RMSE_CLAIM:g} RMSE",
+                claims_table(rmse_claims(sweep)),
+                "### Orders of variants",
+                claims_table(order_claims(sweep)),
+                f"Figures: {CURVES_FIGURE} (points and early-half fits, cut dotted), {PARAMS_FIGURE} (A and B, seed "
+                f"std), {EXTRAPOLATION_FIGURE} (late RMSE against fit-window end, seed std).",
             ]
         )
         + "\n"
@@ -349,18 +444,52 @@ def plot_params(results: Sequence[VariantResult], path: Path) -> None:
     fig.savefig(path)
 
 
+def plot_extrapolation(sweep: Sequence[FitEndResult], path: Path) -> None:
+    """Late RMSE against fit-window end: sigmoid (left) and power law (right), one line per variant
+    at the mean over seeds, error bars one sample std, the RMSE_CLAIM level dotted."""
+    fig = Figure(figsize=(9.0, 4.0), dpi=150)
+    axes = fig.subplots(1, len(MODELS), sharey=True, squeeze=False)[0]
+    ends = [end.fit_end for end in sweep]
+    for ax, (model, score, _) in zip(axes, MODELS):
+        for index, variant in enumerate(sweep[0].variants):
+            spreads = [end.variants[index].seed_score(score) for end in sweep]
+            stds = [s.std if math.isfinite(s.std) else 0.0 for s in spreads]
+            ax.errorbar(
+                ends,
+                [s.mean for s in spreads],
+                yerr=stds,
+                marker="o",
+                ms=4,
+                capsize=3,
+                color=f"C{index % 10}",
+                label=variant.name,
+            )
+        ax.axhline(RMSE_CLAIM, color="0.5", ls=":", lw=1.0, label=f"RMSE {RMSE_CLAIM:g}")
+        ax.set_xticks(ends, [f"{e:g}" for e in ends])
+        ax.set_xlabel("fit window end (fraction of C_end)")
+        ax.set_title(f"{model}: late RMSE (seed mean ± std)", fontsize=9)
+        ax.grid(True, alpha=0.2)
+    axes[0].set_ylabel("RMSE on the held-back points")
+    axes[0].legend(fontsize=7, frameon=False, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def write_report(
     study_dir: Path,
     results: Sequence[VariantResult],
     orders: Sequence[PairOrder],
+    sweep: Sequence[FitEndResult],
     *,
     cut_fraction: float,
+    fit_start_fraction: float | None,
     a_range: tuple[float, float],
     bootstrap: int,
 ) -> str:
-    """Writes study.md, curves.png and params.png into `study_dir`; returns the report text."""
-    text = report_text(study_dir, results, orders, cut_fraction, a_range, bootstrap)
+    """Writes study.md, curves.png, params.png and extrapolation.png into `study_dir`; returns the report text."""
+    text = report_text(study_dir, results, orders, sweep, cut_fraction, fit_start_fraction, a_range, bootstrap)
     (study_dir / REPORT_FILE).write_text(text, encoding="utf-8")
     plot_curves(results, study_dir / CURVES_FIGURE)
     plot_params(results, study_dir / PARAMS_FIGURE)
+    plot_extrapolation(sweep, study_dir / EXTRAPOLATION_FIGURE)
     return text
