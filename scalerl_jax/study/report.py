@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from scalerl_jax.scaling import RunCurve, read_run
-from scalerl_jax.scaling.fitting import PAPER_A_RANGE
+from scalerl_jax.scaling.fitting import PAPER_A_RANGE, PAPER_FIT_START_GPU_HOURS, PAPER_RUN_GPU_HOURS
 from scalerl_jax.scaling.plot import format_compute, unit_label
 from scalerl_jax.study import driver
 from scalerl_jax.study.analysis import (
@@ -252,6 +252,7 @@ def order_summary(orders: Sequence[PairOrder]) -> str:
 
 
 def _mean_std(s: Spread, signed: bool = False) -> str:
+    """A spread over seeds as "mean ± std" (the mean alone for one seed, "-" for none)."""
     if s.count == 0:
         return "-"
     mean = f"{s.mean:+.3f}" if signed else f"{s.mean:.3f}"
@@ -332,7 +333,7 @@ def report_text(
 ) -> str:
     """The whole report in markdown (also what stdout shows)."""
     unit = unit_label(results[0].mean_fit.curve.unit)
-    start = "0.09375" if fit_start_fraction is None else f"{fit_start_fraction:g}"
+    start = f"{PAPER_FIT_START_GPU_HOURS / PAPER_RUN_GPU_HOURS if fit_start_fraction is None else fit_start_fraction:g}"
     ends = ", ".join(f"{end.fit_end:g}" for end in sweep)
     return (
         "\n\n".join(
