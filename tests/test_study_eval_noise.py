@@ -134,6 +134,8 @@ def test_point_noise_matches_the_bernoulli_rates_it_was_drawn_from():
         for size in (1, 4, 8)
     )
     assert one.a_eval_std > 2 * four.a_eval_std
+    # the simulated runs share one truth: across them A scatters by the evaluation noise alone
+    assert one.a_total_std == pytest.approx(one.a_eval_std, rel=0.3)
     assert math.isnan(full.point_noise) and math.isnan(full.a_eval_std)  # one replica per run
     assert full.a_mean == pytest.approx(0.8, abs=0.02)  # the A the rates were drawn with
 

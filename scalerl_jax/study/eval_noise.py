@@ -14,8 +14,9 @@ Per size s, over the runs r and their replicas j (`SizeResult`):
     value sqrt(mean over steps of sum_i p_i (1 - p_i) / (N^2 s)), p_i the prompt's pass rate over
     all K samples (prompts are fixed, so only the sampling of each prompt adds noise);
   - A of each replica's sigmoid fit (`analysis.fit_early`, window [fit_start, end x C_end]): its
-    eval-noise std (sqrt of the mean over runs of the variance across that run's replicas) and its
-    seed std (the std over runs of each run's replica-mean A);
+    eval-noise std (sqrt of the mean over runs of the variance across that run's replicas) and the
+    std a study at this size sees across seeds (sqrt of the mean over replica indices j of the
+    variance across runs of replica j's A: training seed and evaluation noise together);
   - late RMSE of each replica's fit against its own held-back points (what a study reports) and
     against the full N x K curve of the same run (the least noisy reading of the same policies),
     both averaged over runs and replicas;
@@ -172,7 +173,7 @@ class SizeResult:
     point_noise: float
     binomial_noise: float
     a_eval_std: float
-    a_seed_std: float
+    a_total_std: float
     a_mean: float
     late_rmse_own: float
     late_rmse_full: float
@@ -228,7 +229,7 @@ def analyze_size(
         if len(replicas) > 1:
             point_variances.append(float(np.mean(replicas.var(axis=0, ddof=1))))
         binomial.append(binomial_point_noise(run.correct, size))
-        run_a = []
+        run_a = np.full(len(replicas), np.nan)
         for j, pass_rate in enumerate(replicas):
             c = run.curve
             curve = Curve(f"{c.name}/{size}x{j}", c.unit, c.steps, c.compute, pass_rate)
@@ -237,21 +238,22 @@ def analyze_size(
             if fit.fit is None:
                 failed += 1
                 continue
-            run_a.append(fit.fit.a)
+            run_a[j] = fit.fit.a
             own.append(fit.late_rmse)
             full.append(_late_rmse_against(fit, c.pass_rate))
         a_by_run.append(run_a)
-    within = [float(np.var(a, ddof=1)) for a in a_by_run if len(a) > 1]
-    run_means = [float(np.mean(a)) for a in a_by_run if a]
+    a = np.array(a_by_run)  # [runs, replicas], NaN where a fit failed
+    within = [float(np.nanvar(row, ddof=1)) for row in a if np.isfinite(row).sum() > 1]
+    across = [float(np.nanvar(column, ddof=1)) for column in a.T if np.isfinite(column).sum() > 1]
     return SizeResult(
         size=size,
         fit_end=fit_end,
-        num_replicas=sum(len(a) for a in a_by_run) + failed,
+        num_replicas=a.size,
         point_noise=math.sqrt(np.mean(point_variances)) if point_variances else float("nan"),
         binomial_noise=float(math.sqrt(np.mean(np.square(binomial)))),
         a_eval_std=math.sqrt(np.mean(within)) if within else float("nan"),
-        a_seed_std=float(np.std(run_means, ddof=1)) if len(run_means) > 1 else float("nan"),
-        a_mean=_nanmean(run_means),
+        a_total_std=math.sqrt(np.mean(across)) if across else float("nan"),
+        a_mean=float(np.nanmean(a)) if np.isfinite(a).any() else float("nan"),
         late_rmse_own=_nanmean(own),
         late_rmse_full=_nanmean(full),
         floor=_nanmean(floors),
@@ -267,14 +269,14 @@ def report_table(results: Sequence[SizeResult], num_prompts: int) -> str:
     """One markdown row per (fit end, size)."""
     header = (
         "| fit end | evaluation | replicas | point noise (replicas) | point noise (binomial) | mean A | "
-        "A std: eval noise | A std: seeds | late RMSE vs own points | late RMSE vs N x K curve | floor | "
+        "A std: eval noise | A std: seeds and eval | late RMSE vs own points | late RMSE vs N x K curve | floor | "
         "policy scatter | failed fits |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         lines.append(
             f"| {r.fit_end:g} | {num_prompts} x {r.size} | {r.num_replicas} | {_fmt(r.point_noise)} | "
-            f"{_fmt(r.binomial_noise)} | {_fmt(r.a_mean)} | {_fmt(r.a_eval_std)} | {_fmt(r.a_seed_std)} | "
+            f"{_fmt(r.binomial_noise)} | {_fmt(r.a_mean)} | {_fmt(r.a_eval_std)} | {_fmt(r.a_total_std)} | "
             f"{_fmt(r.late_rmse_own)} | {_fmt(r.late_rmse_full)} | {_fmt(r.floor)} | {_fmt(r.policy_scatter)} | "
             f"{r.num_failed_fits} |"
         )
