@@ -16,7 +16,9 @@ Per size s, over the runs r and their replicas j (`SizeResult`):
   - A of each replica's sigmoid fit (`analysis.fit_early`, window [fit_start, end x C_end]): its
     eval-noise std (sqrt of the mean over runs of the variance across that run's replicas) and the
     std a study at this size sees across seeds (sqrt of the mean over replica indices j of the
-    variance across runs of replica j's A: training seed and evaluation noise together);
+    variance across runs of replica j's A: training seed and evaluation noise together); the same
+    two for the fit's mean prediction over the held-back computes (what the study's order claims
+    compare between variants);
   - late RMSE of each replica's fit against its own held-back points (what a study reports) and
     against the full N x K curve of the same run (the least noisy reading of the same policies),
     both averaged over runs and replicas;
@@ -174,6 +176,8 @@ class SizeResult:
     binomial_noise: float
     a_eval_std: float
     a_total_std: float
+    late_predicted_eval_std: float
+    late_predicted_total_std: float
     a_mean: float
     late_rmse_own: float
     late_rmse_full: float
@@ -209,6 +213,17 @@ def whole_run_rmse(curve: Curve, fit_start: float, a_range: tuple[float, float])
     return float(np.sqrt(np.mean(residual**2)))
 
 
+def _within_and_across_std(values: np.ndarray) -> tuple[float, float]:
+    """(sqrt(mean over runs of the variance across its replicas), sqrt(mean over replica indices
+    of the variance across runs)) of values[run, replica], NaN entries left out (ddof 1)."""
+
+    def pooled(rows: np.ndarray) -> float:
+        variances = [float(np.nanvar(row, ddof=1)) for row in rows if np.isfinite(row).sum() > 1]
+        return math.sqrt(np.mean(variances)) if variances else float("nan")
+
+    return pooled(values), pooled(values.T)
+
+
 def _nanmean(values: Sequence[float]) -> float:
     finite = [v for v in values if math.isfinite(v)]
     return float(np.mean(finite)) if finite else float("nan")
@@ -223,13 +238,13 @@ def analyze_size(
     a_range: tuple[float, float],
 ) -> SizeResult:
     """Every run's N x `size` replicas fitted to `fit_end` C_end and scored (module docstring)."""
-    point_variances, binomial, a_by_run, own, full, floors, failed = [], [], [], [], [], [], 0
+    point_variances, binomial, a_by_run, late_by_run, own, full, floors, failed = [], [], [], [], [], [], [], 0
     for run in runs:
         replicas = replica_pass_rates(run.correct, size)
         if len(replicas) > 1:
             point_variances.append(float(np.mean(replicas.var(axis=0, ddof=1))))
         binomial.append(binomial_point_noise(run.correct, size))
-        run_a = np.full(len(replicas), np.nan)
+        run_a, run_late = np.full(len(replicas), np.nan), np.full(len(replicas), np.nan)
         for j, pass_rate in enumerate(replicas):
             c = run.curve
             curve = Curve(f"{c.name}/{size}x{j}", c.unit, c.steps, c.compute, pass_rate)
@@ -238,21 +253,24 @@ def analyze_size(
             if fit.fit is None:
                 failed += 1
                 continue
-            run_a[j] = fit.fit.a
+            run_a[j], run_late[j] = fit.fit.a, fit.late_predicted
             own.append(fit.late_rmse)
             full.append(_late_rmse_against(fit, c.pass_rate))
         a_by_run.append(run_a)
+        late_by_run.append(run_late)
     a = np.array(a_by_run)  # [runs, replicas], NaN where a fit failed
-    within = [float(np.nanvar(row, ddof=1)) for row in a if np.isfinite(row).sum() > 1]
-    across = [float(np.nanvar(column, ddof=1)) for column in a.T if np.isfinite(column).sum() > 1]
+    a_eval_std, a_total_std = _within_and_across_std(a)
+    late_eval_std, late_total_std = _within_and_across_std(np.array(late_by_run))
     return SizeResult(
         size=size,
         fit_end=fit_end,
         num_replicas=a.size,
         point_noise=math.sqrt(np.mean(point_variances)) if point_variances else float("nan"),
         binomial_noise=float(math.sqrt(np.mean(np.square(binomial)))),
-        a_eval_std=math.sqrt(np.mean(within)) if within else float("nan"),
-        a_total_std=math.sqrt(np.mean(across)) if across else float("nan"),
+        a_eval_std=a_eval_std,
+        a_total_std=a_total_std,
+        late_predicted_eval_std=late_eval_std,
+        late_predicted_total_std=late_total_std,
         a_mean=float(np.nanmean(a)) if np.isfinite(a).any() else float("nan"),
         late_rmse_own=_nanmean(own),
         late_rmse_full=_nanmean(full),
@@ -269,7 +287,7 @@ def report_table(results: Sequence[SizeResult], num_prompts: int) -> str:
     """One markdown row per (fit end, size)."""
     header = (
         "| fit end | evaluation | replicas | point noise (replicas) | point noise (binomial) | mean A | "
-        "A std: eval noise | A std: seeds and eval | late RMSE vs own points | late RMSE vs N x K curve | floor | "
+        "A std: eval noise | A std: seeds and eval | late pred std: eval noise | late pred std: seeds and eval | late RMSE vs own points | late RMSE vs N x K curve | floor | "
         "policy scatter | failed fits |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -277,6 +295,7 @@ def report_table(results: Sequence[SizeResult], num_prompts: int) -> str:
         lines.append(
             f"| {r.fit_end:g} | {num_prompts} x {r.size} | {r.num_replicas} | {_fmt(r.point_noise)} | "
             f"{_fmt(r.binomial_noise)} | {_fmt(r.a_mean)} | {_fmt(r.a_eval_std)} | {_fmt(r.a_total_std)} | "
+            f"{_fmt(r.late_predicted_eval_std)} | {_fmt(r.late_predicted_total_std)} | "
             f"{_fmt(r.late_rmse_own)} | {_fmt(r.late_rmse_full)} | {_fmt(r.floor)} | {_fmt(r.policy_scatter)} | "
             f"{r.num_failed_fits} |"
         )
