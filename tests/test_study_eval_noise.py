@@ -69,7 +69,15 @@ def test_load_run_checks_the_logged_pass_rate(tmp_path):
     _write_metrics(tmp_path / "metrics.jsonl", [0, 5], [4 / 8, 5 / 8])
     run = eval_noise.load_run(tmp_path)
     assert run.correct.shape == (2, 2, 4)
-    assert (tmp_path / eval_noise.CORRECTNESS_FILE).is_file()
+    (tmp_path / "samples.jsonl").unlink()  # as committed: metrics and eval_correct.jsonl only
+    np.testing.assert_array_equal(eval_noise.load_run(tmp_path).correct, run.correct)
+    _write_metrics(tmp_path / "metrics.jsonl", [0, 5, 10], [4 / 8, 5 / 8, 0.5])
+    with pytest.raises(ValueError, match=r"no samples for the evaluation at step\(s\) \[10\]"):
+        eval_noise.load_run(tmp_path)
+    (tmp_path / eval_noise.CORRECTNESS_FILE).unlink()
+    with pytest.raises(ValueError, match="neither samples.jsonl nor eval_correct.jsonl"):
+        eval_noise.load_run(tmp_path)
+    _write_samples(tmp_path / "samples.jsonl", [0, 5], HAND)
     _write_metrics(tmp_path / "metrics.jsonl", [0, 5], [4 / 8, 6 / 8])
     with pytest.raises(ValueError, match=r"step 5: the samples give pass rate 0.625000, metrics.jsonl logged 0.750000"):
         eval_noise.load_run(tmp_path)

@@ -121,16 +121,18 @@ def read_correctness(path: Path) -> dict[int, np.ndarray]:
 
 
 def load_run(run_dir: Path) -> EvaluatedRun:
-    """The run's curve (`metrics.jsonl`) and correctness (`eval_correct.jsonl`, written from
-    `samples.jsonl` when missing). ValueError when an evaluation step lacks its samples, the
-    evaluations differ in shape, or a pass rate read from the samples differs from the logged one."""
+    """The run's curve (`metrics.jsonl`) and correctness: read from `samples.jsonl` when the run
+    has it (and written to `eval_correct.jsonl`, so a run extended since is read afresh), else from
+    `eval_correct.jsonl` (a run copied without its samples). ValueError when an evaluation step
+    lacks its samples or a pass rate read from the samples differs from the logged one."""
     curve = read_run(run_dir, name=run_dir.name)
-    path = run_dir / CORRECTNESS_FILE
-    if path.is_file():
-        matrices = read_correctness(path)
-    else:
+    if (run_dir / SAMPLES_FILE).is_file():
         matrices = correctness_from_samples(run_dir / SAMPLES_FILE)
         write_correctness(run_dir, matrices)
+    elif (run_dir / CORRECTNESS_FILE).is_file():
+        matrices = read_correctness(run_dir / CORRECTNESS_FILE)
+    else:
+        raise ValueError(f"{run_dir}: neither {SAMPLES_FILE} nor {CORRECTNESS_FILE} to read the samples from")
     missing = [int(s) for s in curve.steps if int(s) not in matrices]
     if missing:
         raise ValueError(f"{run_dir}: no samples for the evaluation at step(s) {missing}")
