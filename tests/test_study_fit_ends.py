@@ -13,9 +13,12 @@ from scalerl_jax.study import report
 from scalerl_jax.study.__main__ import main as study_main
 from scalerl_jax.study.analysis import (
     Curve,
+    CurveFit,
     Spread,
+    VariantResult,
     analyze_variant,
     combined_standard_error,
+    lead_by_compute,
     observed_crossing,
     pair_crossings,
     seed_verdict,
@@ -291,3 +294,33 @@ def test_fit_start_fraction_in_the_report(three_seed_study):
 def test_fit_end_flags_bad_input_exits_2(argv, message, capsys, tmp_path):
     assert study_main(["--analyze", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def _variant(name, pass_rates, fit_start=0.1):
+    compute = np.array([0.1, 0.2, 0.4, 0.8, 1.6])
+    fits = tuple(
+        CurveFit(Curve(f"{name}/seed{k}", "device_hours", np.arange(5), compute, np.array(p)), fit_start, 0.8)
+        for k, p in enumerate(pass_rates)
+    )
+    return VariantResult(name, fits, fits[0])
+
+
+def test_lead_by_compute_finds_a_crossover_by_hand():
+    early = _variant("early", [[0.5, 0.6, 0.6, 0.7, 0.8], [0.5, 0.7, 0.6, 0.6, 0.6]])
+    late = _variant("late", [[0.3, 0.3, 0.9, 0.9, 0.9], [0.3, 0.5, 0.9, 0.9, 0.9]])
+    first_range, second_range = lead_by_compute(early, late, num_ranges=2)
+    # ranges [0.1, 0.4) and [0.4, 1.6]: points {0.1, 0.2} and {0.4, 0.8, 1.6}
+    assert (first_range.c_lo, first_range.c_hi) == pytest.approx((0.1, 0.4))
+    # early: seed means 0.55, 0.60 -> 0.575, std 0.05 / sqrt(2); late: 0.30, 0.40 -> 0.35, std 0.1 / sqrt(2)
+    assert first_range.first_spread.mean == pytest.approx(0.575)
+    assert first_range.second_spread.mean == pytest.approx(0.35)
+    assert first_range.difference == pytest.approx(0.225)
+    assert first_range.standard_error == pytest.approx(math.sqrt(0.05**2 / 4 + 0.1**2 / 4))
+    assert (first_range.leader, first_range.verdict) == ("early", "holds")
+    # early: 0.7, 0.6 -> 0.65; late: 0.9, 0.9 -> 0.9, std 0; SE = (0.1 / sqrt(2)) / sqrt(2) = 0.05
+    assert second_range.difference == pytest.approx(-0.25)
+    assert second_range.standard_error == pytest.approx(0.05)
+    assert (second_range.leader, second_range.verdict) == ("late", "holds")
+    # level: 0.55, 0.65 -> 0.60 early; a gap of 0.025 is within the seed spread
+    level = _variant("level", [[0.55, 0.55, 0.6, 0.75, 0.8], [0.55, 0.75, 0.6, 0.65, 0.6]])
+    assert lead_by_compute(early, level, num_ranges=2)[0].verdict == "within the seed spread"

@@ -504,3 +504,62 @@ def pair_crossings(variants: Sequence[VariantResult]) -> list[PairCrossings]:
         observed = observed_crossing(f.curve, s.curve, c_lo=c_lo)
         pairs.append(PairCrossings(first.name, second.name, c_lo, c_hi, predicted, observed, error))
     return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeLead:
+    """Two variants over one compute range [c_lo, c_hi): the spread over seeds of each seed's mean
+    measured pass rate in the range, and the verdict on who leads there."""
+
+    first: str
+    second: str
+    c_lo: float
+    c_hi: float
+    first_spread: Spread
+    second_spread: Spread
+
+    @property
+    def difference(self) -> float:
+        """First minus second, of the seed means."""
+        return self.first_spread.mean - self.second_spread.mean
+
+    @property
+    def standard_error(self) -> float:
+        return combined_standard_error(self.first_spread, self.second_spread)
+
+    @property
+    def leader(self) -> str:
+        """The variant ahead by the seed means ('' when level or without data)."""
+        if not math.isfinite(self.difference) or self.difference == 0:
+            return ""
+        return self.first if self.difference > 0 else self.second
+
+    @property
+    def verdict(self) -> Verdict:
+        """Whether the leader leads beyond the seed spread (`seed_verdict` of |difference|)."""
+        return seed_verdict(abs(self.difference), self.standard_error)
+
+
+def range_mean(curve: Curve, c_lo: float, c_hi: float) -> float:
+    """Mean measured pass rate of the curve's points with c_lo <= C < c_hi (NaN without any)."""
+    inside = (curve.compute >= c_lo) & (curve.compute < c_hi)
+    return float(curve.pass_rate[inside].mean()) if inside.any() else float("nan")
+
+
+def lead_by_compute(first: VariantResult, second: VariantResult, num_ranges: int = 4) -> list[RangeLead]:
+    """Who leads where: [max fit_start, the earliest last compute of any seed of either] split into
+    `num_ranges` ranges of equal width in log compute; in each, every seed's mean measured pass
+    rate (`range_mean`), spread over seeds per variant. A crossover shows as one variant ahead
+    beyond the seed spread in an early range and the other in a late one. (The last range is closed
+    at its top so that the earliest-ending seed's last point counts.)"""
+    c_lo = max(first.mean_fit.fit_start, second.mean_fit.fit_start)
+    c_hi = min(float(f.curve.compute[-1]) for f in (*first.seed_fits, *second.seed_fits))
+    if not 0 < c_lo < c_hi:
+        return []
+    edges = np.geomspace(c_lo, c_hi, num_ranges + 1)
+    edges[-1] = np.nextafter(c_hi, np.inf)
+    leads = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        spreads = [spread_of([range_mean(f.curve, lo, hi) for f in v.seed_fits]) for v in (first, second)]
+        leads.append(RangeLead(first.name, second.name, float(lo), float(hi), *spreads))
+    return leads

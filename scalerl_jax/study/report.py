@@ -5,6 +5,7 @@ late RMSE against fit-window end, sigmoid and power law, per variant with the sp
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from scalerl_jax.study.analysis import (
     PairOrder,
     Spread,
     VariantResult,
+    lead_by_compute,
     order_claims,
     pair_crossings,
     rmse_claims,
@@ -296,6 +298,29 @@ def crossing_table(sweep: Sequence[FitEndResult]) -> str:
     return markdown_table(header, rows)
 
 
+def lead_table(results: Sequence[VariantResult]) -> str:
+    """Per pair of variants and compute range (`lead_by_compute`): each one's mean measured pass
+    rate over seeds, their difference against twice its standard error, and who leads."""
+    header = ["first vs second", "compute range", "first (seeds)", "second (seeds)", "first - second"]
+    header += [f"{SPREAD_FACTOR:g} SE", "ahead", "verdict"]
+    rows = []
+    for first, second in itertools.combinations(results, 2):
+        for lead in lead_by_compute(first, second):
+            rows.append(
+                [
+                    f"{first.name} vs {second.name}",
+                    f"[{format_compute(lead.c_lo)}, {format_compute(lead.c_hi)}]",
+                    _mean_std(lead.first_spread),
+                    _mean_std(lead.second_spread),
+                    f"{lead.difference:+.3f}" if math.isfinite(lead.difference) else "-",
+                    _num(SPREAD_FACTOR * lead.standard_error),
+                    lead.leader or "-",
+                    "beyond the seed spread" if lead.verdict == "holds" else lead.verdict,
+                ]
+            )
+    return markdown_table(header, rows)
+
+
 def claims_table(claims: Sequence[Claim]) -> str:
     header = ["claim", "margin", f"{SPREAD_FACTOR:g} SE", "verdict"]
     rows = [[c.statement, _num(c.margin), _num(SPREAD_FACTOR * c.standard_error), c.verdict] for c in claims]
@@ -362,6 +387,13 @@ def report_text(
                 "later fit start on; predicted: every crossing of their mean-curve sigmoid fits from that fit start "
                 f"up to {CROSSING_HORIZON:g} x the later C_end. C in {unit}; who leads just after each crossing.",
                 crossing_table(sweep),
+                "### Who leads, by compute range",
+                "The measured curves from the later fit start to the earliest last compute of any seed, split into "
+                "4 ranges of equal width in log compute; per range, each seed's mean measured pass rate, then mean ± "
+                "std over seeds. A variant leads beyond the seed spread when the difference exceeds "
+                f"{SPREAD_FACTOR:g} SE (SE as in the claims below). A crossover is one variant ahead early and the "
+                "other late.",
+                lead_table(results),
                 "## Claims against the seed spread",
                 "Each claim's margin is positive when it holds by the means over seeds. SE combines the standard "
                 "errors of those means (sample std / sqrt(seeds)) of every variant involved, SE = sqrt(sum SE_v^2). "
