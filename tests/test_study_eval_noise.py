@@ -165,3 +165,20 @@ def test_policy_scatter_recovers_the_jitter_drawn(jitter):
 def test_cli_refuses_a_directory_without_runs(tmp_path, capsys):
     assert eval_noise.main([str(tmp_path)]) == 2
     assert "no seed<k>/ run directories" in capsys.readouterr().err
+
+
+def test_cli_writes_one_row_per_fit_end_and_size(tmp_path, capsys):
+    for seed in (0, 1):
+        run = tmp_path / "variant" / f"seed{seed}"
+        run.mkdir(parents=True)
+        _write_samples(run / "samples.jsonl", [0, 5], HAND)
+        _write_metrics(run / "metrics.jsonl", [0, 5], [4 / 8, 5 / 8])
+    out = tmp_path / "eval_noise.md"
+    assert eval_noise.main([str(tmp_path / "variant"), "--fit-ends", "0.5,0.75", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 0.")]
+    # K = 4: sizes 1, 2, 4; two points per run are too few to fit, so every fit is counted as failed
+    assert [row.split(" | ")[:3] for row in rows] == [
+        [f"| {end}", f"2 x {size}", str(2 * (4 // size))] for end in ("0.5", "0.75") for size in (1, 2, 4)
+    ]
+    assert all(row.endswith(f"| {row.split(' | ')[2]} |") for row in rows)  # failed fits = replicas
+    assert "2 runs evaluated on 2 prompts x 4 samples" in capsys.readouterr().out

@@ -59,10 +59,6 @@ class EvaluatedRun:
     curve: RunCurve
     correct: np.ndarray  # bool[E, N, K]
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.correct.shape[2])
-
 
 def correctness_from_samples(samples_path: Path) -> dict[int, np.ndarray]:
     """{step: bool[N, K]} from the held-out rows of a run's samples file; ValueError (naming the
@@ -289,8 +285,8 @@ def report_table(results: Sequence[SizeResult], num_prompts: int) -> str:
     """One markdown row per (fit end, size)."""
     header = (
         "| fit end | evaluation | replicas | point noise (replicas) | point noise (binomial) | mean A | "
-        "A std: eval noise | A std: seeds and eval | late pred std: eval noise | late pred std: seeds and eval | late RMSE vs own points | late RMSE vs N x K curve | floor | "
-        "policy scatter | failed fits |"
+        "A std: eval noise | A std: seeds and eval | late pred std: eval noise | late pred std: seeds and eval | "
+        "late RMSE vs own points | late RMSE vs N x K curve | floor | policy scatter | failed fits |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
@@ -350,10 +346,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
     except ValueError as error:
         return report_error(f"error: {error}", EXIT_INPUT_ERROR)
-    table = report_table(results, num_prompts)
-    print(table)
+    text = "\n\n".join(
+        [
+            f"# Evaluation noise: {variant_dir}",
+            f"{len(runs)} runs evaluated on {num_prompts} prompts x {num_samples} samples, each read as disjoint "
+            f"replicas of {num_prompts} x s samples (`python -m scalerl_jax.study.eval_noise`; the module docstring "
+            "defines every column). Fit windows start at "
+            + ("the `fit` convention" if args.fit_start_fraction is None else f"{args.fit_start_fraction:g} C_end")
+            + f"; A grid {a_range[0]:g}..{a_range[1]:g}.",
+            report_table(results, num_prompts),
+        ]
+    )
+    print(text)
     if args.out:
-        Path(args.out).write_text(table + "\n", encoding="utf-8")
+        Path(args.out).write_text(text + "\n", encoding="utf-8")
     return 0
 
 
