@@ -182,3 +182,16 @@ def test_cli_writes_one_row_per_fit_end_and_size(tmp_path, capsys):
     ]
     assert all(row.endswith(f"| {row.split(' | ')[2]} |") for row in rows)  # failed fits = replicas
     assert "2 runs evaluated on 2 prompts x 4 samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [(["--sizes", "2,x"], "--sizes must be comma-separated integers"), (["--fit-ends", "0.5,1.5"], "--fit-ends must")],
+)
+def test_cli_bad_flags_exit_2_with_one_line(tmp_path, capsys, flags, message):
+    run = tmp_path / "variant" / "seed0"
+    run.mkdir(parents=True)
+    _write_samples(run / "samples.jsonl", [0, 5], HAND)
+    _write_metrics(run / "metrics.jsonl", [0, 5], [4 / 8, 5 / 8])
+    assert eval_noise.main([str(tmp_path / "variant"), *flags]) == 2
+    assert message in capsys.readouterr().err

@@ -30,7 +30,14 @@ from pathlib import Path
 from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.config_argv import line_in_file
 from scalerl_jax.study import driver, report
-from scalerl_jax.study.analysis import DEFAULT_CUT_FRACTION, FitEndResult, VariantResult, analyze_variant, pair_orders
+from scalerl_jax.study.analysis import (
+    DEFAULT_CUT_FRACTION,
+    FitEndResult,
+    VariantResult,
+    analyze_variant,
+    pair_orders,
+    parse_fractions,
+)
 from scalerl_jax.study.variants import expand_variants
 
 
@@ -114,20 +121,6 @@ def analyze(
     return 0 if fitted and all(r.mean_fit.fit is not None for r in results) else 1
 
 
-def _fit_ends(text: str | None) -> list[float] | None:
-    """The --fit-ends fractions, ascending and distinct (None when not given)."""
-    if text is None:
-        return None
-    message = f"--fit-ends must be comma-separated fractions in (0, 1), got {text!r}"
-    try:
-        ends = sorted({float(x) for x in text.split(",")})
-    except ValueError:  # not numbers
-        raise ValueError(message) from None
-    if not all(0.0 < end < 1.0 for end in ends):
-        raise ValueError(message)
-    return ends
-
-
 def _a_range(text: str | None) -> tuple[float, float] | None:
     if text is None:
         return None
@@ -149,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.bootstrap < 0:
             raise ValueError(f"--bootstrap must be >= 0, got {args.bootstrap}")
         a_range = _a_range(args.a_range)
-        fit_ends = _fit_ends(args.fit_ends)
+        fit_ends = None if args.fit_ends is None else parse_fractions(args.fit_ends, "--fit-ends")
         lowest_end = min([args.cut, *(fit_ends or [])])
         if args.fit_start_fraction is not None and not 0.0 < args.fit_start_fraction < lowest_end:
             raise ValueError(

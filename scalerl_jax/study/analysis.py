@@ -234,6 +234,19 @@ def mean_curve(name: str, runs: Sequence[RunCurve]) -> Curve:
     return Curve(name, units.pop(), np.asarray(steps), compute, pass_rate)
 
 
+def parse_fractions(text: str, flag: str) -> list[float]:
+    """The comma-separated fractions in (0, 1) of a command-line flag, ascending and distinct;
+    ValueError naming `flag` otherwise."""
+    message = f"{flag} must be comma-separated fractions in (0, 1), got {text!r}"
+    try:
+        values = sorted({float(x) for x in text.split(",")})
+    except ValueError:  # not numbers
+        raise ValueError(message) from None
+    if not all(0.0 < v < 1.0 for v in values):
+        raise ValueError(message)
+    return values
+
+
 def fit_window(curve: Curve, cut_fraction: float, fit_start_fraction: float | None) -> tuple[float, float]:
     """(fit_start, cut) of `curve`: cut = cut_fraction C_end; fit_start = fit_start_fraction C_end,
     or the `fit` convention (`scaling.default_fit_start`) when None."""

@@ -45,7 +45,7 @@ from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.data.answers import CORRECT_OUTCOMES
 from scalerl_jax.scaling import RunCurve, fit_sigmoid, read_run
 from scalerl_jax.study import report
-from scalerl_jax.study.analysis import Curve, CurveFit, fit_early
+from scalerl_jax.study.analysis import Curve, CurveFit, fit_early, parse_fractions
 
 SAMPLES_FILE = "samples.jsonl"
 CORRECTNESS_FILE = "eval_correct.jsonl"
@@ -300,17 +300,6 @@ def report_table(results: Sequence[SizeResult], num_prompts: int) -> str:
     return "\n".join(lines)
 
 
-def _fractions(text: str, flag: str) -> list[float]:
-    message = f"{flag} must be comma-separated fractions in (0, 1), got {text!r}"
-    try:
-        values = sorted({float(x) for x in text.split(",")})
-    except ValueError:  # not numbers
-        raise ValueError(message) from None
-    if not all(0.0 < v < 1.0 for v in values):
-        raise ValueError(message)
-    return values
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m scalerl_jax.study.eval_noise STUDY/VARIANT [--sizes 2,4,8] [--fit-ends ...]`:
     prints the table (and writes it to --out); exit 2 with one line on bad input."""
@@ -334,10 +323,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"{variant_dir}: the runs evaluated different N x K: {sorted(shapes)}")
         num_prompts, num_samples = shapes.pop()
         if args.sizes:
-            sizes = sorted({int(x) for x in args.sizes.split(",")})
+            try:
+                sizes = sorted({int(x) for x in args.sizes.split(",")})
+            except ValueError:  # not integers
+                raise ValueError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
         else:
             sizes = [s for s in range(1, num_samples + 1) if num_samples % s == 0]
-        fit_ends = _fractions(args.fit_ends, "--fit-ends")
+        fit_ends = parse_fractions(args.fit_ends, "--fit-ends")
         a_range = report.study_a_range(variant_dir, {variant_dir.name: [run.curve for run in runs]})
         results = [
             analyze_size(runs, size, fit_end=end, fit_start_fraction=args.fit_start_fraction, a_range=a_range)
