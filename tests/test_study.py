@@ -144,6 +144,19 @@ def test_analyze_cli_writes_table_and_figures(synthetic_study, capsys):
         assert (synthetic_study / figure).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_curves_figure_leaves_out_the_untrained_start(synthetic_study):
+    """main logs the step-0 evaluation at the few milliseconds before training (1.7e-6 device-hours
+    in docs/study_long_extended); drawn, it would stretch the log axis by five decades."""
+    for metrics in synthetic_study.glob(f"*/seed*/{driver.METRICS_FILE}"):
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        records[0]["compute/device_hours"] = 1.7e-6
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    figure = report.curves_figure(analyzed(synthetic_study))
+    drawn = np.concatenate([np.asarray(line.get_xdata(), dtype=np.float64) for line in figure.axes[0].lines])
+    first_trained = C_END / EVAL_STEPS[-1] * EVAL_STEPS[1] * 0.98  # seed 0's compute scale is 0.98x
+    assert drawn.min() >= first_trained * (1 - 1e-9)
+
+
 def test_analyze_reports_a_curve_it_cannot_fit(tmp_path, capsys):
     run = tmp_path / "baseline" / "seed0"
     run.mkdir(parents=True)

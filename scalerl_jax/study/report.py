@@ -414,23 +414,25 @@ def report_text(
     )
 
 
-def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
+def curves_figure(results: Sequence[VariantResult]) -> Figure:
     """Every variant on one log-compute axis: seed points faint, mean-curve points (filled: fitted,
     hollow circles: before the fit window, hollow squares: held back), the fit solid over its window and dashed beyond, the cut dotted.
-    Points at compute 0 (the start) cannot sit on a log axis and are left out."""
+    The step-0 evaluation (the untrained start) is left out: its compute is zero or the few
+    milliseconds logged before training, which would stretch the log axis by decades."""
     fig = Figure(figsize=(8.0, 5.0), dpi=150)
     ax = fig.add_subplot()
     for index, r in enumerate(results):
         colour = f"C{index % 10}"
         m = r.mean_fit
         for s in r.seed_fits:
-            positive = s.curve.compute > 0
-            ax.plot(s.curve.compute[positive], s.curve.pass_rate[positive], ".", color=colour, alpha=0.25, ms=3)
+            trained = s.curve.steps > 0
+            ax.plot(s.curve.compute[trained], s.curve.pass_rate[trained], ".", color=colour, alpha=0.25, ms=3)
         c, y, held = m.curve.compute, m.curve.pass_rate, m.held_out
         label = r.name if m.fit is None else f"{r.name}: A={m.fit.a:.3f}, B={m.fit.b:.2f}"
         fitted = (c >= m.fit_start) & ~held
         ax.plot(c[fitted], y[fitted], "o", color=colour, ms=4, label=label)
-        ax.plot(c[(c > 0) & (c < m.fit_start)], y[(c > 0) & (c < m.fit_start)], "o", mfc="none", color=colour, ms=4)
+        before = (m.curve.steps > 0) & (c < m.fit_start)
+        ax.plot(c[before], y[before], "o", mfc="none", color=colour, ms=4)
         ax.plot(c[held], y[held], "s", mfc="none", color=colour, ms=5)
         if m.fit is not None:
             inside = np.geomspace(m.fit_start, m.cut, 200)
@@ -448,7 +450,12 @@ def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
     ax.grid(True, which="both", alpha=0.2)
     ax.legend(fontsize=7, frameon=False, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def plot_curves(results: Sequence[VariantResult], path: Path) -> None:
+    """Saves `curves_figure(results)` to `path`."""
+    curves_figure(results).savefig(path)
 
 
 def plot_params(results: Sequence[VariantResult], path: Path) -> None:
