@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from scalerl_jax import recipe  # noqa: E402
+from scalerl_jax.config import recipes  # noqa: E402
 from scalerl_jax.models import Transformer, make_mesh  # noqa: E402
 from scalerl_jax.run.programs import model_config_of  # noqa: E402
 from scalerl_jax.sampler import generate  # noqa: E402
@@ -33,7 +33,7 @@ from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state
 
 
 def main() -> None:
-    config = recipe.tiny()
+    config = recipes.tiny()
     s, b = config.sampler, config.batch
     prompt, budget = config.data.max_prompt_tokens, s.max_new_tokens
     model_config = model_config_of(config)

@@ -4,7 +4,7 @@ Runs the real jitted step (chunked fp32-head log-probs, CISPO loss, microbatched
 AdamW with fp32 master weights) on random weights of a preset cut to `--layers` layers (default
 llama3.1-8b dims with 4 layers, so params, grads and optimizer state fit one H200), at
 `--seq_len` tokens per sequence (default 16,384, the recipe's longest), all devices in one FSDP
-mesh (1, n, 1), with the recipe's model settings (recipe.scalerl_8b(): remat policy, attention_impl
+mesh (1, n, 1), with the recipe's model settings (recipes.scalerl_8b(): remat policy, attention_impl
 'auto' = cuDNN flash attention on GPU, head_precision 'bf16x3', bf16 body, logprob chunk). Reports
 the median step time, train tokens/s, achieved model TFLOP/s per device and MFU against the
 device's peak dense bf16 FLOP/s (train/flops.py). Model FLOPs per token:
@@ -32,7 +32,7 @@ import time
 import jax
 from flax import nnx
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.train import (
@@ -58,7 +58,7 @@ def init_params(config, mesh):
 
 
 def main():
-    model = recipe.scalerl_8b().model
+    model = recipes.scalerl_8b().model
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--preset", default=model.preset)
     parser.add_argument("--layers", type=int, default=4, help="layers of the slice; 0 = the preset's")

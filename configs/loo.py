@@ -4,8 +4,8 @@ Variants: dapo, no_fp32_head, sample_avg, token_avg, prompt_norm, no_zero_varian
 no_positive_resampling, length_penalty, ppo_off_policy.
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config(variant: str):
-    return recipe.leave_one_out(variant)
+    return recipes.leave_one_out(variant)

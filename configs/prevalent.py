@@ -3,8 +3,8 @@
 Variants: deepseek_grpo, qwen25_dapo, magistral, minimax.
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config(variant: str):
-    return recipe.prevalent(variant)
+    return recipes.prevalent(variant)

@@ -3,8 +3,8 @@
 Variants: budget_32k, bs512, bs2048, gens8, gens24, gens32.
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config(variant: str):
-    return recipe.scale(variant)
+    return recipes.scale(variant)

@@ -3,8 +3,8 @@
 Set `--config.model.checkpoint=/path/to/hf_dir` and `--config.data.path=/path/to/polaris-data-53K.jsonl`.
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config():
-    return recipe.scalerl_8b()
+    return recipes.scalerl_8b()

@@ -4,8 +4,8 @@
 --config.data.path=../shared/data/gsm8k/train.jsonl --workdir=runs/smollm2`
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config():
-    return recipe.smollm2_gsm8k()
+    return recipes.smollm2_gsm8k()

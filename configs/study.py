@@ -3,7 +3,7 @@ runs it: `--config=configs/study.py:configs/tiny.py,dapo` (BASE,VARIANT; VARIANT
 base unchanged, else a name of recipe.LEAVE_ONE_OUT; BASE may be 'file.py:arg').
 """
 
-from scalerl_jax.study.variants import study_config
+from scalerl_jax.config.variants import study_config
 
 
 def get_config(arg: str):

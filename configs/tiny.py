@@ -3,8 +3,8 @@
 `python -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny`
 """
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config():
-    return recipe.tiny()
+    return recipes.tiny()

@@ -10,7 +10,7 @@
 # WORKDIR, the checkpoint and the data must be on storage every worker sees (e.g. a Filestore or
 # gcsfuse mount): process 0 writes the run's outputs, and every trainer process writes its part of
 # each checkpoint. Before launching, check that every program fits the slice's HBM without a TPU:
-#   python -m scalerl_jax.compile_check --config=configs/scalerl_8b.py --target=v5p:4x4x4 [overrides]
+#   python -m scalerl_jax.cli.compile_check --config=configs/scalerl_8b.py --target=v5p:4x4x4 [overrides]
 # A single-host TPU VM (v5e-8, v6e-8) needs no launcher: run main as on one GPU node.
 # PYTHON (default REPO/.venv/bin/python) and SCALERL_MAIN_MODULE (default scalerl_jax.main) as in
 # launch/local.sh.

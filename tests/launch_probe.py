@@ -21,7 +21,7 @@ from absl import app
 from jax._src import distributed, xla_bridge
 from jax.experimental import multihost_utils
 
-from scalerl_jax import main as scalerl_main
+from scalerl_jax.cli import train as scalerl_main
 
 NEVER_SET_KEY_WAIT_MS = 110_000
 

@@ -18,9 +18,10 @@ from flax import nnx
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from scalerl_jax import data as data_lib
-from scalerl_jax import policy_source, recipe
-from scalerl_jax.config_validation import config_json, flat_config
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import config_json, flat_config
 from scalerl_jax.models import load_hf
+from scalerl_jax.run import policy_source
 from scalerl_jax.train import create_train_state
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
@@ -99,7 +100,7 @@ def make_bigram_base(path: str, transitions: dict[int, tuple[int, ...]], *, logi
 
 def run_config(base_dir: str, **sampler):
     """The tiny recipe on `base_dir` (no warm start), small sampling budgets for fast tests."""
-    config = recipe.tiny()
+    config = recipes.tiny()
     del config["warm_start"], config["synthetic"]
     config.model.checkpoint = base_dir
     config.data.prompt_template = PROMPT_TEMPLATE

@@ -15,7 +15,8 @@ from fractions import Fraction
 import ml_collections
 import pytest
 
-from scalerl_jax import config_validation, recipe
+from scalerl_jax.config import recipes
+from scalerl_jax.config import validation as config_validation
 from scalerl_jax.data import answers, builders, rows
 from scalerl_jax.data.evaluation import evaluate
 from scalerl_jax.data.rewards import RewardConfig, RewardTally, score_completions
@@ -351,17 +352,17 @@ def test_local_file_build_extracts_gsm8k_golds(tmp_path):
 
 
 def _config(**data) -> ml_collections.ConfigDict:
-    config = recipe.tiny()
+    config = recipes.tiny()
     for key, value in data.items():
         config.data[key] = value
     return config
 
 
 def test_recipe_defaults_and_validation():
-    assert recipe.scalerl_8b().data.answer_extraction == "boxed"
-    assert recipe.scalerl_8b().data.gold_extraction == ""
-    assert recipe.tiny().data.answer_extraction == "boxed"
-    assert RewardConfig.from_config(recipe.tiny()).answer_styles == ("boxed",)
+    assert recipes.scalerl_8b().data.answer_extraction == "boxed"
+    assert recipes.scalerl_8b().data.gold_extraction == ""
+    assert recipes.tiny().data.answer_extraction == "boxed"
+    assert RewardConfig.from_config(recipes.tiny()).answer_styles == ("boxed",)
     good = _config(answer_extraction="hashes,answer_is,last_number", gold_extraction="hashes")
     assert RewardConfig.from_config(good).answer_styles == GSM8K_STYLES
     for key, value in [("answer_extraction", ""), ("answer_extraction", "boxed,boxed"), ("gold_extraction", "hash")]:
@@ -371,10 +372,10 @@ def test_recipe_defaults_and_validation():
 
 
 def test_template_and_styles_mismatch_warns_once_each():
-    assert config_validation.answer_style_warnings(recipe.tiny()) == []
+    assert config_validation.answer_style_warnings(recipes.tiny()) == []
     [boxed] = config_validation.answer_style_warnings(_config(answer_extraction="hashes"))
     assert "`data.prompt_template` asks for \\boxed{}" in boxed and "add 'boxed'" in boxed
-    worked = _config(prompt_template=recipe.WORKED_SOLUTION_TEMPLATE, answer_extraction="boxed")
+    worked = _config(prompt_template=recipes.WORKED_SOLUTION_TEMPLATE, answer_extraction="boxed")
     [hashes] = config_validation.answer_style_warnings(worked)
     assert "asks for ####" in hashes and "add 'hashes'" in hashes
     worked.data.answer_extraction = "hashes,answer_is,last_number"
@@ -382,5 +383,5 @@ def test_template_and_styles_mismatch_warns_once_each():
     [synthetic] = config_validation.answer_style_warnings(_config(gold_extraction="hashes"))
     assert "`data.gold_extraction`" in synthetic and "synthetic" in synthetic
     # The worked-solution template asks for exactly what `hashes` reads back.
-    asked = answers.after_hashes(recipe.WORKED_SOLUTION_TEMPLATE.replace("{problem}", "Q"))
+    asked = answers.after_hashes(recipes.WORKED_SOLUTION_TEMPLATE.replace("{problem}", "Q"))
     assert asked == "<number>"

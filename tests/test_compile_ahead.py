@@ -1,6 +1,6 @@
 """Train-step programs compiled before the first step: no step compiles afterwards.
 
-Compiles are counted by JAX's own backend-compile events (`scalerl_jax.compile_events`), not by
+Compiles are counted by JAX's own backend-compile events (`scalerl_jax.telemetry.compile_events`), not by
 the step's trace counter. A step compiled ahead for every length bucket must record no compile on
 batches of several bucket lengths and give the same state and metrics as the jitted step; a
 bucket left out of the ahead-of-time set must show up as a compile (so the count can fail).
@@ -13,13 +13,13 @@ import pytest
 from flax import nnx
 from small_models import small_llama
 
-from scalerl_jax.batch_layout import sorted_batch_key
-from scalerl_jax.compile_events import compile_log, summary
+from scalerl_jax.contracts.batch_layout import sorted_batch_key
 from scalerl_jax.models import Transformer, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch
 from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.run.build import RunTrainStep
 from scalerl_jax.sampler import Completion
+from scalerl_jax.telemetry.compile_events import compile_log, summary
 from scalerl_jax.train import (
     OptimizerConfig,
     TrainStepConfig,

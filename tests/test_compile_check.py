@@ -1,4 +1,4 @@
-"""`python -m scalerl_jax.compile_check`: every program of a run compiled for a TPU topology that is
+"""`python -m scalerl_jax.cli.compile_check`: every program of a run compiled for a TPU topology that is
 not attached (libtpu from the test extra), its memory against hand counts, an oversized setting
 refused naming the program and its keys, bad input in one line; the GPU route (the CUDA plugin,
 too large for CI) as a slow test."""
@@ -9,13 +9,13 @@ import subprocess
 
 import pytest
 
-from scalerl_jax import compile_check
+from scalerl_jax.cli import compile_check
 
 pytest.importorskip("libtpu", reason="the TPU compile check needs libtpu (pip install -e '.[tpu]')")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The tiny recipe's warm-started policy, counted by hand from `recipe.tiny()`'s warm_start
+# The tiny recipe's warm-started policy, counted by hand from `recipes.tiny()`'s warm_start
 # model_overrides: vocabulary 300, hidden 128, MLP 384, 4 layers, 4 query heads and 2 KV heads of 32.
 VOCAB, HIDDEN, MLP, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 300, 128, 384, 4, 4, 2, 32
 PER_LAYER = (
@@ -73,7 +73,7 @@ def tiny_check(tmp_path_factory):
 
 
 def test_hand_count_of_the_tiny_model_is_its_parameter_count():
-    assert PARAMS == 864_384  # the size `recipe.tiny`'s docstring states (0.86M)
+    assert PARAMS == 864_384  # the size `recipes.tiny`'s docstring states (0.86M)
 
 
 def test_tiny_run_compiles_for_a_tpu_slice_and_its_memory_matches_a_hand_count(tiny_check):
@@ -175,7 +175,7 @@ def test_gpu_route_compiles_the_tiny_run_for_an_h200_node(tmp_path):
         [
             CUDA_PYTHON,
             "-m",
-            "scalerl_jax.compile_check",
+            "scalerl_jax.cli.compile_check",
             "--config=configs/tiny.py",
             "--target=h200:1x8",
             "--config.batch.length_buckets_per_octave=1",

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scalerl_jax import recipe
-from scalerl_jax.config_validation import ConfigError, check_devices, check_resume, config_json, validate
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import ConfigError, check_devices, check_resume, config_json, validate
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
 
@@ -28,9 +28,9 @@ def load_config_file(name: str, arg: str | None = None):
 
 ALL_8B = (
     [("scalerl_8b.py", None)]
-    + [("loo.py", v) for v in recipe.LEAVE_ONE_OUT]
-    + [("prevalent.py", v) for v in recipe.PREVALENT]
-    + [("scale.py", v) for v in recipe.SCALE]
+    + [("loo.py", v) for v in recipes.LEAVE_ONE_OUT]
+    + [("prevalent.py", v) for v in recipes.PREVALENT]
+    + [("scale.py", v) for v in recipes.SCALE]
 )
 
 
@@ -80,11 +80,11 @@ def test_every_8b_config_builds_abstractly(name, arg):
 
 
 def test_leave_one_out_changes_exactly_one_choice():
-    base = recipe.scalerl_8b()
-    assert recipe.leave_one_out("dapo").rl.objective == "dapo" and base.rl.objective == "cispo"
-    assert recipe.leave_one_out("no_fp32_head").model.fp32_head is False
-    assert recipe.leave_one_out("ppo_off_policy").schedule.kind == "ppo_off_policy"
-    changed = recipe.leave_one_out("prompt_norm")
+    base = recipes.scalerl_8b()
+    assert recipes.leave_one_out("dapo").rl.objective == "dapo" and base.rl.objective == "cispo"
+    assert recipes.leave_one_out("no_fp32_head").model.fp32_head is False
+    assert recipes.leave_one_out("ppo_off_policy").schedule.kind == "ppo_off_policy"
+    changed = recipes.leave_one_out("prompt_norm")
     assert changed.rl.advantage_normalization == "prompt"
     changed.rl.advantage_normalization = "batch"
     assert changed.to_dict() == base.to_dict()
@@ -92,43 +92,43 @@ def test_leave_one_out_changes_exactly_one_choice():
 
 def test_scale_variants_keep_the_paper_batch_sizes():
     # Hand arithmetic: 768 = 48 x 16; bs2048 = 128 x 16; gens8 keeps 768 completions = 96 x 8.
-    c = recipe.scale("bs2048")
+    c = recipes.scale("bs2048")
     assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (128, 16)
-    c = recipe.scale("bs512")
+    c = recipes.scale("bs512")
     assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (32, 16)
     for name, (prompts, gens) in {"gens8": (96, 8), "gens24": (32, 24), "gens32": (24, 32)}.items():
-        c = recipe.scale(name)
+        c = recipes.scale(name)
         assert (c.batch.prompts_per_step, c.batch.generations_per_prompt) == (prompts, gens)
 
 
 def test_paper_split_is_64_generators_16_trainers():
-    assert check_devices(recipe.scalerl_8b(), 80) == (64, 16)
+    assert check_devices(recipes.scalerl_8b(), 80) == (64, 16)
 
 
 def test_device_counts_of_small_splits():
-    # tiny: generator_fraction 0.5, one microbatch of 128 rows (hand values from recipe.tiny).
-    assert check_devices(recipe.tiny(), 1) == (1, 1)  # one device: both roles share it
-    assert check_devices(recipe.tiny(), 2) == (1, 1)
-    assert check_devices(recipe.tiny(), 3) == (2, 1)  # round(1.5) = 2 generators
-    assert check_devices(recipe.tiny(), 4) == (2, 2)
+    # tiny: generator_fraction 0.5, one microbatch of 128 rows (hand values from recipes.tiny).
+    assert check_devices(recipes.tiny(), 1) == (1, 1)  # one device: both roles share it
+    assert check_devices(recipes.tiny(), 2) == (1, 1)
+    assert check_devices(recipes.tiny(), 3) == (2, 1)  # round(1.5) = 2 generators
+    assert check_devices(recipes.tiny(), 4) == (2, 2)
 
 
 def test_unknown_key_is_named():
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.rl.objectve = "cispo"
     with pytest.raises(ConfigError, match="rl.objectve"):
         validate(config, check_files=False)
 
 
 def test_bad_fit_range_is_named():
-    config = recipe.tiny()
+    config = recipes.tiny()
     config.eval.fit_a_range = (0.8, 0.45)
     with pytest.raises(ConfigError, match="eval.fit_a_range"):
         validate(config, check_files=False)
 
 
 def test_bad_choice_is_named():
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.rl.aggregation = "mean"
     with pytest.raises(ConfigError, match="rl.aggregation"):
         validate(config, check_files=False)
@@ -152,7 +152,7 @@ BAD_CHOICES = {
 @pytest.mark.parametrize("key", sorted(BAD_CHOICES))
 def test_a_value_outside_the_choices_is_named_with_them(key):
     bad, allowed = BAD_CHOICES[key]
-    config = recipe.tiny()
+    config = recipes.tiny()
     section, _, name = key.rpartition(".")
     (config[section] if section else config)[name] = bad
     with pytest.raises(ConfigError) as error:
@@ -162,13 +162,13 @@ def test_a_value_outside_the_choices_is_named_with_them(key):
 
 def test_every_remat_policy_validates():
     for policy in ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn"):
-        config = recipe.tiny()
+        config = recipes.tiny()
         config.model.remat_policy = policy
         validate(config, check_files=False)
 
 
 def test_batch_that_does_not_divide_trainers_is_named():
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.batch.microbatches = 16  # 768 rows / 16 = 48 rows per microbatch
     # 25 devices x 0.8 -> 20 generators, 5 trainers; 48 % 5 != 0 (hand arithmetic).
     with pytest.raises(ConfigError, match="5 trainer devices"):
@@ -177,14 +177,14 @@ def test_batch_that_does_not_divide_trainers_is_named():
 
 
 def test_missing_dataset_path_is_named(tmp_path):
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.data.path = str(tmp_path / "nope.jsonl")
     with pytest.raises(ConfigError, match="data.path"):
         validate(config)
 
 
 def test_missing_checkpoint_is_named(tmp_path):
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     data = tmp_path / "polaris.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2", "difficulty": 1}\n')
     config.data.path = str(data)
@@ -194,7 +194,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 
 
 def test_resume_with_a_different_config_names_the_changed_keys(tmp_path):
-    config = recipe.tiny()
+    config = recipes.tiny()
     (tmp_path / "checkpoints" / "20").mkdir(parents=True)
     (tmp_path / "config.json").write_text(json.dumps(config_json(config)))
     config.num_steps = 300  # extending a run is allowed
@@ -223,16 +223,16 @@ def test_every_config_renders_its_prompt_with_an_empty_box(name, arg):
 
 
 def test_ordered_budgets_are_checked():
-    config = recipe.tiny()
-    config.sampler.think_budget_min = 70  # tiny: think_budget_max 68 (hand value from recipe.tiny)
+    config = recipes.tiny()
+    config.sampler.think_budget_min = 70  # tiny: think_budget_max 68 (hand value from recipes.tiny)
     with pytest.raises(ConfigError, match="think_budget_min"):
         validate(config, check_files=False)
 
 
 def test_resume_without_config_json_uses_the_checkpoint_fingerprint(tmp_path):
-    from scalerl_jax.config_validation import flat_config
+    from scalerl_jax.config.validation import flat_config
 
-    config = recipe.tiny()
+    config = recipes.tiny()
     (tmp_path / "checkpoints" / "20").mkdir(parents=True)
     fingerprint = flat_config(config)
     check_resume(config, str(tmp_path), saved_fingerprint=fingerprint)  # same config: resumes
@@ -249,7 +249,7 @@ def test_resume_without_config_json_uses_the_checkpoint_fingerprint(tmp_path):
 def test_think_budgets_are_checked_only_where_interruption_applies():
     # The recipe's budgets (10,240 / 12,288 / 2,048) exceed a 512-token completion: a problem under
     # forced interruption, irrelevant under the plain answer format or without interruption.
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.sampler.max_new_tokens = 512
     with pytest.raises(ConfigError, match="think_budget_min") as error:
         validate(config, check_files=False)
@@ -262,10 +262,10 @@ def test_think_budgets_are_checked_only_where_interruption_applies():
 
 
 def test_data_path_alone_selects_the_reader(tmp_path):
-    from scalerl_jax.config_validation import check_paths
+    from scalerl_jax.config.validation import check_paths
     from scalerl_jax.data.builders import dataset_kind
 
-    assert recipe.scalerl_8b().data.dataset == ""
+    assert recipes.scalerl_8b().data.dataset == ""
     assert dataset_kind("", "/data/polaris-data-53K.jsonl") == "polaris_53k"
     assert dataset_kind("", "/data/gsm8k/test.jsonl") == "jsonl"
     assert dataset_kind("", "/data/rows.parquet") == "jsonl"
@@ -276,7 +276,7 @@ def test_data_path_alone_selects_the_reader(tmp_path):
     ]
     data = tmp_path / "my.jsonl"
     data.write_text('{"problem": "1+1", "answer": "2"}\n')
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.data.path = str(data)
     assert not [p for p in check_paths(config) if "data." in p]
     config.data.dataset = "polaris_53k"  # explicit: reads only a file named polaris-data-53K.jsonl
@@ -307,10 +307,10 @@ def smollm2_shapes(dtype: str):
 
 
 def test_recipe_sampler_that_cannot_fit_is_named_with_its_keys():
-    from scalerl_jax.config_validation import check_memory, memory_need
+    from scalerl_jax.config.validation import check_memory, memory_need
 
     model = smollm2_shapes("float32")
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.model.dtype = "float32"
     need = memory_need(config, model, generator_groups=1, trainer_shape=None, platform="cpu")
     # By hand: K and V of a token = 2 x 30 layers x 3 heads x 64 x 4 B = 46,080 B; every one of 256
@@ -340,9 +340,9 @@ def test_recipe_sampler_that_cannot_fit_is_named_with_its_keys():
 
 
 def test_config_overrides_apply_without_a_config_file():
-    from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem
+    from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem
 
-    base = recipe.scalerl_8b()
+    base = recipes.scalerl_8b()
     argv = ["evaluate", "--config.data.answer_format=plain", "--config.sampler.num_slots=8"]
     config = apply_config_overrides(base, argv)
     assert (config.data.answer_format, config.sampler.num_slots) == ("plain", 8)

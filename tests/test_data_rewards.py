@@ -187,13 +187,13 @@ def test_last_boxed_brace_matching():
 
 
 def test_reward_config_from_the_tiny_and_8b_configs():
-    from scalerl_jax import recipe
+    from scalerl_jax.config import recipes
 
-    # Hand-read from recipe.tiny(): synthetic task, +1 / -1, think format ending at </think>.
-    assert RewardConfig.from_config(recipe.tiny()) == RewardConfig(
+    # Hand-read from recipes.tiny(): synthetic task, +1 / -1, think format ending at </think>.
+    assert RewardConfig.from_config(recipes.tiny()) == RewardConfig(
         kind="exact", correct_reward=1.0, incorrect_reward=-1.0, think_end="</think>", answer_format="think"
     )
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.data.answer_format = "plain"
     config.data.reward_fn = "tests.custom_rewards:contains_gold"
     config.data.reward_incorrect = 0.0

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from scalerl_jax import recipe
-from scalerl_jax.config_argv import parse_config_argv
-from scalerl_jax.config_validation import ConfigError, check_devices, config_json, split_candidates, validate
+from scalerl_jax.config import recipes
+from scalerl_jax.config.argv import parse_config_argv
+from scalerl_jax.config.validation import ConfigError, check_devices, config_json, split_candidates, validate
 from scalerl_jax.models import split_devices
 from scalerl_jax.run.device_split import (
     Rates,
@@ -68,8 +68,8 @@ def auto(config):
 
 
 def test_config_accepts_auto_and_refuses_other_strings():
-    validate(auto(recipe.tiny()), check_files=False)
-    config = recipe.tiny()
+    validate(auto(recipes.tiny()), check_files=False)
+    config = recipes.tiny()
     config.mesh.generator_fraction = "half"
     with pytest.raises(ConfigError, match=r"`mesh.generator_fraction` = 'half'; expected .* or 'auto'"):
         validate(config, check_files=False)
@@ -85,22 +85,22 @@ def test_config_accepts_auto_and_refuses_other_strings():
 def test_split_candidates_by_hand():
     # 8B recipe on 80 devices: 16 rows per microbatch -> t in {1, 2, 4, 8, 16}; 256 decode slots
     # over g in {79, 78, 76, 72, 64} generator devices split evenly only for 64.
-    assert split_candidates(auto(recipe.scalerl_8b()), 80) == [64]
+    assert split_candidates(auto(recipes.scalerl_8b()), 80) == [64]
     # tiny: 128 rows -> t in {1, 2, 4}; 64 slots over g. 4 devices: g = 3 (64 % 3 != 0) or 2; one
     # device: shared.
-    assert split_candidates(auto(recipe.tiny()), 4) == [2]
-    assert split_candidates(auto(recipe.tiny()), 1) == [1]
+    assert split_candidates(auto(recipes.tiny()), 4) == [2]
+    assert split_candidates(auto(recipes.tiny()), 1) == [1]
     # Over 2 processes [0, 0, 1, 1] with 63 slots: g = 3 puts 2 generators on process 1 and g = 2
     # both there; 63 does not split over 2; g = 1 leaves 3 trainers for 128 rows. Nothing runs.
-    config = auto(recipe.tiny())
+    config = auto(recipes.tiny())
     config.sampler.num_slots = 63
     assert split_candidates(config, 4, [0, 0, 1, 1]) == []
     assert split_candidates(config, 4) == [3]  # one process: g = 3 (63 % 3 == 0, 128 % 1 == 0)
 
 
 def test_check_devices_with_auto():
-    assert check_devices(auto(recipe.tiny()), 2) is None
-    config = auto(recipe.tiny())
+    assert check_devices(auto(recipes.tiny()), 2) is None
+    config = auto(recipes.tiny())
     config.mesh.trainer_shape = (1, 1, 1)  # exactly one trainer: g = 2 of 3, and 63 slots do not split over 2
     config.sampler.num_slots = 63
     with pytest.raises(ConfigError, match="'auto': no split of 3 devices"):
@@ -112,13 +112,13 @@ def test_check_devices_with_auto():
 
 
 def test_resolve_keeps_numbers_and_a_resumed_runs_split(tmp_path):
-    config = recipe.tiny()
+    config = recipes.tiny()
     assert resolve_generator_fraction(config, str(tmp_path)) is config  # a number: nothing measured
     # A workdir with checkpoints and a config.json that recorded 0.75 resumes with 0.75.
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "config.json").write_text(json.dumps(config_json(with_fraction(config, 0.75))))
     assert saved_fraction(str(tmp_path)) == 0.75
-    resolved = resolve_generator_fraction(auto(recipe.tiny()), str(tmp_path))
+    resolved = resolve_generator_fraction(auto(recipes.tiny()), str(tmp_path))
     assert resolved.mesh.generator_fraction == 0.75
     (tmp_path / "config.json").write_text("{}")
     assert saved_fraction(str(tmp_path)) is None
@@ -128,4 +128,4 @@ def test_compile_check_refuses_auto():
     from scalerl_jax.run.programs import run_roles
 
     with pytest.raises(ConfigError, match="set the number"):
-        run_roles(auto(recipe.tiny()), [])
+        run_roles(auto(recipes.tiny()), [])

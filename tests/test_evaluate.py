@@ -1,4 +1,4 @@
-"""`python -m scalerl_jax.evaluate`: the reported mean@K, pass@k and per-group numbers equal a hand
+"""`python -m scalerl_jax.cli.evaluate`: the reported mean@K, pass@k and per-group numbers equal a hand
 computation (math.comb) from the per-sample correctness it writes, and that correctness equals
 what the completion texts say.
 
@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 import policy_fixtures  # noqa: E402
 
 from scalerl_jax import data as data_lib  # noqa: E402
-from scalerl_jax import evaluate  # noqa: E402
+from scalerl_jax.cli import evaluate  # noqa: E402
 
 TINY_CONFIG = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "tiny.py")
 ROWS = [
@@ -219,7 +219,7 @@ def test_overrides_without_a_config_file_apply_to_the_recipe_and_the_run(setup):
 
 
 def test_sizes_the_host_cannot_hold_are_named_before_any_compile(setup, capsys):
-    from scalerl_jax.compile_events import compile_log
+    from scalerl_jax.telemetry.compile_events import compile_log
 
     _, base_dir, jsonl, _ = setup
     compiles = compile_log().count()

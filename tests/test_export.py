@@ -1,4 +1,4 @@
-"""`python -m scalerl_jax.export`: a run's checkpoint as a Hugging Face directory that transformers
+"""`python -m scalerl_jax.cli.export`: a run's checkpoint as a Hugging Face directory that transformers
 loads with our logits (the independent reference: transformers' torch Llama), and clear errors."""
 
 import json
@@ -16,9 +16,11 @@ transformers = pytest.importorskip("transformers")
 import policy_fixtures  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from scalerl_jax import export, policy_source, recipe, warm_start  # noqa: E402
-from scalerl_jax.config_validation import config_json  # noqa: E402
+from scalerl_jax.cli import export  # noqa: E402
+from scalerl_jax.config import recipes  # noqa: E402
+from scalerl_jax.config.validation import config_json  # noqa: E402
 from scalerl_jax.models import Transformer  # noqa: E402
+from scalerl_jax.run import policy_source, warm_start  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,7 @@ def test_export_errors_name_the_problem(run, tmp_path, capsys):
 
 def test_warm_start_base_is_found_after_the_json_round_trip(tmp_path):
     """A run's config.json (tuples become lists) points at the same warm-start digest as the config."""
-    config = recipe.tiny()
+    config = recipes.tiny()
     expected = warm_start.checkpoint_dir(config, str(tmp_path))
     os.makedirs(expected)
     with open(tmp_path / "config.json", "w") as f:

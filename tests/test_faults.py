@@ -1,11 +1,11 @@
 """Injected faults and what the run does about each: one test (or parametrized group) per class.
 
-Metrics resume (scalerl_jax.metrics.MetricsWriter)
+Metrics resume (scalerl_jax.telemetry.metrics.MetricsWriter)
   M1 checkpointed offset past the end of metrics.jsonl (tail lost): cut at the last complete row, no NULs
   M2 half-written last row before the offset: cut before it, reported as damaged
   M3 zero-filled tail (what a crash can leave on ext4): cut before the NULs, reported as damaged
   M4 rows logged after the checkpoint: dropped (they are replayed), their steps reported, rows kept once
-Workdir lock (scalerl_jax.workdir_lock)
+Workdir lock (scalerl_jax.contracts.workdir_lock)
   L1 a second run while another process holds the workdir: WorkdirLockedError naming pid, host, lock file
   L2 the holder killed with SIGKILL: its stale lock file does not block the next run
   L3 a second hold inside the same process: refused too; released on exit
@@ -18,12 +18,12 @@ Checkpoints (scalerl_jax.train.checkpoint.RunCheckpointer)
   C6 the integrity record missing: refused; saved_config() falls back to the previous checkpoint
   C7 disk full while saving: one CheckpointError naming the path, step, OS reason and last good step
   C8 read-only filesystem while saving: same
-Fit CLI (python -m scalerl_jax.fit)
+Fit CLI (python -m scalerl_jax.cli.fit)
   F1 --plot into a missing or read-only directory: one line naming the path, exit 2, before fitting
   F2 numeric flags out of range or non-finite: argparse error naming the flag and the allowed range
   F3 --fit-end not above --fit-start: argparse error
   F4 malformed metrics rows (NUL padding, a JSON array): error naming the file and line
-Config values and run start-up (scalerl_jax.config_validation, scalerl_jax.run, scalerl_jax.main)
+Config values and run start-up (scalerl_jax.config.validation, scalerl_jax.run, scalerl_jax.main)
   V1 NaN / inf / out-of-range values (28 cases: lr, eps, betas, temperature, eps_low, workers, ...): named
   V2 several problems at once: one ConfigError listing every one
   R1 resume with config.json deleted or malformed and a changed config: refused from the checkpoint's
@@ -103,15 +103,16 @@ import numpy as np
 import optax
 import pytest
 
-from scalerl_jax import fit as fit_cli
-from scalerl_jax import recipe, sampling_setup
 from scalerl_jax import run as run_lib
-from scalerl_jax.config_validation import ConfigError, flat_config, validate
-from scalerl_jax.metrics import MetricsWriter
+from scalerl_jax.cli import fit as fit_cli
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import ConfigError, flat_config, validate
+from scalerl_jax.contracts.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 from scalerl_jax.models import load_checkpoint_tokenizer
+from scalerl_jax.run import sampling_setup
 from scalerl_jax.run.build import load_task
+from scalerl_jax.telemetry.metrics import MetricsWriter
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
-from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -207,7 +208,7 @@ def test_m4_rows_after_the_checkpoint_are_dropped_and_kept_once(tmp_path):
 # Workdir lock
 # ----------------------------------------------------------------------------------------------
 
-HOLDER = "import sys, time\nfrom scalerl_jax.workdir_lock import hold_workdir\nwith hold_workdir(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)\n"
+HOLDER = "import sys, time\nfrom scalerl_jax.contracts.workdir_lock import hold_workdir\nwith hold_workdir(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)\n"
 WAIT_S = 20.0
 
 
@@ -510,7 +511,7 @@ def test_f4_malformed_rows_name_file_and_line(tmp_path, capsys, bad, what):
 
 
 # ----------------------------------------------------------------------------------------------
-# Config values (scalerl_jax.config_validation) and the run's start-up refusals (scalerl_jax.run)
+# Config values (scalerl_jax.config.validation) and the run's start-up refusals (scalerl_jax.run)
 # ----------------------------------------------------------------------------------------------
 
 BAD_VALUES = [
@@ -547,7 +548,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("key,value", BAD_VALUES)
 def test_v1_bad_value_is_refused_naming_the_key(key, value):
-    config = recipe.tiny()
+    config = recipes.tiny()
     *sections, name = key.split(".")
     node = config
     for part in sections:
@@ -558,7 +559,7 @@ def test_v1_bad_value_is_refused_naming_the_key(key, value):
 
 
 def test_v2_every_problem_is_listed_in_one_error():
-    config = recipe.tiny()
+    config = recipes.tiny()
     config.optimizer.lr = float("nan")
     config.sampler.top_p = 2.0
     config.rl.aggregation = "mean"
@@ -579,11 +580,11 @@ def workdir_with_checkpoint(workdir, config):
 
 @pytest.mark.parametrize("config_json_text", [None, "{not json"], ids=["deleted", "malformed"])
 def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerprint(tmp_path, config_json_text):
-    config = recipe.tiny()
+    config = recipes.tiny()
     workdir_with_checkpoint(tmp_path, config)
     if config_json_text is not None:
         (tmp_path / "config.json").write_text(config_json_text)
-    changed = recipe.tiny()
+    changed = recipes.tiny()
     changed.rl.objective = "dapo"
     with pytest.raises(ConfigError, match=r"`rl.objective` \('cispo' -> 'dapo'\)"):
         run_lib.run(changed, str(tmp_path))
@@ -595,7 +596,7 @@ def test_r1_resume_without_a_readable_config_json_checks_the_checkpoint_fingerpr
 def test_r2_checkpoints_with_no_record_of_their_config_are_not_resumed_blind(tmp_path):
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)  # e.g. copied from elsewhere without config.json
     with pytest.raises(CheckpointError, match="(?s)no readable config record.*step 3"):
-        run_lib.run(recipe.tiny(), str(tmp_path))
+        run_lib.run(recipes.tiny(), str(tmp_path))
 
 
 def test_r3_all_prompts_too_long_names_the_key(tmp_path):
@@ -606,7 +607,7 @@ def test_r3_all_prompts_too_long_names_the_key(tmp_path):
     data.write_text(
         "".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(6))
     )
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.update_from_flattened_dict(
         {
             "model.checkpoint": checkpoint,
@@ -626,7 +627,7 @@ def test_r4_interruption_on_a_tokenizer_without_the_think_end_tag_names_the_keys
     from family_checkpoints import make_family_checkpoint
 
     checkpoint = make_family_checkpoint("llama3.1", str(tmp_path / "llama"))  # no </think> token
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     tokens = load_checkpoint_tokenizer(checkpoint)
     with pytest.raises(ConfigError, match=r"`rl.length_control` = 'interruption'.*answer_format=plain"):
         sampling_setup.check_think_end(config, tokens, checkpoint)
@@ -644,7 +645,7 @@ def test_r5_chat_template_asked_for_on_a_checkpoint_without_one(tmp_path):
     tokenizer_config = json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())
     del tokenizer_config["chat_template"]
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     with pytest.raises(ConfigError, match="`data.use_chat_template` = True"):
         sampling_setup.make_prompt_encoder(config, load_checkpoint_tokenizer(checkpoint), checkpoint)
 
@@ -681,7 +682,7 @@ def test_r7_read_only_workdir_stops_main_with_one_line_naming_the_path(tmp_path)
 
 
 def test_r8_a_bad_custom_reward_is_named_at_start_up(tmp_path):
-    config = recipe.tiny()
+    config = recipes.tiny()
     config.data.reward_fn = "custom_rewards:no_such_function"
     with pytest.raises(ConfigError, match=r"`data.reward_fn` = 'custom_rewards:no_such_function'"):
         run_lib.run(config, str(tmp_path))

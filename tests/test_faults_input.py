@@ -19,11 +19,11 @@ TIMEOUT_S = 240
 # The tiny recipe on a local jsonl file, without the warm start (the data is built first, before
 # the checkpoint is read, so the checkpoint may be a stub).
 DATA_RUN_CONFIG = """
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 
 def get_config():
-    c = recipe.tiny()
+    c = recipes.tiny()
     del c["warm_start"], c["synthetic"]
     c.data.dataset = "jsonl"
     c.data.heldout_size = 1
@@ -126,7 +126,7 @@ def test_i1_main_on_a_bad_data_file_names_the_file_and_row(tmp_path, fault):
 def test_i2_evaluate_on_a_bad_data_file_names_the_file_and_row(tmp_path, fault):
     spec = DATA_FAULTS[fault]
     data = write_fault(tmp_path, spec)
-    result = cli("scalerl_jax.evaluate", f"--checkpoint={stub_checkpoint(tmp_path)}", f"--data={data}")
+    result = cli("scalerl_jax.cli.evaluate", f"--checkpoint={stub_checkpoint(tmp_path)}", f"--data={data}")
     expected = spec[2].format(path=data)
     if fault == "empty_answer":
         expected += "; expected the gold answer"
@@ -135,7 +135,7 @@ def test_i2_evaluate_on_a_bad_data_file_names_the_file_and_row(tmp_path, fault):
 
 def test_i2_debug_brings_the_traceback_back(tmp_path):
     data = write_fault(tmp_path, DATA_FAULTS["malformed_line"])
-    result = cli("scalerl_jax.evaluate", f"--checkpoint={stub_checkpoint(tmp_path)}", f"--data={data}", debug=True)
+    result = cli("scalerl_jax.cli.evaluate", f"--checkpoint={stub_checkpoint(tmp_path)}", f"--data={data}", debug=True)
     assert result.returncode == 2
     assert "Traceback" in result.stderr and "DataFileError" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: {data}: row 1 (line 2)")
@@ -226,7 +226,7 @@ def test_i6_a_truncated_tokenizer_json_is_named(base, tmp_path):
     text = open(tokenizer).read()
     with open(tokenizer, "w") as f:
         f.write(text[: len(text) // 2])
-    result = cli("scalerl_jax.evaluate", f"--checkpoint={model}", f"--data={base[2]}", "--config=configs/tiny.py")
+    result = cli("scalerl_jax.cli.evaluate", f"--checkpoint={model}", f"--data={base[2]}", "--config=configs/tiny.py")
     line = one_line(result, 2)
     assert line.startswith(f"error: {tokenizer}: not a valid tokenizers file (EOF while parsing"), line
 
@@ -239,7 +239,7 @@ def test_i7_config_json_vocab_size_disagreeing_with_the_weights_is_named(base, t
     config["vocab_size"] = vocab + 7
     with open(config_file, "w") as f:
         json.dump(config, f)
-    result = cli("scalerl_jax.evaluate", f"--checkpoint={model}", f"--data={base[2]}", "--config=configs/tiny.py")
+    result = cli("scalerl_jax.cli.evaluate", f"--checkpoint={model}", f"--data={base[2]}", "--config=configs/tiny.py")
     assert one_line(result, 2) == (
         f"error: {model}/model.safetensors: tensor 'model.embed_tokens.weight' has shape ({vocab}, 64), but "
         f"{config_file} gives ({vocab + 7}, 64) (parameter embed_tokens); the weights and config.json disagree"
@@ -252,7 +252,7 @@ def test_i8_export_to_a_read_only_directory_exits_1_naming_the_path(base, tmp_pa
     with tiny_tmpfs(tmp_path / "mnt", 64) as mount:
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, timeout=10)
         out = mount / "export"
-        result = cli("scalerl_jax.export", base[1], f"--out={out}")
+        result = cli("scalerl_jax.cli.export", base[1], f"--out={out}")
         assert one_line(result, 1) == (f"error: cannot write the export to {out}: Read-only file system ({out}.tmp)")
 
 
@@ -273,23 +273,23 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
     raises.write_text('import os\n\n\ndef get_config():\n    return os.environ["SCALERL_NO_SUCH_VARIABLE"]\n')
     cases = [
         (
-            ("scalerl_jax.evaluate", f"--checkpoint={run_dir}", f"--data={tmp_path / 'nope.jsonl'}"),
+            ("scalerl_jax.cli.evaluate", f"--checkpoint={run_dir}", f"--data={tmp_path / 'nope.jsonl'}"),
             2,
             f"error: --data '{tmp_path / 'nope.jsonl'}' does not exist",
         ),
         (
-            ("scalerl_jax.evaluate", f"--checkpoint={run_dir}", f"--data={tmp_path / 'empty'}"),
+            ("scalerl_jax.cli.evaluate", f"--checkpoint={run_dir}", f"--data={tmp_path / 'empty'}"),
             2,
             f"error: --data '{tmp_path / 'empty'}' is a directory; expected a .jsonl or .parquet file",
         ),
         (
-            ("scalerl_jax.evaluate", f"--checkpoint={run_dir}", f"--data={syntax}"),
+            ("scalerl_jax.cli.evaluate", f"--checkpoint={run_dir}", f"--data={syntax}"),
             2,
             f"error: --data '{syntax}': unknown suffix '.py' (expected .jsonl or .parquet)",
         ),
         (
             (
-                "scalerl_jax.evaluate",
+                "scalerl_jax.cli.evaluate",
                 f"--checkpoint={run_dir}",
                 f"--data={good}",
                 f"--out={tmp_path / 'no' / 'r.json'}",
@@ -298,37 +298,37 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
             f"error: --out '{tmp_path / 'no' / 'r.json'}': the directory '{tmp_path / 'no'}' does not exist",
         ),
         (
-            ("scalerl_jax.evaluate", f"--checkpoint={tmp_path / 'empty'}", f"--data={good}"),
+            ("scalerl_jax.cli.evaluate", f"--checkpoint={tmp_path / 'empty'}", f"--data={good}"),
             2,
             f"error: '{tmp_path / 'empty'}' has no config.json: neither a run directory nor a Hugging Face checkpoint directory",
         ),
         (
-            ("scalerl_jax.evaluate", f"--checkpoint={run_dir}", f"--data={good}", "--step=7"),
+            ("scalerl_jax.cli.evaluate", f"--checkpoint={run_dir}", f"--data={good}", "--step=7"),
             2,
             f"error: run directory '{run_dir}' has no checkpoint at step 7; available steps: [1, 2]",
         ),
         (
-            ("scalerl_jax.export", str(no_checkpoints), f"--out={tmp_path / 'o'}"),
+            ("scalerl_jax.cli.export", str(no_checkpoints), f"--out={tmp_path / 'o'}"),
             2,
             f"error: run directory '{no_checkpoints}' has no checkpoints under {no_checkpoints}/checkpoints",
         ),
         (
-            ("scalerl_jax.export", run_dir, f"--out={tmp_path / 'no' / 'o'}"),
+            ("scalerl_jax.cli.export", run_dir, f"--out={tmp_path / 'no' / 'o'}"),
             2,
             f"error: --out '{tmp_path / 'no' / 'o'}': the directory '{tmp_path / 'no'}' does not exist",
         ),
         (
-            ("scalerl_jax.study", "--analyze", str(tmp_path / "empty")),
+            ("scalerl_jax.cli.study", "--analyze", str(tmp_path / "empty")),
             2,
             f"error: {tmp_path / 'empty'}: no run with an evaluation under <variant>/seed<k>/metrics.jsonl",
         ),
         (
-            ("scalerl_jax.study", f"--config={syntax}", f"--workdir={tmp_path / 'study'}"),
+            ("scalerl_jax.cli.study", f"--config={syntax}", f"--workdir={tmp_path / 'study'}"),
             2,
             f"error: --config {syntax}, line 1: invalid syntax (expected a Python file)",
         ),
         (
-            ("scalerl_jax.study", f"--config={raises}", f"--workdir={tmp_path / 'study'}"),
+            ("scalerl_jax.cli.study", f"--config={raises}", f"--workdir={tmp_path / 'study'}"),
             2,
             f"error: --config {raises}: get_config() raised KeyError: 'SCALERL_NO_SUCH_VARIABLE' (line 5)",
         ),
@@ -338,17 +338,17 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
             f"usage error: --workdir={good} is a file; expected a directory",
         ),
         (
-            ("scalerl_jax.study", "--analyze", str(tmp_path / "empty"), "--a-range=x"),
+            ("scalerl_jax.cli.study", "--analyze", str(tmp_path / "empty"), "--a-range=x"),
             2,
             "error: --a-range must be LO,HI with 0 <= LO <= HI <= 1, got 'x'",
         ),
         (
-            ("scalerl_jax.fit", str(tmp_path / "empty")),
+            ("scalerl_jax.cli.fit", str(tmp_path / "empty")),
             2,
             f"error: {tmp_path / 'empty'}/metrics.jsonl: no such metrics file",
         ),
         (
-            ("scalerl_jax.fit", str(binary)),
+            ("scalerl_jax.cli.fit", str(binary)),
             2,
             f"error: {binary} line 2: not UTF-8 text (byte 0xff at offset 12); expected JSON lines",
         ),

@@ -28,8 +28,8 @@ import pytest
 from multihost import TINY, full_log, logs, start, wait
 from test_main import PPO, REPO, SMALL, flags, main_command, main_env, read_metrics, run_main
 
+from scalerl_jax.contracts.workdir_lock import hold_workdir
 from scalerl_jax.study import driver, report
-from scalerl_jax.workdir_lock import hold_workdir
 
 
 def rows_written(workdir) -> int:

@@ -1,6 +1,6 @@
 """Faults that used to pass silently, and what the run says about each: one test per class.
 
-Settings a config makes irrelevant (scalerl_jax.config_validation.check_irrelevant)
+Settings a config makes irrelevant (scalerl_jax.config.validation.check_irrelevant)
   N1 `model.checkpoint` beside a `warm_start` section: refused at start-up (exit 2) naming both keys,
      before the warm start is built
   N2 other settings the config ignores: refused (data.path under the synthetic task, refill without the
@@ -11,7 +11,7 @@ Reward failures (scalerl_jax.data.rewards.RewardTallies, scalerl_jax.run.build.m
   N4 a custom reward past the verifier's time limit on training items: data/reward_timeouts, logged once
   N5 a custom reward that kills its worker: data/reward_crashes, logged once
   N6 math-verify cannot parse an answer: data/reward_unparsable, logged once
-Checkpoint tokenizer (scalerl_jax.sampling_setup.check_token_ids)
+Checkpoint tokenizer (scalerl_jax.run.sampling_setup.check_token_ids)
   N7 special, stop or think-end ids outside config.json's vocab_size: ConfigError naming the ids and files
 """
 
@@ -29,19 +29,19 @@ import pytest
 from test_main import REPO, SMALL
 
 from scalerl_jax import data as data_lib
-from scalerl_jax import recipe
 from scalerl_jax import run as run_lib
-from scalerl_jax.config_validation import ConfigError, check_irrelevant, validate
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import ConfigError, check_irrelevant, validate
+from scalerl_jax.config.variants import study_config
 from scalerl_jax.data.rewards import FAILURE_METRICS, RewardTallies
-from scalerl_jax.metrics import REWARD_FAILURE_KEYS, format_progress
 from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.run.build import TaskData, build_policy_source, make_reward_fn
-from scalerl_jax.study.variants import study_config
+from scalerl_jax.telemetry.metrics import REWARD_FAILURE_KEYS, format_progress
 
 
 def config_with(base: str, overrides: dict):
-    config = recipe.tiny() if base == "tiny" else recipe.scalerl_8b()
+    config = recipes.tiny() if base == "tiny" else recipes.scalerl_8b()
     config.update_from_flattened_dict(overrides)
     return config
 
@@ -170,15 +170,15 @@ def test_n2_irrelevant_settings_that_are_warned_about(case, caplog):
 
 
 def shipped_configs():
-    yield "tiny", recipe.tiny()
-    yield "scalerl_8b", recipe.scalerl_8b()
-    for name in recipe.LEAVE_ONE_OUT:
-        yield f"loo {name}", recipe.leave_one_out(name)
+    yield "tiny", recipes.tiny()
+    yield "scalerl_8b", recipes.scalerl_8b()
+    for name in recipes.LEAVE_ONE_OUT:
+        yield f"loo {name}", recipes.leave_one_out(name)
         yield f"study tiny {name}", study_config(f"configs/tiny.py,{name}")
-    for name in recipe.PREVALENT:
-        yield f"prevalent {name}", recipe.prevalent(name)
-    for name in recipe.SCALE:
-        yield f"scale {name}", recipe.scale(name)
+    for name in recipes.PREVALENT:
+        yield f"prevalent {name}", recipes.prevalent(name)
+    for name in recipes.SCALE:
+        yield f"scale {name}", recipes.scale(name)
 
 
 def test_n2_shipped_configs_are_neither_refused_nor_warned_about():
@@ -300,7 +300,7 @@ def test_n3_custom_reward_errors_on_training_items_are_counted(caplog):
 
 
 def test_n6_unparsable_answers_are_counted(caplog):
-    config = recipe.scalerl_8b()  # math-verify
+    config = recipes.scalerl_8b()  # math-verify
     reward_fn, verify_pool, tallies = reward_parts(config)
     try:
         with caplog.at_level(logging.WARNING):
@@ -329,7 +329,7 @@ def read_metrics(workdir) -> dict[int, dict]:
 
 
 def test_n3_reward_errors_in_a_run_are_in_every_row_and_survive_resume(tmp_path, caplog):
-    config = recipe.tiny()
+    config = recipes.tiny()
     overrides = {"rl.zero_variance_filter": False, "data.reward_fn": "silent_rewards:raises_on_training"}
     config.update_from_flattened_dict({**SMALL, **overrides})
     validate(config, num_devices=len(jax.devices()))
@@ -370,7 +370,7 @@ def test_n7_tokenizer_ids_outside_the_model_vocabulary_are_refused(tmp_path):
     from family_checkpoints import make_family_checkpoint
 
     checkpoint = make_family_checkpoint("qwen3", str(tmp_path / "model"))
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.model.checkpoint = checkpoint
     build_policy_source(config, str(tmp_path / "run"))  # as written: every id fits
     tokens = load_checkpoint_tokenizer(checkpoint)

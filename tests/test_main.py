@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from scalerl_jax import recipe
 from scalerl_jax import run as run_lib
-from scalerl_jax.config_validation import validate
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import validate
 from scalerl_jax.run import build as run_build
 from scalerl_jax.scaling.runs import read_run
 
@@ -323,7 +323,7 @@ def poison_second_step(monkeypatch):
 def small_tiny_config(**overrides):
     """The small tiny run, keeping zero-variance groups in the loss so that every row is trained
     on (after 8 warm-start steps most groups are all wrong, and dropped rows never see the NaN)."""
-    config = recipe.tiny()
+    config = recipes.tiny()
     overrides = {"rl.zero_variance_filter": False, **overrides}
     config.update_from_flattened_dict({**SMALL, **overrides})
     validate(config, num_devices=len(jax.devices()))

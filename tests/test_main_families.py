@@ -117,15 +117,16 @@ def test_main_runs_the_8b_recipe_on_a_shipped_checkpoint(tmp_path, family):
 
 
 def test_extra_eval_sets_are_loaded_under_their_names(tmp_path):
-    from scalerl_jax import recipe, sampling_setup
+    from scalerl_jax.config import recipes
     from scalerl_jax.models import load_checkpoint_tokenizer
+    from scalerl_jax.run import sampling_setup
     from scalerl_jax.run.build import load_task
 
     checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
     data, aime = tmp_path / "problems.jsonl", tmp_path / "aime.jsonl"
     data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS))
     aime.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in PROBLEMS[:3]))
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.update_from_flattened_dict(
         {
             **{k: v for k, v in OVERRIDES.items() if not k.startswith("mesh.")},

@@ -1,6 +1,6 @@
 """The per-step progress line (metrics.format_progress) on a hand-built metrics dict."""
 
-from scalerl_jax.metrics import format_progress
+from scalerl_jax.telemetry.metrics import format_progress
 
 
 def test_progress_line_has_entropy_and_response_length():

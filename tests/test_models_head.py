@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scalerl_jax import recipe
-from scalerl_jax.config_validation import ConfigError, validate
+from scalerl_jax.cli.plan_memory import main as memory_main
+from scalerl_jax.config import recipes
+from scalerl_jax.config.validation import ConfigError, validate
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache, sequence_logprobs
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.logprobs import token_logprobs_from_logits
 from scalerl_jax.models.memory import activation_terms
-from scalerl_jax.models.memory import main as memory_main
 from scalerl_jax.models.transformer import fp32_logits
 
 # Exact float32 over D <= 512 with logits of size ~10: errors ~1e-6. A bf16 head misses by ~1e-2.
@@ -218,7 +218,7 @@ def test_memory_cli_resolves_auto_for_the_platform(capsys):
 
 
 def test_8b_recipe_defaults_and_validation_name_the_key():
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     assert config.model.head_precision == "bf16x3" and config.model.attention_impl == "auto"
     config.model.head_precision = "tf32"
     config.model.attention_impl = "flash"

@@ -2,8 +2,9 @@
 
 import pytest
 
+from scalerl_jax.cli.plan_memory import main
 from scalerl_jax.models import get_preset
-from scalerl_jax.models.memory import kv_bytes_per_token, kv_cache_bytes, main, plan_decode, plan_memory
+from scalerl_jax.models.memory import kv_bytes_per_token, kv_cache_bytes, plan_decode, plan_memory
 
 
 def test_llama31_8b_fsdp8_bytes_by_hand():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from scalerl_jax.batch_layout import validate_batch
+from scalerl_jax.contracts.batch_layout import validate_batch
 from scalerl_jax.pipeline.batching import build_train_batch, cut_by_length, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion

@@ -1,10 +1,10 @@
 """`PipelineConfig.from_config`: the pipeline of a run config, fresh and resumed, checked field by
-field against the recipe's numbers (`recipe.scalerl_8b`: Polaris prompts of 2,048 tokens, 14,336
+field against the recipe's numbers (`recipes.scalerl_8b`: Polaris prompts of 2,048 tokens, 14,336
 completion tokens, 48 x 16, PipelineRL-8, forced interruption, 10,000 steps)."""
 
 import pytest
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 
 
@@ -14,7 +14,7 @@ def flops(rows, length):
 
 def test_the_8b_recipe_resumed_at_step_4096():
     config = PipelineConfig.from_config(
-        recipe.scalerl_8b(), stop_tokens=[7, 8], start_step=4096, train_step_flops=flops, peak_flops_per_s=1e15
+        recipes.scalerl_8b(), stop_tokens=[7, 8], start_step=4096, train_step_flops=flops, peak_flops_per_s=1e15
     )
     assert config == PipelineConfig(
         max_new_tokens=14336,
@@ -55,7 +55,7 @@ def test_the_8b_recipe_resumed_at_step_4096():
     ],
 )
 def test_each_switch_reaches_its_field(overrides, field, expected):
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     for key, value in overrides.items():
         section, _, name = key.rpartition(".")
         setattr(config[section] if section else config, name, value)

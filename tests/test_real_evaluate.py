@@ -1,4 +1,4 @@
-"""`python -m scalerl_jax.evaluate` on a real pretrained model and a real benchmark, as a user runs it.
+"""`python -m scalerl_jax.cli.evaluate` on a real pretrained model and a real benchmark, as a user runs it.
 
 SmolLM2-135M-Instruct (tests/real_models.py) on GSM8K's test file as published (`question`, and a
 worked solution whose gold follows the last `####`), with configs/smollm2_gsm8k.py: the answer
@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import pytest
 
-from scalerl_jax import evaluate
+from scalerl_jax.cli import evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_TEST = os.path.join(ROOT, "..", "shared", "data", "gsm8k", "test.jsonl")

@@ -17,12 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from scalerl_jax import recipe  # noqa: E402
-from scalerl_jax.config_validation import ConfigError  # noqa: E402
+from scalerl_jax.config import recipes  # noqa: E402
+from scalerl_jax.config.validation import ConfigError  # noqa: E402
 from scalerl_jax.data import prompts  # noqa: E402
 from scalerl_jax.models import load_checkpoint_tokenizer, load_hf  # noqa: E402
+from scalerl_jax.run.sampling_setup import check_token_ids, make_prompt_encoder  # noqa: E402
 from scalerl_jax.sampler import generate  # noqa: E402
-from scalerl_jax.sampling_setup import check_token_ids, make_prompt_encoder  # noqa: E402
 
 MAX_NEW_TOKENS = 48
 # float32 on both sides; the two differ only in the order of float32 sums over 30 layers
@@ -148,7 +148,7 @@ def test_a_tokenizer_of_another_model_is_refused_naming_both_files(smollm2_dir, 
     """SmolLM2's weights (49,152 embedding rows) with Qwen3's tokenizer (ids up to 151,668): one
     line naming config.json and tokenizer.json with both sizes."""
     mixed = smollm2_with_tokenizer_of(smollm2_dir, qwen3_tokenizer_dir, str(tmp_path / "mixed"))
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.data.answer_format = "plain"
     tokens = load_checkpoint_tokenizer(mixed)
     with pytest.raises(ConfigError) as raised:
@@ -171,7 +171,7 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_when_its_named_ids_fit
     shutil.copytree(qwen3_tokenizer_dir, checkpoint)
     with open(os.path.join(checkpoint, "config.json"), "w") as f:
         f.write('{"vocab_size": 151646, "eos_token_id": 151645}')
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     config.data.answer_format = "plain"
     tokens = load_checkpoint_tokenizer(checkpoint)
     assert all(0 <= (tokens.tokenizer.token_to_id(t) or -1) < 151646 for t in tokens.special_tokens.values())
@@ -186,7 +186,7 @@ def test_a_missing_chat_template_is_refused_naming_the_key_and_the_files(smollm2
     os.makedirs(checkpoint)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(smollm2_dir, name), checkpoint)
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     assert config.data.use_chat_template
     with pytest.raises(ConfigError) as raised:
         make_prompt_encoder(config, load_checkpoint_tokenizer(checkpoint), checkpoint)

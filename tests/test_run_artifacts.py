@@ -7,7 +7,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from scalerl_jax.metrics import MetricsWriter, format_progress
+from scalerl_jax.telemetry.metrics import MetricsWriter, format_progress
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
 

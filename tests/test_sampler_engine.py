@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 from scalerl_jax.models import CheckpointTokenizer, Transformer, get_preset, init_kv_cache
 from scalerl_jax.sampler import (
     Completion,
@@ -456,7 +456,7 @@ class PhraseTokenizer:
 
 
 def test_engine_config_from_the_8b_recipe():
-    config = recipe.scalerl_8b()
+    config = recipes.scalerl_8b()
     s = config.sampler
     # A stand-in: from_config reads only `stop_ids` and `tokenizer.encode`.
     tokens = cast(

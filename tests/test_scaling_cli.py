@@ -1,4 +1,4 @@
-"""`python -m scalerl_jax.fit` on synthetic runs: the table, the crossing, the PNG, bad input."""
+"""`python -m scalerl_jax.cli.fit` on synthetic runs: the table, the crossing, the PNG, bad input."""
 
 import json
 import re
@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from scalerl_jax import fit as fit_cli
+from scalerl_jax.cli import fit as fit_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -88,7 +88,7 @@ def test_malformed_line_exits_2_naming_file_and_line(tmp_path):
     lines[41] = lines[41][:-5]  # line 42 cut short
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     result = subprocess.run(
-        [sys.executable, "-m", "scalerl_jax.fit", str(run)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "scalerl_jax.cli.fit", str(run)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2
     assert re.search(r"broken/metrics.jsonl line 42: malformed JSON", result.stderr), result.stderr

@@ -15,11 +15,11 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from scalerl_jax import recipe
+from scalerl_jax.cli.study import main as study_main
+from scalerl_jax.config import recipes
+from scalerl_jax.config.variants import expand_variants, study_config
 from scalerl_jax.study import driver, report
-from scalerl_jax.study.__main__ import main as study_main
 from scalerl_jax.study.analysis import analyze_variant, pair_orders
-from scalerl_jax.study.variants import expand_variants, study_config
 
 REPO = Path(__file__).resolve().parents[1]
 C_END = 0.6  # device-hours at the last evaluation
@@ -198,13 +198,13 @@ def test_cli_bad_input_exits_2_naming_it(argv, message, capsys):
 # ------------------------------------------------------------------------------ variants and driver
 def test_variants_and_study_config():
     assert expand_variants("baseline,dapo,dapo") == ["baseline", "dapo"]
-    assert expand_variants("loo") == ["baseline", *recipe.LEAVE_ONE_OUT]
+    assert expand_variants("loo") == ["baseline", *recipes.LEAVE_ONE_OUT]
     with pytest.raises(ValueError, match="'dpo'"):
         expand_variants("dpo")
-    expected = recipe.tiny()
+    expected = recipes.tiny()
     expected.rl.objective = "dapo"  # by hand: the 'dapo' leave-one-out change
     assert study_config("configs/tiny.py,dapo").to_dict() == expected.to_dict()
-    assert study_config("configs/tiny.py,baseline").to_dict() == recipe.tiny().to_dict()
+    assert study_config("configs/tiny.py,baseline").to_dict() == recipes.tiny().to_dict()
     on_loo = study_config("configs/loo.py:sample_avg,ppo_off_policy")  # a base with its own argument
     assert (on_loo.rl.aggregation, on_loo.schedule.kind) == ("sample", "ppo_off_policy")
 
@@ -265,7 +265,7 @@ def test_plan_and_command(tmp_path, monkeypatch):
     config_flags.DEFINE_config_file("config", flag_values=flag_values, lock_config=True)
     monkeypatch.setattr(sys, "argv", ["main", *command[3:-1]])
     flag_values(sys.argv)
-    expected = recipe.tiny()
+    expected = recipes.tiny()
     expected.rl.objective, expected.seed, expected.num_steps = "dapo", 1, 3
     assert flag_values.config.to_dict() == expected.to_dict()
     with pytest.raises(ValueError, match="seed"):
@@ -400,7 +400,7 @@ def study_command(workdir):
     return [
         sys.executable,
         "-m",
-        "scalerl_jax.study",
+        "scalerl_jax.cli.study",
         "--config=configs/tiny.py",
         "--variants=baseline,dapo",
         "--seeds=2",

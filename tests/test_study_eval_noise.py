@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 
+from scalerl_jax.cli import eval_noise as eval_noise_cli
 from scalerl_jax.scaling import RunCurve
 from scalerl_jax.study import eval_noise
 
@@ -163,7 +164,7 @@ def test_policy_scatter_recovers_the_jitter_drawn(jitter):
 
 
 def test_cli_refuses_a_directory_without_runs(tmp_path, capsys):
-    assert eval_noise.main([str(tmp_path)]) == 2
+    assert eval_noise_cli.main([str(tmp_path)]) == 2
     assert "no seed<k>/ run directories" in capsys.readouterr().err
 
 
@@ -174,7 +175,7 @@ def test_cli_writes_one_row_per_fit_end_and_size(tmp_path, capsys):
         _write_samples(run / "samples.jsonl", [0, 5], HAND)
         _write_metrics(run / "metrics.jsonl", [0, 5], [4 / 8, 5 / 8])
     out = tmp_path / "eval_noise.md"
-    assert eval_noise.main([str(tmp_path / "variant"), "--fit-ends", "0.5,0.75", "--out", str(out)]) == 0
+    assert eval_noise_cli.main([str(tmp_path / "variant"), "--fit-ends", "0.5,0.75", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 0.")]
     # K = 4: sizes 1, 2, 4; two points per run are too few to fit, so every fit is counted as failed
     assert [row.split(" | ")[:3] for row in rows] == [
@@ -193,5 +194,5 @@ def test_cli_bad_flags_exit_2_with_one_line(tmp_path, capsys, flags, message):
     run.mkdir(parents=True)
     _write_samples(run / "samples.jsonl", [0, 5], HAND)
     _write_metrics(run / "metrics.jsonl", [0, 5], [4 / 8, 5 / 8])
-    assert eval_noise.main([str(tmp_path / "variant"), *flags]) == 2
+    assert eval_noise_cli.main([str(tmp_path / "variant"), *flags]) == 2
     assert message in capsys.readouterr().err

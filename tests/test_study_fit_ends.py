@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scalerl_jax.cli.study import main as study_main
 from scalerl_jax.study import report
-from scalerl_jax.study.__main__ import main as study_main
 from scalerl_jax.study.analysis import (
     Curve,
     CurveFit,

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from scalerl_jax.threads import FirstError
+from scalerl_jax.contracts.threads import FirstError
 
 
 class Stopped(Exception):

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from small_models import small_llama
 
-from scalerl_jax.batch_layout import sorted_batch_key, split_sorted_batch
+from scalerl_jax.contracts.batch_layout import sorted_batch_key, split_sorted_batch
 from scalerl_jax.models import Transformer, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch, octave_buckets, padding_fraction, plan_sorted_microbatches
 from scalerl_jax.pipeline.group import Group, Prompt

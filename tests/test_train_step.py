@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 from small_models import small_llama
 
-from scalerl_jax import recipe
-from scalerl_jax.batch_layout import validate_batch
+from scalerl_jax.config import recipes
+from scalerl_jax.contracts.batch_layout import validate_batch
 from scalerl_jax.models import Transformer, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
@@ -451,7 +451,7 @@ def test_step_config_from_the_run_config():
     """configs/tiny.py's run config, written out: CISPO with prompt aggregation and batch
     normalization, the recipe's clip settings, one microbatch in the sorted layout, temperature 1,
     log-prob chunks of 64, and nan_policy 'skip' (skip_nonfinite); 'stop' turns skip_nonfinite off."""
-    config = recipe.tiny()
+    config = recipes.tiny()
     assert TrainStepConfig.from_config(config) == TrainStepConfig(
         objective="cispo",
         aggregation="prompt",

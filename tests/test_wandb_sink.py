@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("wandb")
 
-from scalerl_jax.wandb_sink import WandbSink  # noqa: E402
+from scalerl_jax.telemetry.wandb_sink import WandbSink  # noqa: E402
 
 
 def test_offline_run_records_the_numeric_metrics(tmp_path):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.warm_start import with_direct_answers
+from scalerl_jax.run.warm_start import with_direct_answers
 
 ROWS = [
     {"problem": f"{i}+1", "answer": str(i + 1), "solution": f"<think>{i}+1={i + 1}</think>\\boxed{{{i + 1}}}"}

@@ -1,7 +1,7 @@
 """Per-device memory plan of a training configuration and of a decode (generator) device, from shapes only.
 
-    python -m scalerl_jax.models.memory --preset llama3.1-8b --mesh 1,8,1 --microbatch 8 --seq_len 16384
-    python -m scalerl_jax.models.memory --report decode --preset llama3.1-8b --max_len 16384 --page_size 16
+    python -m scalerl_jax.cli.plan_memory --preset llama3.1-8b --mesh 1,8,1 --microbatch 8 --seq_len 16384
+    python -m scalerl_jax.cli.plan_memory --report decode --preset llama3.1-8b --max_len 16384 --page_size 16
 
 Parameters come from `nnx.eval_shape` of the model and their shardings from the logical-axis rules,
 so a shard is exact: prod(ceil(dim / mesh axes)) elements. Optimizer state is AdamW's two float32
@@ -20,7 +20,6 @@ decode slots fit next to the weights, (a) without paging, each slot owning max_l
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -29,9 +28,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from scalerl_jax.hardware.facts import TARGETS, DeviceFacts, facts_for_target
+from scalerl_jax.hardware.facts import DeviceFacts, facts_for_target
 from scalerl_jax.models import sharding
-from scalerl_jax.models.config import ModelConfig, get_preset
+from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.layers import FLASH_IMPLS, resolve_attention_impl
 from scalerl_jax.models.transformer import Transformer
 
@@ -371,125 +370,3 @@ def format_plan(
         verdict = "fits" if plan.fits(gb, usable_fraction) else "does NOT fit"
         lines.append(f"  {facts.name}: {verdict} ({plan.total / 1e9:.1f} GB of {usable_fraction:.0%} x {gb:g} GB)")
     return "\n".join(lines)
-
-
-def recipe_decode_defaults() -> dict[str, float]:
-    """max_len, page size, mean prompt and mean completion of the recipe (configs/scalerl_8b.py):
-    max_len = max_prompt_tokens + max_new_tokens; page_size = sampler.page_size; prompt =
-    max_prompt_tokens (an upper bound: prompts are at most that long); completion = the think
-    budget's midpoint (think_budget_min + max) / 2."""
-    from scalerl_jax import recipe  # the CLI's defaults only; models/ does not depend on the recipe
-
-    config = recipe.scalerl_8b()
-    return {
-        "max_len": config.data.max_prompt_tokens + config.sampler.max_new_tokens,
-        "page_size": config.sampler.page_size,
-        "mean_prompt": config.data.max_prompt_tokens,
-        "mean_completion": (config.sampler.think_budget_min + config.sampler.think_budget_max) / 2,
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    defaults = recipe_decode_defaults()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--report", default="all", choices=("all", "train", "decode"))
-    parser.add_argument("--preset", default="llama3.1-8b")
-    parser.add_argument("--mesh", default="1,8,1", help="data,fsdp,tensor sizes")
-    parser.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch (global)")
-    parser.add_argument("--seq_len", type=int, default=16_384)
-    parser.add_argument("--remat", default="full", help="remat policy name")
-    parser.add_argument("--dtype", default=None, help="override the preset's body dtype")
-    parser.add_argument("--attention_impl", default="auto", help="auto | xla | cudnn")
-    parser.add_argument(
-        "--device",
-        default=None,
-        choices=tuple(TARGETS),
-        help=f"the device to plan for (default: train fit on {' and '.join(DEFAULT_FIT_TARGETS)}, decode on "
-        f"{DEFAULT_DECODE_TARGET}); sets --platform and --device_gb unless they are given",
-    )
-    parser.add_argument(
-        "--platform",
-        default=None,
-        choices=PLATFORMS,
-        help="device platform 'auto' attention resolves for (default: the device's, else gpu)",
-    )
-    parser.add_argument("--logprob_chunk", type=int, default=512)
-    parser.add_argument("--kv_slots", type=int, default=0, help="sampler slots for a KV cache line")
-    parser.add_argument("--usable_fraction", type=float, default=0.9)
-    parser.add_argument(
-        "--max_len", type=int, default=int(defaults["max_len"]), help="decode: tokens per slot (prompt + completion)"
-    )
-    parser.add_argument(
-        "--page_size",
-        type=int,
-        default=int(defaults["page_size"]),
-        help="decode: tokens per KV page (default: the recipe's sampler.page_size)",
-    )
-    parser.add_argument(
-        "--mean_prompt",
-        type=float,
-        default=defaults["mean_prompt"],
-        help="decode: mean prompt tokens (default: the recipe's max_prompt_tokens)",
-    )
-    parser.add_argument(
-        "--mean_completion",
-        type=float,
-        default=defaults["mean_completion"],
-        help="decode: mean completion tokens (default: the recipe's think budget midpoint)",
-    )
-    parser.add_argument(
-        "--device_gb", type=float, default=None, help="decode: device memory (GB; default: the device's)"
-    )
-    parser.add_argument(
-        "--workspace_gb", type=float, default=4.0, help="decode: scratch kept free for the decode step and prefill"
-    )
-    args = parser.parse_args(argv)
-    device = facts_for_target(args.device or DEFAULT_DECODE_TARGET)
-    args.platform = args.platform or (device.platform if args.device else "gpu")
-    device_label = f" ({device.name})" if args.device_gb is None else ""
-    args.device_gb = args.device_gb or memory_gb(device)
-    fit_devices = [device] if args.device else [facts_for_target(t) for t in DEFAULT_FIT_TARGETS]
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
-    config = get_preset(args.preset, **overrides)
-    if args.report in ("all", "decode"):
-        plan = plan_decode(
-            config,
-            max_len=args.max_len,
-            page_size=args.page_size,
-            mean_prompt=args.mean_prompt,
-            mean_completion=args.mean_completion,
-            device_gb=args.device_gb,
-            usable_fraction=args.usable_fraction,
-            workspace_gb=args.workspace_gb,
-        )
-        print(
-            format_decode_plan(
-                plan,
-                f"decode: {args.preset} ({config.dtype}, fp32_head={config.fp32_head}) on "
-                f"one {args.device_gb:g} GB device{device_label}, max_len {args.max_len}",
-            )
-        )
-    if args.report == "decode":
-        return
-    mesh = [int(s) for s in args.mesh.split(",")]
-    plan = plan_memory(
-        config,
-        mesh,
-        microbatch=args.microbatch,
-        seq_len=args.seq_len,
-        remat_policy=args.remat,
-        logprob_chunk=args.logprob_chunk,
-        kv_slots=args.kv_slots,
-        platform=args.platform,
-    )
-    title = (
-        f"{args.preset} ({config.num_params():,} params, {config.dtype}, fp32_head={config.fp32_head}) on mesh "
-        f"data,fsdp,tensor={args.mesh}; microbatch {args.microbatch} x {args.seq_len} tokens, remat "
-        f"{args.remat}, attention {config.attention_impl} -> "
-        f"{resolve_attention_impl(config, args.platform)} on {args.platform}"
-    )
-    print(format_plan(plan, title, args.usable_fraction, fit_devices))
-
-
-if __name__ == "__main__":
-    main()

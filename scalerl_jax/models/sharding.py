@@ -63,7 +63,7 @@ _SHARDING_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
 
 class AotProgram(NamedTuple):
     """One jitted program for one input shape, to lower and compile ahead of time (e.g. for a mesh
-    of devices that are not attached: `scalerl_jax.compile_check`). `lower()` traces it."""
+    of devices that are not attached: `scalerl_jax.cli.compile_check`). `lower()` traces it."""
 
     name: str  # e.g. 'train/accumulate'
     shape: str  # the sizes that pick this compile, e.g. 'R=16 T=2048'

@@ -1,4 +1,4 @@
-"""Groups -> the padded, static-shape train batch, in a layout of `scalerl_jax.batch_layout`.
+"""Groups -> the padded, static-shape train batch, in a layout of `scalerl_jax.contracts.batch_layout`.
 
 Two layouts. Unsorted (`BATCH_SPEC`): one [rows, T] batch, every row padded to the length bucket
 T of the longest sequence. Sorted into M microbatches (`microbatches=M`, the step's
@@ -36,11 +36,13 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from scalerl_jax.batch_layout import sorted_batch_key
+from scalerl_jax.contracts.batch_layout import sorted_batch_key
 from scalerl_jax.data import zero_variance_filter
 from scalerl_jax.pipeline.group import Group
 
 ZERO_VARIANCE_MODES = ("drop", "none")
+# The shortest length bucket of a train batch (or the longest sequence, if shorter).
+MIN_LENGTH_BUCKET = 32
 
 
 def octave_buckets(min_length: int, max_length: int, per_octave: int = 1) -> tuple[int, ...]:

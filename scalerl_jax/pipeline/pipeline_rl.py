@@ -63,14 +63,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from scalerl_jax.pipeline.batching import BatchInfo, build_train_batch, octave_buckets
+from scalerl_jax.contracts.threads import FirstError
+from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET, BatchInfo, build_train_batch, octave_buckets
 from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink, SamplingSettings
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
 from scalerl_jax.sampler.batcher import Batcher, Completion
 from scalerl_jax.sampler.engine import interrupts, max_sequence_length
-from scalerl_jax.threads import FirstError
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
@@ -198,7 +198,7 @@ class PipelineConfig:
             temperature=config.sampler.temperature,
             stop_tokens=tuple(stop_tokens),
             interrupt=interrupts(config),
-            min_length_bucket=min(32, max_seq_len),
+            min_length_bucket=min(MIN_LENGTH_BUCKET, max_seq_len),
             seed=config.seed,
             first_version=start_step,
             length_buckets_per_octave=config.batch.length_buckets_per_octave,

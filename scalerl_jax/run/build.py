@@ -23,8 +23,8 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.compile_events import CompileLog, compile_log, summary
-from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.config.validation import ConfigError
+from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.data.builders import dataset_kind
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.data.rows import read_rows, with_extracted_golds
@@ -34,19 +34,21 @@ from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender
 from scalerl_jax.distributed.wiring import start_transfer_server, trainer_transfer_addresses
 from scalerl_jax.models import CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh, param_shardings
 from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET, octave_buckets
 from scalerl_jax.pipeline.generator import SamplingSettings
 from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, sampling_settings
-from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.rl import length_penalty
+from scalerl_jax.run.policy_source import run_model_overrides
+from scalerl_jax.run.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
+from scalerl_jax.run.warm_start import build_warm_start, synthetic_task
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
-from scalerl_jax.threads import FirstError
+from scalerl_jax.sampler.engine import max_sequence_length
+from scalerl_jax.telemetry.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
 from scalerl_jax.train.step import abstract_state
-from scalerl_jax.warm_start import build_warm_start, synthetic_task
 
 # ---------------------------------------------------------------------------------------------
 # Policy and task
@@ -327,12 +329,17 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
         timeout_s=config.distributed.reply_timeout_s,
     )
     if config.train.compile_ahead:
-        from scalerl_jax.run.programs import train_length_buckets  # run.programs imports this module
-
         rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
         threads = config.train.compile_threads or max(1, (os.cpu_count() or 1) // 2)
         step.compile_ahead_in_background(state, rows, train_length_buckets(config), threads=threads)
     return Trainer(graphdef, model.config, state, step)
+
+
+def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
+    """Every padded row length the run's batch builder can produce: `batch.length_buckets_per_octave`
+    buckets to an octave from `MIN_LENGTH_BUCKET` to the longest sequence."""
+    max_len = max_sequence_length(config)
+    return octave_buckets(min(MIN_LENGTH_BUCKET, max_len), max_len, config.batch.length_buckets_per_octave)
 
 
 def build_train_step(

@@ -40,7 +40,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from scalerl_jax.config_validation import AUTO_SPLIT, ConfigError, split_candidates
+from scalerl_jax.config.validation import AUTO_SPLIT, ConfigError, split_candidates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
     import jax
     from flax import nnx
 
-    from scalerl_jax.batch_layout import BATCH_SPEC
+    from scalerl_jax.contracts.batch_layout import BATCH_SPEC
     from scalerl_jax.models import Transformer, make_mesh
     from scalerl_jax.run.programs import model_config_of
     from scalerl_jax.sampler import generate

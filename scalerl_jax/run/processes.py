@@ -12,6 +12,7 @@ its trainer work.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -19,8 +20,8 @@ from typing import Any
 from absl import logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax import fit as fit_cli
-from scalerl_jax.config_validation import config_json, flat_config
+from scalerl_jax.config.validation import config_json, flat_config
+from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.distributed.remote_generator import (
     GeneratorPush,
     LinkService,
@@ -31,7 +32,6 @@ from scalerl_jax.distributed.remote_generator import (
 from scalerl_jax.distributed.trainer_group import TrainerGroup, TrainerOps, follow, report_restored
 from scalerl_jax.distributed.transport import TRAIN, LeaderTransport, plan_routes
 from scalerl_jax.distributed.wiring import ProcessLinks
-from scalerl_jax.metrics import MetricsWriter
 from scalerl_jax.models import param_shardings
 from scalerl_jax.models.reshard import push_local
 from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS, GeneratorCounters, GeneratorLoop
@@ -54,7 +54,9 @@ from scalerl_jax.run.reporting import MetricsSink, RunState, StepReporter, resto
 from scalerl_jax.run.signals import StopSignals
 from scalerl_jax.sampler import ContinuousBatcher
 from scalerl_jax.scaling import ComputeMeter
-from scalerl_jax.threads import FirstError
+from scalerl_jax.scaling.report import FitInputError, FitOptions
+from scalerl_jax.scaling.report import report as fit_report
+from scalerl_jax.telemetry.metrics import MetricsWriter
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
 
@@ -206,7 +208,7 @@ def _extra_sinks(ctx: RunContext) -> list[MetricsSink]:
     config = ctx.config
     if not config.logging.wandb_project:
         return []
-    from scalerl_jax.wandb_sink import WandbSink  # an optional extra
+    from scalerl_jax.telemetry.wandb_sink import WandbSink  # an optional extra
 
     return [
         WandbSink(
@@ -241,9 +243,10 @@ def _leader_batcher(
 def write_fit(ctx: RunContext) -> None:
     """The sigmoid fit of the run's own pass-rate curve, printed and plotted to scaling.png."""
     low, high = ctx.config.eval.fit_a_range
-    fit_cli.report(
-        [ctx.workdir], fit_cli.FitOptions(a_range=(low, high), plot=os.path.join(ctx.workdir, "scaling.png"))
-    )
+    try:
+        fit_report([ctx.workdir], FitOptions(a_range=(low, high), plot=os.path.join(ctx.workdir, "scaling.png")))
+    except FitInputError as error:  # the run's own metrics: reported, the run's outcome stands
+        print(f"error: {error}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import jax
 import ml_collections
 from flax import nnx
 
-from scalerl_jax.config_validation import AUTO_SPLIT, ConfigError
+from scalerl_jax.config.validation import AUTO_SPLIT, ConfigError
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.weight_push import sender_programs
@@ -42,11 +42,9 @@ from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.models.reshard import push_local_programs
 from scalerl_jax.models.sharding import AotProgram
-from scalerl_jax.pipeline.batching import octave_buckets
 from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS
-from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
-from scalerl_jax.policy_source import run_model_overrides
-from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh
+from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh, train_length_buckets
+from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.sampler import Engine, EngineConfig
 from scalerl_jax.sampler.engine import InterruptionConfig, interrupts
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
@@ -160,14 +158,6 @@ def engine_config_of(
         else None
     )
     return EngineConfig.from_sampler_config(config, max_stop_tokens=stop_tokens, interruption=interruption)
-
-
-def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
-    """Every padded row length the run's batch builder can produce (the pipeline's buckets)."""
-    pipeline = PipelineConfig.from_config(config, stop_tokens=(0,), start_step=0)
-    return octave_buckets(
-        min(pipeline.min_length_bucket, pipeline.max_seq_len), pipeline.max_seq_len, pipeline.length_buckets_per_octave
-    )
 
 
 def run_roles(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> Roles:

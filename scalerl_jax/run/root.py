@@ -20,23 +20,23 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config_validation import ConfigError, check_resume, check_run_memory, config_json
-from scalerl_jax.console import quiet_library_logs
+from scalerl_jax.config.validation import ConfigError, check_resume, check_run_memory, config_json
+from scalerl_jax.contracts.workdir_lock import WorkdirLockedError, hold_workdir
 from scalerl_jax.distributed import coordination
 from scalerl_jax.distributed.roles import assign_roles
 from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.watchdog import Heartbeat
 from scalerl_jax.distributed.wiring import connect_processes
 from scalerl_jax.models import abstract_hf
-from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.run.build import AbstractPolicy, build_meshes, build_policy_source, build_transfer, dataset_builder
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.device_split import resolve_generator_fraction
+from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.run.processes import run_follower, run_generator, run_leader
 from scalerl_jax.run.signals import StopSignals
+from scalerl_jax.run.warm_start import build_warm_start
+from scalerl_jax.telemetry.console import quiet_library_logs
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
-from scalerl_jax.warm_start import build_warm_start
-from scalerl_jax.workdir_lock import WorkdirLockedError, hold_workdir
 
 # Failures that end a run with one line naming what and where (no traceback): another run holds
 # the workdir, no usable checkpoint, a checkpoint that cannot be written.

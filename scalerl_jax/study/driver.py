@@ -50,11 +50,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, parse_config_argv
-from scalerl_jax.metrics import METRICS_FILE
+from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, parse_config_argv
+from scalerl_jax.config.variants import study_config
+from scalerl_jax.contracts.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir, workdir_holder
 from scalerl_jax.scaling.runs import PASS_RATE_KEY
-from scalerl_jax.study.variants import study_config
-from scalerl_jax.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir, workdir_holder
+from scalerl_jax.telemetry.metrics import METRICS_FILE
 
 STUDY_CONFIG_FILE = Path(__file__).resolve().parents[2] / "configs" / "study.py"
 STUDY_FILE = "study.json"

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+from scalerl_jax.config.variants import BASELINE
 from scalerl_jax.scaling import RunCurve, read_run
 from scalerl_jax.scaling.fitting import PAPER_A_RANGE, PAPER_FIT_START_GPU_HOURS, PAPER_RUN_GPU_HOURS
 from scalerl_jax.scaling.plot import format_compute, unit_label
@@ -35,7 +36,6 @@ from scalerl_jax.study.analysis import (
     pair_crossings,
     rmse_claims,
 )
-from scalerl_jax.study.variants import BASELINE
 
 REPORT_FILE = "study.md"
 CURVES_FIGURE = "curves.png"

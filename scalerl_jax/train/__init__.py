@@ -1,6 +1,6 @@
 """Jitted RL train step (microbatched gradients), the recipe's AdamW, and train FLOP counts.
 
-The train batch's layouts (keys, shapes, `split_sorted_batch`) live in `scalerl_jax.batch_layout`.
+The train batch's layouts (keys, shapes, `split_sorted_batch`) live in `scalerl_jax.contracts.batch_layout`.
 """
 
 from scalerl_jax.train.batch import synthetic_train_batch

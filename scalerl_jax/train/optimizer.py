@@ -56,7 +56,7 @@ class OptimizerConfig:
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> OptimizerConfig:
-        """The optimizer's knobs from a run config's `optimizer` section (`scalerl_jax.recipe`):
+        """The optimizer's knobs from a run config's `optimizer` section (`scalerl_jax.config.recipes`):
         lr, warmup_steps, b1, b2, eps, weight_decay, and max_grad_norm (0 there: no clipping)."""
         o = config.optimizer
         return cls(

@@ -1,7 +1,7 @@
 """The jitted RL train step: log-probs, policy loss, microbatched gradients, AdamW update.
 
 The loss, its aggregation and its metrics are those of `scalerl_jax.rl`; one step on a batch of B
-rows (layouts in `scalerl_jax.batch_layout`) dealt into M microbatches of R = B / M rows:
+rows (layouts in `scalerl_jax.contracts.batch_layout`) dealt into M microbatches of R = B / M rows:
   1. Over the whole batch, from the per-row arrays (`prepare_rows`):
        A = compute_advantages(rewards, group_ids, normalization, valid=sample_valid)
        s = row_scales(n, group_ids, aggregation), n_b the loss tokens of row b (0 if not valid)
@@ -49,7 +49,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scalerl_jax.batch_layout import (
+from scalerl_jax.contracts.batch_layout import (
     BATCH_SPEC,
     MICROBATCH_SPEC,
     SORTED_ROW_SPEC,
@@ -118,7 +118,7 @@ class TrainStepConfig:
 
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> TrainStepConfig:
-        """The step's knobs from a run config (`scalerl_jax.recipe`): `rl.{objective, aggregation,
+        """The step's knobs from a run config (`scalerl_jax.config.recipes`): `rl.{objective, aggregation,
         advantage_normalization, eps_low, eps_high, eps_max}`, `batch.{microbatches,
         sort_by_length}`, `sampler.temperature`, `model.logprob_chunk`, and `nan_policy` ('skip':
         a non-finite step keeps the old state)."""

@@ -1,6 +1,6 @@
 """Which configs a study runs: a base config file with one leave-one-out change per variant.
 
-A study variant is `'baseline'` (the base config as it is) or a name of `recipe.LEAVE_ONE_OUT`
+A study variant is `'baseline'` (the base config as it is) or a name of `recipes.LEAVE_ONE_OUT`
 applied on top of the base (`'dapo'`: the base with CISPO reverted to DAPO). `'loo'` in a
 variant list stands for the baseline and every leave-one-out variant. The run's config file is
 `configs/study.py:BASE,VARIANT`, where BASE is a config file as `--config` takes it (`file.py`
@@ -16,7 +16,7 @@ import sys
 
 import ml_collections
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 
 BASELINE = "baseline"
 ALL_LEAVE_ONE_OUT = "loo"
@@ -25,7 +25,7 @@ ALL_LEAVE_ONE_OUT = "loo"
 def expand_variants(names: str) -> list[str]:
     """'baseline,dapo' -> ['baseline', 'dapo']; 'loo' -> baseline then every leave-one-out
     variant. Duplicates are dropped (first kept); an unknown name is a ValueError naming it."""
-    known = [BASELINE, *recipe.LEAVE_ONE_OUT]
+    known = [BASELINE, *recipes.LEAVE_ONE_OUT]
     expanded: list[str] = []
     for name in (n.strip() for n in names.split(",")):
         for variant in known if name == ALL_LEAVE_ONE_OUT else [name]:
@@ -63,11 +63,11 @@ def variant_config(base: ml_collections.ConfigDict, variant: str) -> ml_collecti
     config = copy.deepcopy(base)
     if variant == BASELINE:
         return config
-    if variant not in recipe.LEAVE_ONE_OUT:
+    if variant not in recipes.LEAVE_ONE_OUT:
         raise ValueError(
-            f"unknown study variant {variant!r}; choose {BASELINE!r} or one of {sorted(recipe.LEAVE_ONE_OUT)}"
+            f"unknown study variant {variant!r}; choose {BASELINE!r} or one of {sorted(recipes.LEAVE_ONE_OUT)}"
         )
-    recipe.LEAVE_ONE_OUT[variant](config)
+    recipes.LEAVE_ONE_OUT[variant](config)
     return config
 
 

@@ -374,19 +374,10 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
     real instruct model on GSM8K as published: set `model.checkpoint` (a Hugging Face directory,
     e.g. SmolLM2-135M-Instruct) and `data.path` (GSM8K's train.jsonl) on the command line.
 
-    SmolLM2-135M-Instruct writes no think tag and no \\boxed{}: answers are read as it writes them
-    (`#### 3`, "The answer is: 3", else the last number), golds after the last `####`, and no
-    forced interruption. Its pass rate on all of GSM8K starts below 0.05, so the task is narrowed
-    to GSM8K's easiest problems, two-step solutions (`data.max_solution_steps`: 1,961 of the 7,473
-    train rows). On those, sampled at temperature 1 (or 0.7) it still solves 1 of 128 (64 problems
-    x 2 samples, transformers, 200 new tokens); at 0.4, 8 of 128 (0.06): the sampler (and with it
-    the train step's log-probs, of logits / temperature) runs at 0.4. Larger samples put it lower:
-    0.016 (`evaluate`, 2 samples of the last 128 two-step train problems whose question holds at
-    most two numbers), 0.03 of the first training batches; at 0.25, 0.004. It stays below 0.05 on
-    every GSM8K subset tried: 0.016 on the last 128 two-step problems whose every calculation is one
-    addition or subtraction of two numbers, 0.016 with a worked GSM8K example in the prompt
-    (one-shot; it then writes further questions of its own); a 135M model, its card reports 1.4% on
-    GSM8K, 5-shot.
+    Answers are read as such a model writes them (`#### 3`, "The answer is: 3", else the last
+    number), golds after the last `####`, with no think phase and no forced interruption; the task
+    is narrowed to GSM8K's two-step problems (`data.max_solution_steps`), sampled at temperature
+    0.4 (the measurements behind these choices: docs/results/gsm8k_smollm2/README.md).
     """
     c = scalerl_8b()
     c.num_steps = 200
@@ -485,10 +476,7 @@ def tiny() -> ml_collections.ConfigDict:
     c.mesh.require_accelerator = False
     c.mesh.cpu_devices = 2  # one generator device, one trainer device, as on a cluster
 
-    # Every 5 steps on all 128 held-out prompts, 4 samples each. Measured on docs/study_long
-    # (`study.eval_noise`): at 2 samples a point's sampling noise is 0.02, as large as the 0.02
-    # RMSE the study tests its extrapolation against; 4 samples bring it to 0.013-0.016, and 8 buy
-    # little more, as the policy's own scatter between evaluations (0.02) then dominates.
+    # Every 5 steps on all 128 held-out prompts, 4 samples each (why 4: docs/results/tiny_demo.md).
     c.eval.every = 5
     c.eval.num_prompts = 128
     c.eval.samples_per_prompt = 4
@@ -506,9 +494,8 @@ def tiny() -> ml_collections.ConfigDict:
     c.warm_start = ml_collections.ConfigDict()
     c.warm_start.seed = 0
     c.warm_start.steps = 400
-    # 30% of the demonstrations answer without a trace (see warm_start.with_direct_answers); RL
-    # learns to reason first. Measured start: 43% held-out pass rate (trace-only SFT of 300 steps
-    # gives 60%, and RL from there went down or stayed flat at every learning rate tried).
+    # 30% of the demonstrations answer without a trace, so RL has reasoning to find
+    # (`run.warm_start.with_direct_answers`; the measurement: docs/results/tiny_demo.md).
     c.warm_start.direct_answer_fraction = 0.3
     c.warm_start.batch_size = 64
     c.warm_start.lr = 2e-3

@@ -1,5 +1,5 @@
 """Export a run's policy as a Hugging Face checkpoint directory:
-``python -m scalerl_jax.export RUN_DIR [--step N] --out DIR [--overwrite]``.
+``python -m scalerl_jax.cli.export RUN_DIR [--step N] --out DIR [--overwrite]``.
 
 The params come from the run's orbax checkpoint at ``--step`` (default: the latest); the
 architecture and the tokenizer from the run's base checkpoint (its warm start, or
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 
 from flax import nnx
 
-from scalerl_jax import policy_source
-from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
+from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
 from scalerl_jax.models import save_hf
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
+from scalerl_jax.run import policy_source
 
 # Copied from the base checkpoint when present (tokenizer.json is required).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -116,7 +116,9 @@ def export_run(run_dir: str, out_dir: str, *, step: int | None = None, overwrite
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    parser = argparse.ArgumentParser(prog="python -m scalerl_jax.export", description=(__doc__ or "").split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m scalerl_jax.cli.export", description=(__doc__ or "").split("\n\n")[0]
+    )
     parser.add_argument("run_dir", help="run directory (with config.json and checkpoints/)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("--out", required=True, help="output Hugging Face directory")

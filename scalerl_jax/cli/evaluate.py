@@ -1,5 +1,5 @@
 """Evaluate a policy on a local benchmark file with the training sampler and verifier:
-``python -m scalerl_jax.evaluate --checkpoint DIR_OR_RUN --data FILE [--samples 16] [--k 1,4,16]
+``python -m scalerl_jax.cli.evaluate --checkpoint DIR_OR_RUN --data FILE [--samples 16] [--k 1,4,16]
 [--problem-field question] [--answer-field answer] [--group-field level] [--out results.json]
 [--config.KEY=VALUE ...]``.
 
@@ -46,22 +46,23 @@ import numpy as np
 from absl import flags, logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax import policy_source, recipe
-from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
-from scalerl_jax.compile_events import compile_log
-from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
-from scalerl_jax.config_validation import ConfigError, check_run_memory
-from scalerl_jax.console import quiet_library_logs
+from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
+from scalerl_jax.config import recipes
+from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
+from scalerl_jax.config.validation import ConfigError, check_run_memory
 from scalerl_jax.data.rows import DataFileError, extract_golds, indices_with_solution_steps_at_most, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
-from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.sampling_setup import (
+from scalerl_jax.run import policy_source
+from scalerl_jax.run.sampling_setup import (
     check_think_end,
     check_token_ids,
     make_prompt_encoder,
     make_sample_fn,
 )
+from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
+from scalerl_jax.telemetry.compile_events import compile_log
+from scalerl_jax.telemetry.console import quiet_library_logs
 
 
 class EvaluateError(ValueError):
@@ -380,7 +381,7 @@ def format_table(report: dict[str, Any], group_field: str | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface (``--config`` and ``--config.KEY=VALUE`` are read by ml_collections)."""
     parser = argparse.ArgumentParser(
-        prog="python -m scalerl_jax.evaluate",
+        prog="python -m scalerl_jax.cli.evaluate",
         description=(__doc__ or "").split("\n\n")[0],
         epilog="--config=FILE [--config.KEY=VALUE ...]: sampling settings for a "
         "Hugging Face directory (default configs/scalerl_8b.py)",
@@ -415,7 +416,7 @@ def load_config(path: str, extra: Sequence[str]) -> tuple[bool, ml_collections.C
             f"--config=FILE is for Hugging Face directories; the run {path!r} uses its config.json "
             "(--config.KEY=VALUE overrides it)"
         )
-    base = None if has_file else policy_source.load_run_config(path) if is_run else recipe.scalerl_8b()
+    base = None if has_file else policy_source.load_run_config(path) if is_run else recipes.scalerl_8b()
     try:
         config = parse_config_argv(argv) if base is None else apply_config_overrides(base, argv)
     except CONFIG_ARGV_ERRORS as e:

@@ -26,10 +26,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from scalerl_jax import warm_start
 from scalerl_jax.models import Transformer, load_hf, make_mesh, param_shardings
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf import load_hf_config
+from scalerl_jax.run import warm_start
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer, train_state_shardings
 from scalerl_jax.train.checkpoint import RunCheckpointer
 

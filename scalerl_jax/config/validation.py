@@ -20,7 +20,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from scalerl_jax import recipe
+from scalerl_jax.config import recipes
 from scalerl_jax.data.answers import ANSWER_FORMATS, ANSWER_STYLES, BOXED, HASHES, parse_styles
 from scalerl_jax.data.builders import DATASET_CHOICES, POLARIS_FILENAME, dataset_kind
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
@@ -30,8 +30,8 @@ from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
 from scalerl_jax.sampler.engine import interrupts, max_sequence_length
+from scalerl_jax.telemetry.wandb_sink import WANDB_MODES
 from scalerl_jax.train.step import NAN_POLICIES
-from scalerl_jax.wandb_sink import WANDB_MODES
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form
 # sections whose keys the user names (extra evaluation sets).
@@ -231,9 +231,9 @@ def _flat_keys(config: Any, prefix: str = "") -> Iterable[str]:
 
 def check_known_keys(config: ml_collections.ConfigDict) -> list[str]:
     """Every key must be one the baseline recipe defines (or lie in an optional section)."""
-    known = set(_flat_keys(recipe.scalerl_8b()))
+    known = set(_flat_keys(recipes.scalerl_8b()))
     problems = [
-        f"config key `{key}` is unknown (not in scalerl_jax/recipe.py's baseline)"
+        f"config key `{key}` is unknown (not in scalerl_jax/recipes.py's baseline)"
         for key in _flat_keys(config)
         if key not in known and key.split(".")[0] not in OPTIONAL_SECTIONS
     ]
@@ -390,7 +390,7 @@ def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list
     """
     problems: list[str] = []
     warnings: list[str] = []
-    baseline = recipe.scalerl_8b()
+    baseline = recipes.scalerl_8b()
     d, rl, s = config.data, config.rl, config.sampler
 
     def changed(key: str) -> bool:

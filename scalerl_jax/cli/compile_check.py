@@ -1,8 +1,8 @@
 """Compile every program of a run for accelerators that are not attached, and say whether each fits.
 
-    python -m scalerl_jax.compile_check --config=configs/scalerl_8b.py --target=h200:1x8
-    python -m scalerl_jax.compile_check --config=configs/scalerl_8b.py --target=h100:10x8
-    python -m scalerl_jax.compile_check --config=configs/scalerl_8b.py --target=v5p:4x4x4 --config.KEY=VALUE
+    python -m scalerl_jax.cli.compile_check --config=configs/scalerl_8b.py --target=h200:1x8
+    python -m scalerl_jax.cli.compile_check --config=configs/scalerl_8b.py --target=h100:10x8
+    python -m scalerl_jax.cli.compile_check --config=configs/scalerl_8b.py --target=v5p:4x4x4 --config.KEY=VALUE
 
 TARGET names a deviceless topology: GPU nodes as `h100:HOSTSxGPUS` or `h200:HOSTSxGPUS` (8 GPUs per
 host on HGX boards), TPU slices as `v5e:AxB`, `v6e:AxB`, `v5p:AxBxC` (chips along each axis of the
@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
+from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
 
 GIB = 1024**3
 GPU_TARGET = re.compile(r"^(h100|h200):(\d+)x(\d+)$")
@@ -253,7 +253,7 @@ def compile_rows(config: Any, devices: Sequence[Any], device_bytes: int, pattern
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scalerl_jax.compile_check",
+        prog="python -m scalerl_jax.cli.compile_check",
         description="Compile every program of a run for a deviceless GPU or TPU topology; say what fits.",
         epilog="--config=FILE and --config.KEY=VALUE overrides are read as main reads them.",
     )
@@ -268,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_config(extra: Sequence[str]) -> Any:
     """The config of `--config=FILE [--config.KEY=VALUE ...]`, checked as main checks it (files aside)."""
-    from scalerl_jax.config_argv import CONFIG_ARGV_ERRORS, config_argv_problem, parse_config_argv
-    from scalerl_jax.config_validation import validate
+    from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, config_argv_problem, parse_config_argv
+    from scalerl_jax.config.validation import validate
 
     unknown = [a for a in extra if not a.startswith("--config")]
     if unknown:
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # XLA's own warnings about programs too large would bury the progress lines; the table says it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from scalerl_jax.config_validation import ConfigError, check_devices
+    from scalerl_jax.config.validation import ConfigError, check_devices
     from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 
     args, extra = build_parser().parse_known_args(argv)

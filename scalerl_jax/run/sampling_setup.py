@@ -1,6 +1,6 @@
 """What a run config says about prompts, sampling and scoring, for training and evaluation alike.
 
-The training run (`runner.py`) and the evaluate CLI (`evaluate.py`) build their prompt encoder,
+The training run (`run.build`) and the evaluate command (`cli.evaluate`) build their prompt encoder,
 requests and verifier here, and their sampler engine with `EngineConfig.from_config`, from the
 same config keys and the checkpoint's own tokenizer (`models.load_checkpoint_tokenizer`), so a
 policy is evaluated exactly as it was trained.
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config_validation import ConfigError
+from scalerl_jax.config.validation import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
 from scalerl_jax.models.hf_tokenizer import (
     CHAT_TEMPLATE_FILE,

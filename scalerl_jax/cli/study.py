@@ -1,8 +1,8 @@
 """Run a study, then analyze it; or analyze an existing study directory.
 
-  python -m scalerl_jax.study --config=configs/tiny.py --variants=baseline,dapo,no_fp32_head,ppo_off_policy,sample_avg \
+  python -m scalerl_jax.cli.study --config=configs/tiny.py --variants=baseline,dapo,no_fp32_head,ppo_off_policy,sample_avg \
       --seeds=3 --workdir=studies/tiny [--config.key=value ...]
-  python -m scalerl_jax.study --analyze studies/tiny
+  python -m scalerl_jax.cli.study --analyze studies/tiny
 
 Variants: 'baseline' (the --config as given) or names of recipe.LEAVE_ONE_OUT applied on top of
 it; 'loo' is the baseline and every leave-one-out variant. `--config.key=value` flags go to every
@@ -27,8 +27,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from scalerl_jax.cli_errors import EXIT_INPUT_ERROR, report_error
-from scalerl_jax.config_argv import line_in_file
+from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, report_error
+from scalerl_jax.config.argv import line_in_file
+from scalerl_jax.config.variants import expand_variants
 from scalerl_jax.study import driver, report
 from scalerl_jax.study.analysis import (
     DEFAULT_CUT_FRACTION,
@@ -38,12 +39,11 @@ from scalerl_jax.study.analysis import (
     pair_orders,
     parse_fractions,
 )
-from scalerl_jax.study.variants import expand_variants
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scalerl_jax.study", description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False
+        prog="python -m scalerl_jax.cli.study", description=(__doc__ or "").split("\n\n")[0], allow_abbrev=False
     )
     parser.add_argument("--config", help="base config file ('file.py' or 'file.py:arg'), as main's --config")
     parser.add_argument("--variants", default="baseline", help="comma-separated: baseline, leave-one-out names, loo")
