@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (tests/real_models.py) on GSM8K's test file as published (`question`, and a
 worked solution whose gold follows the last `####`), with configs/smollm2_gsm8k.py: the answer
 styles of an instruct model (`####`, "The answer is", the last number). Each sample's correctness
-in the report is checked against an extraction written here from the README's description of the
+in the report is checked against an extraction written here from docs/guides/your_model_and_task.md's description of the
 styles, on the same completions.
 """
 

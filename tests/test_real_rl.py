@@ -1,13 +1,13 @@
 """RL moves a real pretrained model on this machine: SmolLM2-135M-Instruct on GSM8K, 90 minutes.
 
-`python -m scalerl_jax.main --config=configs/smollm2_gsm8k.py` (the README's command) on the real
+`python -m scalerl_jax.main --config=configs/smollm2_gsm8k.py` (the command in docs/guides/your_model_and_task.md) on the real
 checkpoint (tests/real_models.py) and GSM8K's train file as published, run for `BUDGET_S` of wall
 time and then stopped as SLURM stops a job (SIGTERM: the finished steps and evaluations stay on
 record). The held-out pass rate (`eval/pass_rate`, 200 two-step problems x 2 samples, evaluated
 every 10 steps) must start in [0.05, 0.6], the band where RL has signal, and the last evaluation
 must be >= 0.05 above the first (not the best one: the maximum of several noisy evaluations is
 biased upward). An hour and a half of the machine: `-m slow`, run by hand. SCALERL_REAL_RL_WORKDIR
-keeps the run directory (metrics.jsonl, log) for the README's curve and fit; SCALERL_REAL_RL_MINUTES
+keeps the run directory (metrics.jsonl, log) for the results page's curve and fit; SCALERL_REAL_RL_MINUTES
 sets a shorter budget (a rise within it is a rise within 90 minutes).
 """
 

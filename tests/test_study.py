@@ -146,7 +146,7 @@ def test_analyze_cli_writes_table_and_figures(synthetic_study, capsys):
 
 def test_curves_figure_leaves_out_the_untrained_start(synthetic_study):
     """main logs the step-0 evaluation at the few milliseconds before training (1.7e-6 device-hours
-    in docs/study_long_extended); drawn, it would stretch the log axis by five decades."""
+    in docs/results/study_long_extended); drawn, it would stretch the log axis by five decades."""
     for metrics in synthetic_study.glob(f"*/seed*/{driver.METRICS_FILE}"):
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
         records[0]["compute/device_hours"] = 1.7e-6

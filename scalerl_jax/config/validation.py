@@ -588,7 +588,7 @@ def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:
     if platform == "cpu" and config.mesh.require_accelerator:
         raise ConfigError(
             "config key `mesh.require_accelerator` = True, but JAX found only the CPU backend. This "
-            "recipe is meant for GPUs: install the CUDA plugin (pip install -e '.[cuda]', see README) "
+            "recipe is meant for GPUs: install the CUDA plugin (pip install -e '.[cuda]', see docs/guides/gpu_cluster.md) "
             "and check `nvidia-smi`, or set --config.mesh.require_accelerator=False to run it on CPU anyway"
         )
 
