@@ -71,7 +71,9 @@ def module_graph() -> dict[str, set[str]]:
     graph = {}
     for name, path in modules.items():
         # `from a.b import c`: the module a.b.c when there is one, else a.b
-        targets = {imported if imported in modules else imported.rpartition(".")[0] for imported in imported_modules(path)}
+        targets = {
+            imported if imported in modules else imported.rpartition(".")[0] for imported in imported_modules(path)
+        }
         graph[name] = {t for t in targets if t in modules} - {name}
     return graph
 
@@ -120,7 +122,9 @@ def test_every_part_of_the_package_has_a_rule():
 
 def test_lower_layers_import_only_what_the_design_allows():
     graph = import_graph()
-    wrong = {part: sorted(graph[part] - allowed) for part, allowed in ALLOWED.items() if graph.get(part, set()) - allowed}
+    wrong = {
+        part: sorted(graph[part] - allowed) for part, allowed in ALLOWED.items() if graph.get(part, set()) - allowed
+    }
     assert wrong == {}
 
 
