@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.config import recipes
-from scalerl_jax.config.validation import config_json, flat_config
+from scalerl_jax.config.resume import config_json, flat_config
 from scalerl_jax.models import load_hf
 from scalerl_jax.run import policy_source
 from scalerl_jax.train import create_train_state

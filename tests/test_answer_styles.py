@@ -15,7 +15,7 @@ from fractions import Fraction
 import ml_collections
 import pytest
 
-from scalerl_jax.config import recipes
+from scalerl_jax.config import recipes, relevance
 from scalerl_jax.config import validation as config_validation
 from scalerl_jax.data import answers, builders, rows
 from scalerl_jax.data.evaluation import evaluate
@@ -372,15 +372,15 @@ def test_recipe_defaults_and_validation():
 
 
 def test_template_and_styles_mismatch_warns_once_each():
-    assert config_validation.answer_style_warnings(recipes.tiny()) == []
-    [boxed] = config_validation.answer_style_warnings(_config(answer_extraction="hashes"))
+    assert relevance.answer_style_warnings(recipes.tiny()) == []
+    [boxed] = relevance.answer_style_warnings(_config(answer_extraction="hashes"))
     assert "`data.prompt_template` asks for \\boxed{}" in boxed and "add 'boxed'" in boxed
     worked = _config(prompt_template=recipes.WORKED_SOLUTION_TEMPLATE, answer_extraction="boxed")
-    [hashes] = config_validation.answer_style_warnings(worked)
+    [hashes] = relevance.answer_style_warnings(worked)
     assert "asks for ####" in hashes and "add 'hashes'" in hashes
     worked.data.answer_extraction = "hashes,answer_is,last_number"
-    assert config_validation.answer_style_warnings(worked) == []
-    [synthetic] = config_validation.answer_style_warnings(_config(gold_extraction="hashes"))
+    assert relevance.answer_style_warnings(worked) == []
+    [synthetic] = relevance.answer_style_warnings(_config(gold_extraction="hashes"))
     assert "`data.gold_extraction`" in synthetic and "synthetic" in synthetic
     # The worked-solution template asks for exactly what `hashes` reads back.
     asked = answers.after_hashes(recipes.WORKED_SOLUTION_TEMPLATE.replace("{problem}", "Q"))

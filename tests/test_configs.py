@@ -11,7 +11,10 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.config import recipes
-from scalerl_jax.config.validation import ConfigError, check_devices, check_resume, config_json, validate
+from scalerl_jax.config.devices import check_devices
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.resume import check_resume, config_json
+from scalerl_jax.config.validation import validate
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
 
@@ -230,7 +233,7 @@ def test_ordered_budgets_are_checked():
 
 
 def test_resume_without_config_json_uses_the_checkpoint_fingerprint(tmp_path):
-    from scalerl_jax.config.validation import flat_config
+    from scalerl_jax.config.resume import flat_config
 
     config = recipes.tiny()
     (tmp_path / "checkpoints" / "20").mkdir(parents=True)
@@ -307,7 +310,7 @@ def smollm2_shapes(dtype: str):
 
 
 def test_recipe_sampler_that_cannot_fit_is_named_with_its_keys():
-    from scalerl_jax.config.validation import check_memory, memory_need
+    from scalerl_jax.config.memory_fit import check_memory, memory_need
 
     model = smollm2_shapes("float32")
     config = recipes.scalerl_8b()

@@ -6,7 +6,10 @@ import pytest
 
 from scalerl_jax.config import recipes
 from scalerl_jax.config.argv import parse_config_argv
-from scalerl_jax.config.validation import ConfigError, check_devices, config_json, split_candidates, validate
+from scalerl_jax.config.devices import check_devices, split_candidates
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.resume import config_json
+from scalerl_jax.config.validation import validate
 from scalerl_jax.models import split_devices
 from scalerl_jax.run.device_split import (
     Rates,

@@ -18,7 +18,7 @@ from flax import nnx  # noqa: E402
 
 from scalerl_jax.cli import export  # noqa: E402
 from scalerl_jax.config import recipes  # noqa: E402
-from scalerl_jax.config.validation import config_json  # noqa: E402
+from scalerl_jax.config.resume import config_json  # noqa: E402
 from scalerl_jax.models import Transformer  # noqa: E402
 from scalerl_jax.run import policy_source, warm_start  # noqa: E402
 

@@ -63,7 +63,7 @@ Input mistakes at the entry points (tests/test_faults_input.py; SCALERL_DEBUG=1 
      file, data.path pointing nowhere): exit 2, one line each
   I10 main on a checkpoint missing tokenizer.json, or whose config.json has a field that is not a number:
      exit 2, one line naming the file (and field)
-Nothing silent (tests/test_faults_silent.py: config_validation.check_irrelevant, data.rewards.RewardTallies,
+Nothing silent (tests/test_faults_silent.py: config.relevance.check_irrelevant, data.rewards.RewardTallies,
 sampling_setup.check_token_ids)
   N1 model.checkpoint beside a warm_start section: refused at start-up (exit 2) naming both keys
   N2 settings the config makes irrelevant: refused (data.path under the synthetic task, refill without the
@@ -106,7 +106,9 @@ import pytest
 from scalerl_jax import run as run_lib
 from scalerl_jax.cli import fit as fit_cli
 from scalerl_jax.config import recipes
-from scalerl_jax.config.validation import ConfigError, flat_config, validate
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.resume import flat_config
+from scalerl_jax.config.validation import validate
 from scalerl_jax.contracts.workdir_lock import LOCK_FILE, WorkdirLockedError, hold_workdir
 from scalerl_jax.models import load_checkpoint_tokenizer
 from scalerl_jax.run import sampling_setup

@@ -1,6 +1,6 @@
 """Faults that used to pass silently, and what the run says about each: one test per class.
 
-Settings a config makes irrelevant (scalerl_jax.config.validation.check_irrelevant)
+Settings a config makes irrelevant (scalerl_jax.config.relevance.check_irrelevant)
   N1 `model.checkpoint` beside a `warm_start` section: refused at start-up (exit 2) naming both keys,
      before the warm start is built
   N2 other settings the config ignores: refused (data.path under the synthetic task, refill without the
@@ -31,7 +31,9 @@ from test_main import REPO, SMALL
 from scalerl_jax import data as data_lib
 from scalerl_jax import run as run_lib
 from scalerl_jax.config import recipes
-from scalerl_jax.config.validation import ConfigError, check_irrelevant, validate
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.relevance import check_irrelevant
+from scalerl_jax.config.validation import validate
 from scalerl_jax.config.variants import study_config
 from scalerl_jax.data.rewards import FAILURE_METRICS, RewardTallies
 from scalerl_jax.models import load_checkpoint_tokenizer

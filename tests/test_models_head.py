@@ -8,7 +8,8 @@ from flax import nnx
 
 from scalerl_jax.cli.plan_memory import main as memory_main
 from scalerl_jax.config import recipes
-from scalerl_jax.config.validation import ConfigError, validate
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.validation import validate
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache, sequence_logprobs
 from scalerl_jax.models.layers import resolve_attention_impl
 from scalerl_jax.models.logprobs import token_logprobs_from_logits

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from scalerl_jax.config import recipes  # noqa: E402
-from scalerl_jax.config.validation import ConfigError  # noqa: E402
+from scalerl_jax.config.errors import ConfigError  # noqa: E402
 from scalerl_jax.data import prompts  # noqa: E402
 from scalerl_jax.models import load_checkpoint_tokenizer, load_hf  # noqa: E402
 from scalerl_jax.run.sampling_setup import check_token_ids, make_prompt_encoder  # noqa: E402

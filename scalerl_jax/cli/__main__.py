@@ -19,6 +19,7 @@ COMMANDS = {
     "eval-noise": ("eval_noise", "how much of a study's scatter is evaluation noise"),
     "compile-check": ("compile_check", "compile every program of a run for GPU or TPU topologies"),
     "plan-memory": ("plan_memory", "per-device memory of the train step and the KV cache"),
+    "config-docs": ("config_docs", "the reference of every config key (docs/config.md)"),
 }
 EXIT_USAGE = 2
 

@@ -295,7 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     # XLA's own warnings about programs too large would bury the progress lines; the table says it.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    from scalerl_jax.config.validation import ConfigError, check_devices
+    from scalerl_jax.config.devices import check_devices
+    from scalerl_jax.config.errors import ConfigError
     from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 
     args, extra = build_parser().parse_known_args(argv)
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not failing:
         print(f"every program fits ({len(rows)} compiled)")
         return 0
-    from scalerl_jax.run.programs import sized_by
+    from scalerl_jax.config.schema import sized_by
 
     worst = max(failing, key=lambda r: (bool(r.error), r.total_bytes))
     print(

@@ -49,7 +49,8 @@ from scalerl_jax import data as data_lib
 from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
 from scalerl_jax.config import recipes
 from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
-from scalerl_jax.config.validation import ConfigError, check_run_memory
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.memory_fit import check_run_memory
 from scalerl_jax.data.rows import DataFileError, extract_golds, indices_with_solution_steps_at_most, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError

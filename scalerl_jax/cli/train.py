@@ -39,7 +39,9 @@ from ml_collections import config_flags
 
 from scalerl_jax.cli.errors import debug_enabled, report_error
 from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, config_argv_problem, touch_config
-from scalerl_jax.config.validation import ConfigError, check_backend, check_devices, validate
+from scalerl_jax.config.devices import check_backend, check_devices
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.validation import validate
 from scalerl_jax.distributed.launch_env import LaunchEnvError, configure_cpu_collectives, distributed_init_kwargs
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to an ml_collections config file.", lock_config=True)

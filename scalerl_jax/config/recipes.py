@@ -1,7 +1,7 @@
 """The ScaleRL recipe and its variants as ml_collections configs.
 
-Every knob of a run lives here; `configs/*.py` are thin files that pick a variant
-(`--config=configs/loo.py:dapo`). The baseline is Table/Section 4 of "The Art of Scaling
+Every key and its default live in `schema`; a recipe is that baseline with some keys changed, and
+`configs/*.py` are thin files that pick one (`--config=configs/loo.py:dapo`). The baseline is Table/Section 4 of "The Art of Scaling
 Reinforcement Learning Compute for LLMs" (arXiv 2510.13786):
 PipelineRL-8, CISPO, prompt-level aggregation, batch-level advantage normalization,
 zero-variance filtering, No-Positive-Resampling, forced interruptions, FP32 LM head,
@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import ml_collections
 
-INTERRUPTION_PHRASE = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+from scalerl_jax.config import schema
+
 # Sequences per microbatch in the 8B configs: one per trainer GPU of the paper's 16.
 ROWS_PER_MICROBATCH = 16
-# `{problem}` is replaced literally (data.prompts.format_problem), so LaTeX braces stay as written.
-DEFAULT_PROMPT_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 # For data whose gold is a worked solution ending in `#### <number>` (GSM8K): asks for the same
 # ending, which `data.answer_extraction` = 'hashes' reads (with `data.gold_extraction` = 'hashes').
 WORKED_SOLUTION_TEMPLATE = (
@@ -26,171 +25,9 @@ WORKED_SOLUTION_TEMPLATE = (
 
 
 def scalerl_8b() -> ml_collections.ConfigDict:
-    """The full ScaleRL recipe for an 8B dense policy on Polaris-53K."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.num_steps = 10_000
-
-    c.model = ml_collections.ConfigDict()
-    c.model.preset = "llama3.1-8b"
-    c.model.checkpoint = ""  # local Hugging Face directory (config.json + safetensors + tokenizer.json)
-    c.model.dtype = "bfloat16"
-    c.model.fp32_head = True
-    # The FP32 head's matmul: 'bf16x3' is a near-fp32 tensor-core algorithm on GPU (exact fp32 on
-    # CPU); 'highest' is exact fp32 everywhere (non-tensor-core on GPU). See models.ModelConfig.
-    c.model.head_precision = "bf16x3"
-    # Training / prefill attention: 'auto' is cuDNN flash attention on GPU (no T x T scores), 'xla' on CPU.
-    c.model.attention_impl = "auto"
-    c.model.scan_layers = True
-    c.model.remat_policy = "full"
-    c.model.logprob_chunk = 1024
-
-    c.data = ml_collections.ConfigDict()
-    # '' (default): the reader follows `data.path` (Polaris-53K for polaris-data-53K.jsonl, else any
-    # .jsonl / .parquet with `data.problem_field` / `data.answer_field`); or 'polaris_53k' | 'jsonl' | 'synthetic'.
-    c.data.dataset = ""
-    c.data.path = ""  # local polaris-data-53K.jsonl, or any .jsonl / .parquet file
-    c.data.data_dir = ""  # TFDS data_dir; empty means WORKDIR/tfds
-    c.data.problem_field = "problem"
-    c.data.answer_field = "answer"
-    c.data.heldout_size = 1_000
-    c.data.heldout_seed = 0
-    c.data.prompt_template = DEFAULT_PROMPT_TEMPLATE
-    c.data.use_chat_template = True
-    # 'think': the answer part is the text after sampler.think_end, and forced interruption
-    # applies; 'plain' (base models without a think phase): the whole completion, no
-    # interruption. One key for the sampler's length control and the reward's extraction.
-    c.data.answer_format = "think"
-    # How the prediction is read from the answer part: a comma-separated list of styles, tried in
-    # order, the first that finds an answer gives it: 'boxed' (the last closed \boxed{}), 'hashes'
-    # (the text after the last '####' to the end of its line: GSM8K's style), 'answer_is' (after
-    # the last "the answer is" / "the final answer is" / "answer:", to the end of that line or
-    # sentence; a \boxed{} in it unwrapped), 'last_number' (the last number). An instruct model
-    # on GSM8K-style data: 'hashes,answer_is,last_number' with WORKED_SOLUTION_TEMPLATE. The prompt
-    # template should ask for what this reads (config_validation warns when it asks for \boxed{}
-    # or '####' that no style reads); the interruption phrase names no format. The fraction of
-    # completions where an answer is found is logged (eval/answer_found_frac, data/answer_found_frac).
-    c.data.answer_extraction = "boxed"
-    # The gold answer of each row read from data.path (and eval.extra files): '' = the answer field
-    # as is; else a style list as above applied to the answer field (GSM8K's worked solutions:
-    # 'hashes'). Rows where no style finds a gold are counted, skipped and named in one warning.
-    c.data.gold_extraction = ""
-    # Narrows a worked-solution task (GSM8K) to its easier problems: only rows whose answer field
-    # has at most this many steps (lines before its last ####; GSM8K: 2 to 8) are read (0: every row).
-    c.data.max_solution_steps = 0
-    c.data.reward_fn = ""  # 'package.module:function' (completion, gold, problem) -> float; '' = math-verify
-    c.data.max_prompt_tokens = 2_048
-    c.data.reward_correct = 1.0
-    c.data.reward_incorrect = -1.0
-    c.data.verify_timeout_s = 5.0
-    c.data.verify_workers = 4
-
-    c.batch = ml_collections.ConfigDict()
-    c.batch.prompts_per_step = 48
-    c.batch.generations_per_prompt = 16
-    c.batch.microbatches = 48  # 768 sequences / 48 = 16 per microbatch, one per trainer GPU
-    # Rows sorted by length into the microbatches, each padded only to its own length bucket
-    # (False: every row padded to the bucket of the batch's longest). Loss and gradient unchanged.
-    c.batch.sort_by_length = True
-    # Train length buckets per octave of sequence length (1: powers of two). 8: a row pads by
-    # < 1/8 of its bucket; at most 8 x log2(max / 32) + 1 compiled microbatch shapes (73 at 16k).
-    c.batch.length_buckets_per_octave = 8
-
-    c.rl = ml_collections.ConfigDict()
-    c.rl.objective = "cispo"  # 'cispo' | 'dapo' | 'grpo' | 'gspo'
-    c.rl.eps_max = 4.0
-    c.rl.eps_low = 0.2
-    c.rl.eps_high = 0.28
-    c.rl.aggregation = "prompt"  # 'prompt' | 'sample' | 'token'
-    c.rl.advantage_normalization = "batch"  # 'batch' | 'prompt' | 'none'
-    c.rl.zero_variance_filter = True
-    c.rl.refill_zero_variance = False  # DAPO's dynamic sampling: keep sampling until the batch is full
-    c.rl.no_positive_resampling = True
-    c.rl.positive_pass_rate = 0.9
-    c.rl.length_control = "interruption"  # 'interruption' | 'length_penalty' | 'none'
-    c.rl.length_penalty_max = 14_336
-    c.rl.length_penalty_cache = 2_048
-    c.rl.mask_truncated_completions = False  # completions cut by the token limit leave the loss
-
-    c.sampler = ml_collections.ConfigDict()
-    c.sampler.temperature = 1.0
-    c.sampler.top_p = 1.0
-    c.sampler.top_k = 0
-    c.sampler.num_slots = 256
-    c.sampler.chunk_steps = 64
-    c.sampler.max_new_tokens = 14_336  # think + answer = total 16,384 - prompt 2,048
-    c.sampler.think_budget_min = 10_240
-    c.sampler.think_budget_max = 12_288
-    c.sampler.answer_budget = 2_048
-    c.sampler.interruption_phrase = INTERRUPTION_PHRASE
-    c.sampler.think_end = "</think>"
-    c.sampler.page_size = 16  # tokens per KV page
-    c.sampler.num_pages = 0  # KV pages per generator (0: every slot can reach max_len at once)
-    c.sampler.decode_kernel = "auto"  # 'xla' | 'pallas' (GPU) | 'auto' (= 'xla' until measured)
-    c.sampler.compile_ahead = True  # compile every decode-path shape before the first request
-
-    c.train = ml_collections.ConfigDict()
-    # Compile the train step for every length bucket of the batches (batch.length_buckets_per_octave)
-    # before the first step, in a background thread beside the sampler's warm-up and first
-    # generations (False: each bucket compiles when a batch first needs it).
-    c.train.compile_ahead = True
-    c.train.compile_threads = 0  # programs compiled at once ahead of time; 0: half the host's CPU cores
-
-    c.schedule = ml_collections.ConfigDict()
-    c.schedule.kind = "pipeline"  # 'pipeline' (PipelineRL-k) | 'ppo_off_policy'
-    c.schedule.k = 8
-    c.schedule.queue_groups = 0  # groups admitted and not yet trained; 0: the schedule's bound ((k+1)G, or kG for PPO)
-
-    c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.lr = 5e-7
-    c.optimizer.warmup_steps = 100
-    c.optimizer.b1 = 0.9
-    c.optimizer.b2 = 0.999
-    c.optimizer.eps = 1e-15
-    c.optimizer.weight_decay = 0.01
-    c.optimizer.max_grad_norm = 0.0  # 0 disables global-norm clipping
-
-    c.mesh = ml_collections.ConfigDict()
-    # Paper: 64 generator GPUs, 16 trainer GPUs. Or 'auto': picked at start-up from the measured
-    # generation and training rates (run/device_split.py); a FieldReference of type object so that
-    # --config.mesh.generator_fraction takes a number or the string.
-    c.mesh.generator_fraction = ml_collections.FieldReference(0.8, field_type=object)
-    c.mesh.trainer_shape = (1, -1, 1)  # (data, fsdp, tensor); -1 means the rest
-    c.mesh.generator_shape = (-1, 1, 1)
-    c.mesh.require_accelerator = True  # refuse to start on the CPU backend (set False to allow it)
-    c.mesh.cpu_devices = 0  # on the CPU backend: split the host into this many devices (0: leave as is)
-
-    # Runs over several processes (launch/local.sh N, launch/slurm.sbatch; see distributed/roles.py).
-    c.distributed = ml_collections.ConfigDict()
-    c.distributed.connect_timeout_s = 300.0  # start-up: connections, barriers, the shared files of process 0
-    c.distributed.heartbeat_s = 2.0  # beat interval between every process and the leader
-    c.distributed.heartbeat_timeout_s = 30.0  # silence after which a process counts as lost (run stops)
-    c.distributed.reply_timeout_s = 86400.0  # longest wait for an answer to work (an evaluation, a pull)
-    c.eval = ml_collections.ConfigDict()
-    c.eval.every = 100
-    c.eval.num_prompts = 1_000
-    c.eval.samples_per_prompt = 16
-    c.eval.fit_a_range = (0.45, 0.8)  # the sigmoid fit's grid over the asymptote A (the paper's)
-    c.eval.samples_logged = 4  # prompts per evaluation written with their completions to samples.jsonl
-    # True: evaluate while training goes on; each generator gets a second batcher (its own KV pool, as
-    # large as the sampler's) that decodes the evaluated version's retained params (2 extra copies of
-    # the params on the generator devices at most), and an evaluation's row is written when it is done.
-    # False: the trainer waits for each evaluation.
-    c.eval.concurrent = False
-    # Extra evaluation sets, logged as eval_<name>/...: {'aime24': '/data/aime24.jsonl', ...}
-    # (jsonl or parquet with data.problem_field / data.answer_field).
-    c.eval.extra = ml_collections.ConfigDict()
-
-    c.logging = ml_collections.ConfigDict()
-    c.logging.wandb_project = ""  # '' = off; else Weights & Biases (offline unless wandb_mode='online')
-    c.logging.wandb_mode = "offline"
-
-    c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every = 100
-    c.checkpoint.keep = 3
-
-    c.nan_policy = "skip"  # 'skip' (count the step and go on) | 'stop' (raise with the step number)
-    return c
+    """The full ScaleRL recipe for an 8B dense policy on Polaris-53K: every key at its schema
+    default (`schema.KEYS`, documented in docs/config.md)."""
+    return schema.default_config()
 
 
 # ---------------------------------------------------------------- leave-one-out variants
@@ -484,36 +321,6 @@ def tiny() -> ml_collections.ConfigDict:
     c.eval.concurrent = True  # the trainer keeps stepping while the generator evaluates
     c.checkpoint.every = 20
 
-    c.synthetic = ml_collections.ConfigDict()
-    c.synthetic.seed = 0
-    c.synthetic.heldout_size = 128
-    c.synthetic.sft_size = 4096
-    c.synthetic.train_size = 4096
-    c.synthetic.levels = ((2, 9), (3, 9), (4, 9), (5, 9))
-
-    c.warm_start = ml_collections.ConfigDict()
-    c.warm_start.seed = 0
-    c.warm_start.steps = 400
-    # 30% of the demonstrations answer without a trace, so RL has reasoning to find
-    # (`run.warm_start.with_direct_answers`; the measurement: docs/results/tiny_demo.md).
-    c.warm_start.direct_answer_fraction = 0.3
-    c.warm_start.batch_size = 64
-    c.warm_start.lr = 2e-3
-    c.warm_start.warmup_steps = 30
-    c.warm_start.weight_decay = 0.0
-    c.warm_start.max_len = 72  # the longest prompt + trace is 65 tokens
-    c.warm_start.tokenizer_vocab_size = 300
-    c.warm_start.log_every = 25
-    c.warm_start.model_overrides = ml_collections.ConfigDict(
-        dict(
-            hidden_size=128,
-            intermediate_size=384,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=32,
-            rope_scaling=None,
-            max_position_embeddings=128,
-        )
-    )
+    c.synthetic = schema.section_config("synthetic")
+    c.warm_start = schema.section_config("warm_start")
     return c

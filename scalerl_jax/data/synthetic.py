@@ -50,10 +50,7 @@ class Level:
 
 # Single-digit operands, 2 to 5 steps: every step has the same difficulty, so the pass rate falls
 # with the number of steps (roughly p^n) and RL that sharpens single steps lifts every level.
-# Measured (a 0.9M-param qwen2-style decoder, SFT batch 64, lr 2e-3, 128 held-out prompts,
-# greedy / temperature 1): 150 steps 15% / 8%; 300 steps 62% / 44%; 450 steps 73% / 65%;
-# 600 steps 83% / 68%. Two-digit operands (Level(n, 99)) stayed near 3% after 600 steps: too hard
-# for a CPU demo.
+# Two-digit operands are too hard for a CPU demo (docs/results/tiny_demo.md, the task's levels).
 DEFAULT_LEVELS: tuple[Level, ...] = (Level(2, 9), Level(3, 9), Level(4, 9), Level(5, 9))
 
 

@@ -23,7 +23,7 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config.validation import ConfigError
+from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.data.builders import dataset_kind
 from scalerl_jax.data.rewards import RewardTallies

@@ -8,7 +8,7 @@ tokens/s. PipelineRL overlaps the two, so a step takes the longer; the other sid
 difference (generator idle 1 - gen / step, trainer idle 1 - train / step). Every split costs the
 same device-hours, so `choose_split` takes the shortest step (the highest throughput); splits
 within `tie_tolerance` of it go to the smaller max idle. Only splits the config can run are
-candidates (`config_validation.split_candidates`: rows per microbatch over the trainers, mesh
+candidates (`config.devices.split_candidates`: rows per microbatch over the trainers, mesh
 shapes, decode slots over each generator process's devices).
 
 Measurement (`measure_rates`, one process): the run's architecture with random weights (speed
@@ -40,7 +40,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from scalerl_jax.config.validation import AUTO_SPLIT, ConfigError, split_candidates
+from scalerl_jax.config.devices import split_candidates
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.schema import AUTO_SPLIT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from absl import logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config.validation import config_json, flat_config
+from scalerl_jax.config.resume import config_json, flat_config
 from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.distributed.remote_generator import (
     GeneratorPush,

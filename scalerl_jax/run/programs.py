@@ -33,7 +33,8 @@ import jax
 import ml_collections
 from flax import nnx
 
-from scalerl_jax.config.validation import AUTO_SPLIT, ConfigError
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.schema import AUTO_SPLIT
 from scalerl_jax.distributed.roles import Roles, assign_roles
 from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.weight_push import sender_programs
@@ -49,51 +50,6 @@ from scalerl_jax.sampler import Engine, EngineConfig
 from scalerl_jax.sampler.engine import InterruptionConfig, interrupts
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
 from scalerl_jax.train.step import train_state_shardings
-
-# Config keys that size each kind of program: what to change when one does not fit.
-_TRAIN_BATCH_KEYS = (
-    "batch.prompts_per_step",
-    "batch.generations_per_prompt",
-    "batch.microbatches",
-    "data.max_prompt_tokens",
-    "sampler.max_new_tokens",
-    "model.remat_policy",
-    "model.attention_impl",
-    "model.logprob_chunk",
-    "mesh.trainer_shape",
-    "mesh.generator_fraction",
-)
-SIZED_BY = {
-    "train/accumulate": _TRAIN_BATCH_KEYS,
-    "train/step": _TRAIN_BATCH_KEYS,
-    "train/": ("mesh.trainer_shape", "mesh.generator_fraction", "model.dtype"),
-    "generator/prefill_insert": (
-        "sampler.num_slots",
-        "sampler.num_pages",
-        "data.max_prompt_tokens",
-        "model.attention_impl",
-        "mesh.generator_shape",
-        "mesh.generator_fraction",
-        "eval.concurrent",
-    ),
-    "generator/": (
-        "sampler.num_slots",
-        "sampler.num_pages",
-        "sampler.chunk_steps",
-        "sampler.max_new_tokens",
-        "mesh.generator_shape",
-        "mesh.generator_fraction",
-        "eval.concurrent",
-    ),
-    "push/": ("mesh.trainer_shape", "mesh.generator_shape", "mesh.generator_fraction"),
-}
-
-
-def sized_by(program_name: str) -> tuple[str, ...]:
-    """The config keys that size the program `program_name` (its own entry, else its role's)."""
-    if program_name in SIZED_BY:
-        return SIZED_BY[program_name]
-    return SIZED_BY[program_name.split("/")[0] + "/"]
 
 
 @dataclasses.dataclass(frozen=True)

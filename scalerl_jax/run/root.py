@@ -20,7 +20,9 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config.validation import ConfigError, check_resume, check_run_memory, config_json
+from scalerl_jax.config.errors import ConfigError
+from scalerl_jax.config.memory_fit import check_run_memory
+from scalerl_jax.config.resume import check_resume, config_json
 from scalerl_jax.contracts.workdir_lock import WorkdirLockedError, hold_workdir
 from scalerl_jax.distributed import coordination
 from scalerl_jax.distributed.roles import assign_roles
@@ -70,7 +72,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
             config,
             policy.model_config,
             generator_devices=roles.local_generator_devices(),
-            trainer_devices=[d for d in roles.trainer_devices if d.process_index == roles.process],
+            trainer_devices=[device for device in roles.trainer_devices if device.process_index == roles.process],
         )
         meshes = build_meshes(config, roles)
         transfer = build_transfer(config, roles, plan_routes(roles), policy.params, meshes.trainer)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from scalerl_jax import data as data_lib
-from scalerl_jax.config.validation import ConfigError
+from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
 from scalerl_jax.models.hf_tokenizer import (
     CHAT_TEMPLATE_FILE,
