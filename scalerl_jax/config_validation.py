@@ -30,7 +30,7 @@ from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
 from scalerl_jax.sampler.engine import interrupts, max_sequence_length
-from scalerl_jax.train.step import NAN_POLICIES
+from scalerl_jax.train.step_config import NAN_POLICIES
 from scalerl_jax.wandb_sink import WANDB_MODES
 
 # Sections only some configs carry (the tiny run's warm start and synthetic task), and free-form

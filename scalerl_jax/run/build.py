@@ -43,9 +43,9 @@ from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
 from scalerl_jax.threads import FirstError
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
+from scalerl_jax.train.compiled import abstract_state
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
-from scalerl_jax.train.step import abstract_state
 from scalerl_jax.warm_start import build_warm_start, synthetic_task
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh
 from scalerl_jax.sampler import Engine, EngineConfig
 from scalerl_jax.sampler.engine import InterruptionConfig, interrupts
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
-from scalerl_jax.train.step import train_state_shardings
+from scalerl_jax.train.compiled import train_state_shardings
 
 # Config keys that size each kind of program: what to change when one does not fit.
 _TRAIN_BATCH_KEYS = (
