@@ -43,8 +43,8 @@ from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.models.reshard import push_local_programs
 from scalerl_jax.models.sharding import AotProgram
 from scalerl_jax.pipeline.batching import octave_buckets
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS
-from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
 from scalerl_jax.policy_source import run_model_overrides
 from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh
 from scalerl_jax.sampler import Engine, EngineConfig
