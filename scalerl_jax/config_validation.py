@@ -29,7 +29,7 @@ from scalerl_jax.models.sharding import split_devices
 from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
-from scalerl_jax.sampler.engine import interrupts, max_sequence_length
+from scalerl_jax.sampler.engine_config import interrupts, max_sequence_length
 from scalerl_jax.train.step_config import NAN_POLICIES
 from scalerl_jax.wandb_sink import WANDB_MODES
 
@@ -266,7 +266,7 @@ def check_generator_fraction(value: Any) -> list[str]:
 
 def check_values(config: ml_collections.ConfigDict) -> list[str]:
     """Enumerations, booleans, strings, finite numbers in range, ordered budgets (those of forced
-    interruption only when it applies: `sampler.engine.interrupts`), dividing batches."""
+    interruption only when it applies: `sampler.engine_config.interrupts`), dividing batches."""
     problems: list[str] = []
     flat = set(_flat_keys(config))
     for key, allowed in CHOICES.items():

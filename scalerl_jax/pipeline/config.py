@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
-from scalerl_jax.sampler.engine import interrupts, max_sequence_length
+from scalerl_jax.sampler.engine_config import interrupts, max_sequence_length
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
