@@ -31,7 +31,8 @@ from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset
 from scalerl_jax.sampler import Engine, EngineConfig
-from scalerl_jax.sampler.engine import DecodeState, InterruptionConfig, host_settings
+from scalerl_jax.sampler.engine import DecodeState, host_settings
+from scalerl_jax.sampler.engine_config import InterruptionConfig
 from scalerl_jax.sampler.sampling import first_argmax
 
 # tiny: the tiny-llama preset (vocab 256), where fixed per-step costs show. small: a ~12M-parameter

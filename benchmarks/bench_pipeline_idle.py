@@ -28,8 +28,9 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from scalerl_jax.models import Transformer, get_preset  # noqa: E402
+from scalerl_jax.pipeline.config import PipelineConfig  # noqa: E402
 from scalerl_jax.pipeline.group import Prompt  # noqa: E402
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig  # noqa: E402
+from scalerl_jax.pipeline.pipeline_rl import Pipeline  # noqa: E402
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig  # noqa: E402
 from scalerl_jax.train import (
     OptimizerConfig,

@@ -28,7 +28,7 @@ from scalerl_jax.train import (
     make_optimizer,
     make_train_step,
 )
-from scalerl_jax.train.step import abstract_state
+from scalerl_jax.train.compiled import abstract_state
 
 VOCAB = 64
 ROWS, MICROBATCHES = 8, 2

@@ -32,9 +32,10 @@ from scalerl_jax.distributed.messages import (
 )
 from scalerl_jax.distributed.weight_push import transfer_uuid
 from scalerl_jax.models import Transformer
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import EVALUATION_DOMAIN, Admission, EvalItem, evaluation_seed, request_seed
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
+from scalerl_jax.pipeline.pipeline_rl import Pipeline
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
 
 WORD = 2**32

@@ -28,7 +28,8 @@ from scalerl_jax.models.layers import (
 )
 from scalerl_jax.models.memory import activation_terms
 from scalerl_jax.models.transformer import fp32_logits
-from scalerl_jax.sampler.engine import Engine, EngineConfig
+from scalerl_jax.sampler.engine import Engine
+from scalerl_jax.sampler.engine_config import EngineConfig
 
 FLOAT32_ATOL = 1e-5
 

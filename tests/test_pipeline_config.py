@@ -5,7 +5,7 @@ completion tokens, 48 x 16, PipelineRL-8, forced interruption, 10,000 steps)."""
 import pytest
 
 from scalerl_jax.config import recipes
-from scalerl_jax.pipeline.pipeline_rl import PipelineConfig
+from scalerl_jax.pipeline.config import PipelineConfig
 
 
 def flops(rows, length):

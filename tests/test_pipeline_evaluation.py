@@ -17,9 +17,10 @@ from test_pipeline_real import GROUPS, MAX_NEW, SAMPLES, Setup, parity_reward, p
 from scalerl_jax.distributed.channel import Connection
 from scalerl_jax.distributed.messages import eval_item_from_message, eval_item_to_message
 from scalerl_jax.distributed.remote_generator import LinkService
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import EvalItem, GeneratorCounters, LocalLink, evaluation_seed
 from scalerl_jax.pipeline.lag import make_schedule
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
+from scalerl_jax.pipeline.pipeline_rl import Pipeline
 from scalerl_jax.pipeline.queue import GroupBuffer, PipelineStopped
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, Request
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import pytest
 
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import GeneratorStats
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig, quiet_progress_line
+from scalerl_jax.pipeline.pipeline_rl import Pipeline, quiet_progress_line
+from scalerl_jax.run.signals import StopSignals, preserved_signal_handlers
 from scalerl_jax.sampler import Completion
 
 
@@ -295,10 +297,14 @@ def test_signal_stops_after_the_current_step(signum):
 
     batcher = ScriptedBatcher(4)
     pipeline, records = make_pipeline(batcher, CountingStep(gate), k=2, num_steps=50)
-    sender = threading.Thread(target=send_signal)
-    sender.start()
-    result = pipeline.run()
-    sender.join()
+    with preserved_signal_handlers():  # the run's signal handling, as `run.root.run` installs it
+        signals = StopSignals(leader=True)
+        signals.install()
+        signals.on_stop(pipeline.request_stop)
+        sender = threading.Thread(target=send_signal)
+        sender.start()
+        result = pipeline.run()
+        sender.join()
     assert result.stop_reason == f"signal {signal.Signals(signum).name}"
     assert result.steps == 2 and len(records) == 2  # step 1 finished, no step 2
     assert_accounting(result, records)

@@ -1,13 +1,14 @@
-"""The pipeline's per-step metrics (pipeline_rl.step_metrics) on a hand-built batch."""
+"""The pipeline's per-step metrics (step_record.pipeline_step_metrics) on a hand-built batch."""
 
 import numpy as np
 import pytest
 
 from scalerl_jax.pipeline.batching import build_train_batch
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import GeneratorStats
 from scalerl_jax.pipeline.group import Group, Prompt
-from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, _Totals, step_metrics
 from scalerl_jax.pipeline.queue import BufferCounts, WaitTimes
+from scalerl_jax.pipeline.step_record import RunTotals, pipeline_step_metrics
 from scalerl_jax.sampler import Completion
 
 
@@ -52,14 +53,14 @@ def groups():
 def metrics_of(step_flops=None, peak_flops_per_s=None, mask_truncated=True):
     batch_groups = groups()
     _, info = build_train_batch(batch_groups, rows=6, length_buckets=(8,), mask_truncated=mask_truncated)
-    return step_metrics(
+    return pipeline_step_metrics(
         batch_groups,
         info,
         version=1,
         counts=BufferCounts(2, 2, 0, 0, 0, 2),
         waits=WaitTimes(),
         generator=GeneratorStats(),
-        totals=_Totals(start=0.0),
+        totals=RunTotals(start=0.0),
         elapsed=10.0,
         wait_s=0.0,
         step_s=0.5,

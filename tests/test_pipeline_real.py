@@ -15,8 +15,9 @@ from flax import nnx
 from small_models import small_llama
 
 from scalerl_jax.models import Transformer, make_mesh
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineConfig
+from scalerl_jax.pipeline.pipeline_rl import Pipeline
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
 

@@ -25,7 +25,8 @@ from scalerl_jax.sampler import (
     Request,
     generate,
 )
-from scalerl_jax.sampler.engine import host_settings, interruption_from_tokenizer
+from scalerl_jax.sampler.engine import host_settings
+from scalerl_jax.sampler.engine_config import interruption_from_tokenizer
 
 # Larger-than-default init so next-token logits are well separated and greedy argmax is robust
 # to float rounding differences between the cached and the full-recompute paths.

@@ -25,7 +25,7 @@ from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 from scalerl_jax.rl.length_penalty import LENGTH_CONTROLS
 from scalerl_jax.telemetry.wandb_sink import WANDB_MODES
-from scalerl_jax.train.step import NAN_POLICIES
+from scalerl_jax.train.step_config import NAN_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)

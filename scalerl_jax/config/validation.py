@@ -22,7 +22,7 @@ from scalerl_jax.config.relevance import answer_style_warnings, check_irrelevant
 from scalerl_jax.config.schema import AUTO_SPLIT, OPEN_UNIT, PROBABILITY, flat_keys, get_key
 from scalerl_jax.data.answers import ANSWER_STYLES, parse_styles
 from scalerl_jax.data.builders import POLARIS_FILENAME, dataset_kind
-from scalerl_jax.sampler.engine import interrupts
+from scalerl_jax.sampler.engine_config import interrupts
 
 GENERATOR_FRACTION = OPEN_UNIT  # `mesh.generator_fraction` when a number
 
@@ -65,7 +65,7 @@ def check_type(key: schema.Key, value: Any) -> list[str]:
 
 def check_values(config: ml_collections.ConfigDict) -> list[str]:
     """Each key's type, choices and bound (`check_type`), ordered budgets (those of forced
-    interruption only when it applies: `sampler.engine.interrupts`), dividing batches."""
+    interruption only when it applies: `sampler.engine_config.interrupts`), dividing batches."""
     problems: list[str] = []
     flat = set(flat_keys(config))
     for key in schema.KEYS:

@@ -3,7 +3,6 @@
 Works on strings and token ids only; imports nothing from models, sampler or pipeline.
 """
 
-from scalerl_jax.data.batching import zero_variance_filter
 from scalerl_jax.data.builders import POLARIS_FILENAME, build_local_file, build_polaris, build_synthetic, read_split
 from scalerl_jax.data.evaluation import EvalResult, evaluate, pass_at_k
 from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
@@ -41,6 +40,7 @@ from scalerl_jax.data.synthetic import (
 )
 from scalerl_jax.data.tokenizer import TOKENIZER_LAYOUT, train_tokenizer
 from scalerl_jax.data.verify_pool import ItemResult, VerifyPool
+from scalerl_jax.data.zero_variance import zero_variance_filter
 
 __all__ = [
     "POLARIS_FILENAME",

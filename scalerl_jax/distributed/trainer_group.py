@@ -6,9 +6,9 @@ weight offer, checkpoint save). The leader sends each operation to every followe
 it receives, in order, until "stop". A train batch enters the step as a global array built with
 `jax.make_array_from_process_local_data`: each process supplies the rows its own devices hold
 (`process_rows`), which the leader cuts out of the batch it built and sends along. The train
-message carries every array's global shape: in the length-sorted layout (`train.step.
-split_sorted_batch`) the keys and shapes are the microbatch plan, so a follower's step issues the
-same jitted calls, in the same order and with the same shapes, as the leader's.
+message carries every array's global shape: in the length-sorted layout
+(`batch_layout.split_sorted_batch`) the keys and shapes are the microbatch plan, so a follower's
+step issues the same jitted calls, in the same order and with the same shapes, as the leader's.
 """
 
 from __future__ import annotations

@@ -37,14 +37,14 @@ for the next phase yet.
 The schedule (`lag.py`) makes the difference between PipelineRL-k (lag <= k by back-pressure)
 and PPO-off-policy-k (k*G groups on frozen params, then k updates; no overlap).
 
-Stopping. The trainer stops after `num_steps`; `request_stop()` or SIGINT/SIGTERM (handled when
-`run()` is called from the main thread and `handle_signals`) stop it after the current step and
-its `on_step` (so that step's metrics and checkpoint are written), or at once while it waits for a
-batch. Under PPO-off-policy-k it goes on to the end of the phase (its batches are already
-generated), so that the stop lands where a checkpoint resumes the run exactly. A second SIGINT
-raises KeyboardInterrupt at once. An exception in any thread closes the link and
-its buffer, which wakes and stops the others; `run()` then re-raises that exception (with its
-traceback) in the calling thread. Groups still queued at the end are listed in the result, never reported as trained.
+Stopping. The trainer stops after `num_steps`; `request_stop(reason)` (from any thread, or from a
+signal handler: the run's SIGTERM / SIGINT handling, `run.signals.StopSignals`, calls it) stops it
+after the current step and its `on_step` (so that step's metrics and checkpoint are written), or at
+once while it waits for a batch. Under PPO-off-policy-k it goes on to the end of the phase (its
+batches are already generated), so that the stop lands where a checkpoint resumes the run exactly.
+An exception in any thread closes the link and its buffer, which wakes and stops the others;
+`run()` then re-raises that exception (with its traceback) in the calling thread. Groups still
+queued at the end are listed in the result, never reported as trained.
 """
 
 from __future__ import annotations
@@ -52,182 +52,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import ml_collections
-import numpy as np
 from absl import logging
 
 from scalerl_jax.contracts.threads import FirstError
-from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET, BatchInfo, build_train_batch, octave_buckets
+from scalerl_jax.pipeline.batching import build_train_batch, octave_buckets
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import GeneratorCounters, GeneratorLoop, GeneratorStats, LocalLink, SamplingSettings
-from scalerl_jax.pipeline.group import Group, Prompt, lags
+from scalerl_jax.pipeline.group import Prompt, lags
 from scalerl_jax.pipeline.lag import default_capacity, make_schedule
 from scalerl_jax.pipeline.queue import BufferCounts, GroupBuffer, PipelineStopped, WaitTimes
+from scalerl_jax.pipeline.step_record import RunTotals, StepRecord, pipeline_step_metrics
 from scalerl_jax.sampler.batcher import Batcher, Completion
-from scalerl_jax.sampler.engine import interrupts, max_sequence_length
-
-ZERO_VARIANCE_MODES = ("drop", "refill", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """Schedule, batch shape, sampling settings and stopping of a pipeline run.
-
-    `capacity`: groups admitted and not yet consumed (in flight + queued); None means the
-    schedule's natural bound, (k+1)*G for PipelineRL-k and k*G for PPO-off-policy-k. A smaller
-    capacity bounds host memory and tightens the effective lag further.
-    `zero_variance`: 'drop' (filtered from the loss, batch not refilled), 'refill' (discarded
-    on arrival, counted; the batch fills with other groups) or 'none'.
-    `admission_slack`: extra pending requests allowed beyond the free slots, so that slots
-    freed by the chunk in flight are refilled at once (None: one prompt's worth, n).
-    `mask_truncated`: completions cut by the token limit leave the loss (loss mask 0) but keep
-    their reward in the advantages' statistics (`batching.py`); counted in data/truncated_masked.
-    `sort_by_length`: batches in the sorted layout (`batching.py`), rows sorted by length into
-    `microbatches` microbatches each padded to its own bucket (the train step must be a
-    `SortedTrainStep` with as many microbatches); length buckets `length_buckets_per_octave` to
-    an octave from `min_length_bucket` to `max_seq_len` (`batching.octave_buckets`).
-    `quiet_log_s`: while no step has finished for this long, one progress line (`quiet_progress_line`)
-    every `quiet_log_s` seconds, so the minutes of a first batch or a long evaluation show.
-    `train_step_flops(rows, sequence_length)`: model FLOPs of one train step on a padded
-    [rows, sequence_length] block (summed over a sorted batch's microbatches), e.g.
-    `functools.partial(train.flops.train_step_flops, model_config)`; gives
-    compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of the trainer's devices
-    (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
-    """
-
-    max_new_tokens: int
-    max_seq_len: int
-    schedule: str = "pipeline"
-    k: int = 8
-    prompts_per_step: int = 48
-    samples_per_prompt: int = 16
-    num_steps: int = 1
-    capacity: int | None = None
-    zero_variance: str = "drop"
-    temperature: float = 1.0
-    stop_tokens: tuple[int, ...] = ()
-    interrupt: bool = True
-    min_length_bucket: int = 128
-    length_buckets_per_octave: int = 1
-    sort_by_length: bool = False
-    microbatches: int = 1
-    admission_slack: int | None = None
-    seed: int = 0
-    first_version: int = 0
-    poll_s: float = 0.05
-    join_timeout_s: float = 30.0
-    quiet_log_s: float = 60.0
-    mask_truncated: bool = False
-    train_step_flops: Callable[[int, int], float] | None = None
-    peak_flops_per_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.schedule not in ("pipeline", "ppo_off_policy"):
-            raise ValueError(f"PipelineConfig.schedule={self.schedule!r}: expected 'pipeline' or 'ppo_off_policy'")
-        if self.zero_variance not in ZERO_VARIANCE_MODES:
-            raise ValueError(
-                f"PipelineConfig.zero_variance={self.zero_variance!r}: expected one of {ZERO_VARIANCE_MODES}"
-            )
-        for name, minimum in (
-            ("prompts_per_step", 1),
-            ("samples_per_prompt", 1),
-            ("num_steps", 0),
-            ("max_new_tokens", 1),
-            ("max_seq_len", 2),
-            ("min_length_bucket", 1),
-            ("length_buckets_per_octave", 1),
-            ("microbatches", 1),
-            ("first_version", 0),
-        ):
-            if getattr(self, name) < minimum:
-                raise ValueError(f"PipelineConfig.{name}={getattr(self, name)} must be >= {minimum}")
-        if self.zero_variance == "refill" and self.samples_per_prompt < 2:
-            raise ValueError(
-                "PipelineConfig.zero_variance='refill' needs samples_per_prompt >= 2 "
-                "(a single completion always has zero variance)"
-            )
-        if self.admission_slack is not None and self.admission_slack < 0:
-            raise ValueError(f"PipelineConfig.admission_slack={self.admission_slack} must be >= 0")
-        if self.poll_s <= 0 or self.join_timeout_s <= 0 or self.quiet_log_s <= 0:
-            raise ValueError("PipelineConfig.poll_s, join_timeout_s and quiet_log_s must be > 0")
-        if self.peak_flops_per_s is not None and not self.peak_flops_per_s > 0:
-            raise ValueError(
-                f"PipelineConfig.peak_flops_per_s={self.peak_flops_per_s} must be > 0 "
-                "(None when the devices' peak is unknown)"
-            )
-
-    @property
-    def rows(self) -> int:
-        """Rows of every train batch: G prompts x n completions."""
-        return self.prompts_per_step * self.samples_per_prompt
-
-    @classmethod
-    def from_config(
-        cls,
-        config: ml_collections.ConfigDict,
-        *,
-        stop_tokens: Sequence[int],
-        start_step: int,
-        train_step_flops: Callable[[int, int], float] | None = None,
-        peak_flops_per_s: float | None = None,
-    ) -> PipelineConfig:
-        """The run config's schedule, batch shape, sampling and stopping, for a run resumed at
-        version `start_step` (0 for a fresh run): the remaining `num_steps - start_step` steps
-        (at least 0), first version `start_step`. `stop_tokens`: the tokenizer's stop ids. The
-        MFU denominators come from the caller (None on a generator process, which trains
-        nothing), so the pipeline needs nothing of the model or the devices."""
-        max_seq_len = max_sequence_length(config)
-        return cls(
-            max_new_tokens=config.sampler.max_new_tokens,
-            max_seq_len=max_seq_len,
-            schedule=config.schedule.kind,
-            k=config.schedule.k,
-            prompts_per_step=config.batch.prompts_per_step,
-            samples_per_prompt=config.batch.generations_per_prompt,
-            num_steps=max(0, config.num_steps - start_step),
-            capacity=config.schedule.queue_groups or None,
-            zero_variance=(
-                "refill" if config.rl.refill_zero_variance else "drop" if config.rl.zero_variance_filter else "none"
-            ),
-            temperature=config.sampler.temperature,
-            stop_tokens=tuple(stop_tokens),
-            interrupt=interrupts(config),
-            min_length_bucket=min(MIN_LENGTH_BUCKET, max_seq_len),
-            seed=config.seed,
-            first_version=start_step,
-            length_buckets_per_octave=config.batch.length_buckets_per_octave,
-            sort_by_length=config.batch.sort_by_length,
-            microbatches=config.batch.microbatches,
-            mask_truncated=config.rl.mask_truncated_completions,
-            train_step_flops=train_step_flops,
-            peak_flops_per_s=peak_flops_per_s,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    """One trainer step: which groups it trained on and what it measured.
-
-    `version` is the params version the step ran on (it produced `version + 1`); per completion
-    (group by group, sample order) `first_versions`, `last_versions` and `lags`. `train_state`
-    is the state the step produced (version + 1), whether or not it was pushed to the sampler;
-    it stays valid during `on_step` and is donated by the next step.
-    """
-
-    version: int
-    group_ids: tuple[int, ...]
-    first_versions: tuple[int, ...]
-    last_versions: tuple[int, ...]
-    lags: tuple[int, ...]
-    metrics: dict[str, float]
-    groups: tuple[Group, ...]
-    train_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +81,7 @@ class PipelineResult:
     train_state: Any
     version: int
     steps: int
-    stop_reason: str  # 'num_steps', 'stop_requested', 'signal SIGINT', 'error'
+    stop_reason: str  # 'num_steps', 'error', or `request_stop`'s reason ('stop_requested', 'signal SIGTERM')
     counts: BufferCounts
     trained_group_ids: tuple[int, ...]
     queued_group_ids: tuple[int, ...]
@@ -336,10 +177,8 @@ class Pipeline:
         concurrent_evaluation: bool = False,
         remote_generators: Sequence[tuple[str, Callable[[LocalLink, threading.Event], None]]] = (),
         clock: Callable[[], float] = time.monotonic,
-        handle_signals: bool = True,
     ):
         self.config = config
-        self._handle_signals = handle_signals
         self.schedule = make_schedule(
             config.schedule, k=config.k, groups_per_step=config.prompts_per_step, first_version=config.first_version
         )
@@ -393,13 +232,13 @@ class Pipeline:
 
     # ------------------------------------------------------------------ control
     def request_stop(self, reason: str = "stop_requested") -> None:
-        """Stop after the current train step (thread safe)."""
+        """Stop after the current train step (thread safe; a signal handler may call it)."""
         if not self._stop_requested.is_set():
             self._stop_reason = reason
         self._stop_requested.set()
 
     def run(self) -> PipelineResult:
-        """Run until `num_steps`, a stop request, a signal or an error (re-raised here)."""
+        """Run until `num_steps`, a stop request or an error (re-raised here)."""
         if self._started:
             raise RuntimeError("Pipeline.run() may be called once per Pipeline")
         self._started = True
@@ -412,7 +251,6 @@ class Pipeline:
             threading.Thread(target=self._guarded(name, loop), name=f"pipeline-{name}", daemon=True)
             for name, loop in loops
         ]
-        previous_handlers = self._install_signal_handlers() if self._handle_signals else {}
         try:
             for thread in threads:
                 thread.start()
@@ -424,7 +262,8 @@ class Pipeline:
                     last_line = now
                 # A trainer waiting for a batch leaves now, a training one after its step and on_step
                 # (`_stopping`); its end stops the other loops. The wake-up is sent from here, not
-                # from the signal handler, which must not wait for the buffer's lock.
+                # from `request_stop`, which a signal handler may call and so must not wait for the
+                # buffer's lock.
                 if self._stop_requested.is_set():
                     self.buffer.wake()
                 for thread in threads:
@@ -435,8 +274,6 @@ class Pipeline:
             self.link.close()
             for thread in threads:
                 thread.join(timeout=self.config.join_timeout_s)
-            for signum, handler in previous_handlers.items():
-                signal.signal(signum, handler)
         stuck = [thread.name for thread in threads if thread.is_alive()]
         self._errors.raise_first()
         if stuck:
@@ -453,21 +290,6 @@ class Pipeline:
             generator=self._generator_stats.snapshot(),
             wall_s=self.clock() - start,
         )
-
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-
-        def handler(signum, frame):
-            if self._stop_requested.is_set() and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            logging.warning("pipeline: %s received, stopping after the current step", signal.Signals(signum).name)
-            self.request_stop(f"signal {signal.Signals(signum).name}")
-
-        previous = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, handler)
-        return previous
 
     def _stopping(self) -> bool:
         """A stop was requested and the trainer is at a step where it may stop: any step of
@@ -541,7 +363,7 @@ class Pipeline:
 
     def _trainer_loop(self) -> None:
         cfg = self.config
-        totals = _Totals(start=self.clock())
+        totals = RunTotals(start=self.clock())
         state = self._train_state
         if self._on_start is not None:
             self._trainer_activity = "evaluating the start"
@@ -581,7 +403,7 @@ class Pipeline:
                 waits = self.buffer.waits()
                 metrics = dict(train_metrics)
                 metrics.update(
-                    step_metrics(
+                    pipeline_step_metrics(
                         groups,
                         info,
                         version=version,
@@ -652,94 +474,3 @@ class EvalSampler:
         else:
             self._pipeline._push_for_evaluation(version)
         return self._pipeline.link.evaluate(version, prompts)
-
-
-@dataclasses.dataclass
-class _Totals:
-    """Trainer-side running totals since the start of the run."""
-
-    start: float
-    completions: int = 0
-    tokens: int = 0  # prompt + completion tokens trained on
-    discarded: int = 0  # buffer's discarded count at the previous step
-    step_s: float = 0.0  # seconds spent in train steps
-
-
-def step_metrics(
-    groups: Sequence[Group],
-    info: BatchInfo,
-    *,
-    version: int,
-    counts: BufferCounts,
-    waits: WaitTimes,
-    generator: GeneratorStats,
-    totals: _Totals,
-    elapsed: float,
-    wait_s: float,
-    step_s: float,
-    push_s: float,
-    step_flops: float | None = None,
-    peak_flops_per_s: float | None = None,
-) -> dict[str, float]:
-    """The pipeline's per-step metrics. Lag of a completion = `version` (the params the step ran
-    on) - version of its first token; versions spanned = last - first token version + 1; idle
-    fractions and rates are cumulative over the `elapsed` seconds of the run; trainer_idle_frac counts
-    the waits for a batch, trainer_step_frac the time in train steps (1 - it is the trainer's time
-    in anything else: waits, pushes, evaluations and checkpoints in the trainer thread, metrics). Over the batch's
-    completions (every completion of `groups`, whether or not in the loss): train/reward_std is
-    the population std of their rewards, train/completion_len_mean / _max their generated
-    tokens (forced phrase tokens included). pipeline/sequence_length: the longest padded length
-    of the step; pipeline/padding_frac: the share of padding among the token positions the step
-    computes (`BatchInfo.padding_frac`); pipeline/skipped_microbatches: sorted microbatches
-    without a row in the loss, not computed. data/truncated_masked: completions masked out of
-    the loss as cut by length. Given `step_flops` (model FLOPs of the step, padding included),
-    compute/model_flops_per_s = step_flops / step_s, where step_s is the step's wall time up to
-    its metrics on the host (compilation included on a new length bucket); with
-    `peak_flops_per_s` too, compute/mfu = that / peak_flops_per_s."""
-    lag = lags(groups, version)
-    firsts = np.asarray([v for g in groups for v in g.first_versions])
-    spans = np.asarray([v for g in groups for v in g.last_versions]) - firsts + 1
-    blocked = waits.generator_blocked_lag + waits.generator_blocked_full
-    rewards = np.concatenate([g.rewards for g in groups])
-    lengths = np.asarray([len(c.tokens) for g in groups for c in g.completions])
-    metrics = {
-        "pipeline/version": float(version + 1),
-        "pipeline/lag_min": float(lag.min()),
-        "pipeline/lag_mean": float(lag.mean()),
-        "pipeline/lag_max": float(lag.max()),
-        "pipeline/versions_spanned_mean": float(spans.mean()),
-        "pipeline/versions_spanned_max": float(spans.max()),
-        "pipeline/trainer_wait_s": wait_s,
-        "pipeline/trainer_idle_frac": waits.trainer_waiting_for_data / elapsed,
-        "pipeline/trainer_step_frac": totals.step_s / elapsed,
-        "pipeline/generator_blocked_lag_s": waits.generator_blocked_lag,
-        "pipeline/generator_blocked_full_s": waits.generator_blocked_full,
-        "pipeline/generator_idle_frac": blocked / elapsed,
-        "pipeline/queue_depth": float(counts.queued),
-        "pipeline/in_flight_groups": float(counts.in_flight),
-        "pipeline/groups_admitted": float(counts.admitted),
-        "pipeline/groups_discarded": float(counts.discarded),
-        "pipeline/samples_per_s": totals.completions / elapsed,
-        "pipeline/train_tokens_per_s": totals.tokens / elapsed,
-        "pipeline/step_s": step_s,
-        "pipeline/push_s": push_s,
-        "pipeline/sequence_length": float(info.sequence_length),
-        "pipeline/padding_frac": info.padding_frac,
-        "pipeline/skipped_microbatches": float(info.skipped_microbatches),
-        "sampler/tokens_per_s": generator.generated_tokens / elapsed,
-        "sampler/completions_per_s": generator.completions / elapsed,
-        "sampler/busy_frac": generator.busy_s / elapsed,
-        "sampler/interrupted_frac": info.interrupted / info.num_completions,
-        "sampler/truncated_frac": info.truncated / info.num_completions,
-        "sampler/score_s": generator.score_s,
-        "data/zero_variance_dropped": float(info.zero_variance_groups + counts.discarded - totals.discarded),
-        "data/truncated_masked": float(info.truncated_masked),
-        "train/reward_std": float(rewards.std()),
-        "train/completion_len_mean": float(lengths.mean()),
-        "train/completion_len_max": float(lengths.max()),
-    }
-    if step_flops is not None and step_s > 0:
-        metrics["compute/model_flops_per_s"] = step_flops / step_s
-        if peak_flops_per_s is not None:
-            metrics["compute/mfu"] = step_flops / step_s / peak_flops_per_s
-    return metrics

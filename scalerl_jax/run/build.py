@@ -1,7 +1,10 @@
 """Builders of a run's parts from its validated config: the policy's checkpoint and tokenizer, the
 task's prompts, the device meshes, the trainer, the generator engine and batcher, the reward, and
-the weight-transfer pieces. Each is a function of the config and what it needs; none starts a
-thread or talks to another process.
+the weight-transfer pieces. Each is a function of the config and what it needs. Two reach beyond
+the calling thread: `RunTrainStep.compile_ahead_in_background` compiles in a thread of its own
+(with a pool of `threads` compiling at once), and `build_transfer` starts this process's
+weight-transfer server and talks to the other processes through the coordination service: a
+trainer publishes its server's address, a generator that pulls its params looks up the trainers'.
 """
 
 from __future__ import annotations
@@ -35,20 +38,21 @@ from scalerl_jax.distributed.wiring import start_transfer_server, trainer_transf
 from scalerl_jax.models import CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh, param_shardings
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET, octave_buckets
+from scalerl_jax.pipeline.config import PipelineConfig
 from scalerl_jax.pipeline.generator import SamplingSettings
 from scalerl_jax.pipeline.group import Prompt
-from scalerl_jax.pipeline.pipeline_rl import PipelineConfig, sampling_settings
+from scalerl_jax.pipeline.pipeline_rl import sampling_settings
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.run.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
 from scalerl_jax.run.warm_start import build_warm_start, synthetic_task
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.sampler.engine import max_sequence_length
+from scalerl_jax.sampler.engine_config import max_sequence_length
 from scalerl_jax.telemetry.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
+from scalerl_jax.train.compiled import abstract_state
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
-from scalerl_jax.train.step import abstract_state
 
 # ---------------------------------------------------------------------------------------------
 # Policy and task

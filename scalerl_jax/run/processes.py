@@ -76,11 +76,10 @@ def _checkpointer(ctx: RunContext) -> RunCheckpointer:
 # ---------------------------------------------------------------------------------------------
 
 
-def run_leader(ctx: RunContext, signals: StopSignals | None = None) -> dict[str, Any]:
+def run_leader(ctx: RunContext, signals: StopSignals) -> dict[str, Any]:
     """The leader: the run's decisions and outputs; returns the run's summary. Its collective
     steps (checkpointer, trainer, restore) come in the same order as a follower's. `signals`: the
-    run's SIGTERM / SIGINT handling, which stops the pipeline after its current step (None: the
-    pipeline handles them itself while it runs)."""
+    run's SIGTERM / SIGINT handling, which stops the pipeline after its current step."""
     run_start = time.time()
     checkpointer = _checkpointer(ctx)
     try:
@@ -97,7 +96,7 @@ def run_leader(ctx: RunContext, signals: StopSignals | None = None) -> dict[str,
     return summary
 
 
-def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals | None) -> PipelineResult:
+def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) -> PipelineResult:
     config, workdir, source = ctx.config, ctx.workdir, ctx.source
     task = load_task(config, workdir, source.encoder)
     assert ctx.meshes.trainer is not None  # the leader is a trainer process
@@ -177,10 +176,8 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals |
         on_end=reporter.on_end,
         eval_batcher=evaluation_batcher(ctx, batcher, start_step) if batcher is not None else None,
         concurrent_evaluation=config.eval.concurrent,
-        handle_signals=signals is None,
     )
-    if signals is not None:
-        signals.on_stop(pipeline.request_stop)
+    signals.on_stop(pipeline.request_stop)
     run_state.meter.start(ctx.meshes.num_devices)
     try:
         result = pipeline.run()

@@ -9,9 +9,9 @@ run's shardings), to lower (trace) only when asked, one at a time:
   batch of B = prompts_per_step x generations_per_prompt rows and every length bucket the batch
   builder can produce (`SortedTrainStep.aot_programs`: one microbatch gradient per bucket);
 - generator (one generator process's local mesh, one per distinct generator mesh size): every
-  decode-path program (`Engine.aot_programs`: prefill + insert per (rows, length) bucket, decode
-  per window, eviction). Evaluation runs through these same programs (the evaluator samples with
-  the generators' batchers), so it adds none;
+  decode-path program (`sampler.engine_programs.aot_programs`: prefill + insert per (rows, length)
+  bucket, decode per window, eviction). Evaluation runs through these same programs (the evaluator
+  samples with the generators' batchers), so it adds none;
 - push: the weight push from the trainer layout to the generator layout, as the run does it
   (`push_local` on one process, `ParamsSender.offer` between processes).
 
@@ -47,9 +47,10 @@ from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS
 from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh, train_length_buckets
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.sampler import Engine, EngineConfig
-from scalerl_jax.sampler.engine import InterruptionConfig, interrupts
+from scalerl_jax.sampler.engine_config import InterruptionConfig, interrupts
+from scalerl_jax.sampler.engine_programs import abstract_decode_state, aot_programs
 from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
-from scalerl_jax.train.step import train_state_shardings
+from scalerl_jax.train.compiled import train_state_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +172,7 @@ def run_programs(
     for mesh in generator_meshes.values():
         engine = Engine(graphdef, model_config, engine_config, mesh=mesh)
         generator_params = with_shardings(abstract, param_shardings(abstract, mesh))
-        decode_state = engine.abstract_decode_state()
+        decode_state = abstract_decode_state(engine)
         params_bytes = per_device_bytes(generator_params)
         # Concurrent evaluation: the evaluation batcher's decode state and params, and the retained
         # versions beside them (`run.processes.evaluation_batcher`), whichever batcher decodes.
@@ -181,7 +182,9 @@ def run_programs(
             else 0
         )
         generator_resident = max(generator_resident, params_bytes + per_device_bytes(decode_state) + beside)
-        for aot in engine.aot_programs(generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens):
+        for aot in aot_programs(
+            engine, generator_params, decode_state, max_prompt_length=config.data.max_prompt_tokens
+        ):
             # Every decode-path program takes the params and the decode state, but eviction the state only.
             resident = (params_bytes if aot.name == "generator/evict" else 0) + beside
             yield RunProgram("generator", aot, mesh.size, resident)

@@ -32,7 +32,8 @@ from absl import logging
 from scalerl_jax import data as data_lib
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.distributed.trainer_group import TrainerGroup
-from scalerl_jax.pipeline.pipeline_rl import EvalSampler, StepRecord
+from scalerl_jax.pipeline.pipeline_rl import EvalSampler
+from scalerl_jax.pipeline.step_record import StepRecord
 from scalerl_jax.run.build import TaskData, Trainer
 from scalerl_jax.run.evaluation import EvaluationQueue, Evaluator
 from scalerl_jax.scaling import ComputeMeter

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -35,7 +33,7 @@ from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.device_split import resolve_generator_fraction
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.run.processes import run_follower, run_generator, run_leader
-from scalerl_jax.run.signals import StopSignals
+from scalerl_jax.run.signals import StopSignals, preserved_signal_handlers
 from scalerl_jax.run.warm_start import build_warm_start
 from scalerl_jax.telemetry.console import quiet_library_logs
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
@@ -86,18 +84,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         if heartbeat is not None:  # a process that fails says no goodbye: the others see it lost
             heartbeat.close()
         return summary
-
-
-@contextlib.contextmanager
-def preserved_signal_handlers() -> Iterator[None]:
-    """Restores the SIGINT / SIGTERM handlers found on entry (the caller keeps its Ctrl-C)."""
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in saved.items():
-            if handler is not None:
-                signal.signal(signum, handler)
 
 
 def prepare_shared_files(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack) -> None:

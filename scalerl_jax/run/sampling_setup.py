@@ -30,7 +30,7 @@ from scalerl_jax.models.hf_tokenizer import (
     read_json,
 )
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import interrupts
+from scalerl_jax.sampler.engine_config import interrupts
 
 
 def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str) -> None:

@@ -1,5 +1,6 @@
 """SIGTERM and SIGINT for a run's life: the first asks for a graceful stop (the current step
-finishes, is written and checkpointed), a second SIGINT ends the process at once."""
+finishes, is written and checkpointed), a second SIGINT ends the process at once. The run's only
+signal handling: the pipeline installs none, it stops when `StopSignals` calls its `request_stop`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from absl import logging
 
@@ -64,6 +65,18 @@ class StopSignals:
         logging.warning("%s received: stopping after the current step, with a checkpoint", name)
         if self._stop is not None:
             self._stop(f"signal {name}")
+
+
+@contextlib.contextmanager
+def preserved_signal_handlers() -> Iterator[None]:
+    """Restores the SIGINT / SIGTERM handlers found on entry (the caller keeps its Ctrl-C)."""
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 def exit_now(message: str, status: int) -> None:

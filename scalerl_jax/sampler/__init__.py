@@ -2,14 +2,10 @@
 
 from scalerl_jax.sampler.api import generate
 from scalerl_jax.sampler.batcher import Batcher, Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import (
-    ChunkResult,
-    DecodeState,
-    Engine,
+from scalerl_jax.sampler.engine import ChunkResult, DecodeState, Engine, Prefix, SlotSettings
+from scalerl_jax.sampler.engine_config import (
     EngineConfig,
     InterruptionConfig,
-    Prefix,
-    SlotSettings,
     interruption_from_tokenizer,
     interrupts,
     max_sequence_length,

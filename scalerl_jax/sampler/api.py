@@ -9,7 +9,8 @@ from typing import Any
 from flax import nnx
 
 from scalerl_jax.sampler.batcher import Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import Engine, EngineConfig, InterruptionConfig, prefill_bucket
+from scalerl_jax.sampler.engine import Engine, prefill_bucket
+from scalerl_jax.sampler.engine_config import EngineConfig, InterruptionConfig
 
 
 @functools.lru_cache(maxsize=4)

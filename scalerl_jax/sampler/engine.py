@@ -36,7 +36,9 @@ inside the loop's condition, as is every slot staying inside the pages it holds)
 exact and later chunks, with larger bounds, go on.
 
 Compiles. `warm_up` compiles every prefill shape up to a prompt length, every window and the
-eviction call before decoding starts, so none happens on the decode path later.
+eviction call before decoding starts, so none happens on the decode path later
+(`decode_path_calls`; `engine_programs.py` lowers the same calls ahead of time). The engine's
+settings (`EngineConfig`, `InterruptionConfig`) are in `engine_config.py`.
 
 Length control (forced interruption) runs inside the jitted chunk as a per-slot state machine:
 phase THINK counts sampled thinking tokens; if the last `len(end_think_ids)` sampled tokens equal
@@ -57,14 +59,11 @@ query's position + 1 only).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from absl import logging
 from flax import nnx
@@ -72,13 +71,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
-from scalerl_jax.models.sharding import DEFAULT_RULES, AotProgram, Rules, logical_to_spec, use_mesh_rules
-from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages, kv_pages_sharding
+from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
+from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
+from scalerl_jax.sampler.engine_config import EngineConfig
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
-
-if TYPE_CHECKING:
-    from scalerl_jax.models import CheckpointTokenizer
 
 PHASE_THINK = 0
 PHASE_FORCING = 1
@@ -91,176 +88,6 @@ CPU_DECODE_BLOCK = 256  # EngineConfig.decode_block=0 on CPU
 # 1.9 GiB in 512-key pieces (3.0 GiB in 2,048-key ones).
 TPU_DECODE_BLOCK = 512
 PALLAS_PAGES_PER_BLOCK = 8  # pages the Pallas decode kernel reads per block
-
-
-@dataclasses.dataclass(frozen=True)
-class InterruptionConfig:
-    """Forced interruption of thinking (ScaleRL's length control).
-
-    `phrase_ids`: tokens teacher-forced when the think budget is reached (typically the tokens
-    of "Okay, time is up. ... </think>"). `end_think_ids`: the token sequence that closes thinking
-    naturally (the tokens of "</think>"). The think budget of each request is drawn uniformly in
-    [`think_budget_min`, `think_budget_max`]; after thinking closes at most `answer_budget`
-    tokens are sampled.
-    """
-
-    phrase_ids: tuple[int, ...]
-    end_think_ids: tuple[int, ...]
-    think_budget_min: int
-    think_budget_max: int
-    answer_budget: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "phrase_ids", tuple(int(t) for t in self.phrase_ids))
-        object.__setattr__(self, "end_think_ids", tuple(int(t) for t in self.end_think_ids))
-        if not self.phrase_ids:
-            raise ValueError("InterruptionConfig.phrase_ids is empty")
-        if not self.end_think_ids:
-            raise ValueError("InterruptionConfig.end_think_ids is empty")
-        if not 1 <= self.think_budget_min <= self.think_budget_max:
-            raise ValueError(
-                f"InterruptionConfig think budget range [{self.think_budget_min}, "
-                f"{self.think_budget_max}] must satisfy 1 <= min <= max"
-            )
-        if self.answer_budget < 1:
-            raise ValueError(f"InterruptionConfig.answer_budget={self.answer_budget} must be >= 1")
-
-
-def interruption_from_tokenizer(
-    tokenizer: Any,
-    *,
-    phrase: str,
-    end_think: str,
-    think_budget_min: int,
-    think_budget_max: int,
-    answer_budget: int,
-) -> InterruptionConfig:
-    """Build an `InterruptionConfig` by encoding `phrase` and `end_think` with a `tokenizers.Tokenizer`."""
-    phrase_ids = tokenizer.encode(phrase, add_special_tokens=False).ids
-    end_think_ids = tokenizer.encode(end_think, add_special_tokens=False).ids
-    return InterruptionConfig(
-        tuple(phrase_ids), tuple(end_think_ids), think_budget_min, think_budget_max, answer_budget
-    )
-
-
-def interrupts(config: ml_collections.ConfigDict) -> bool:
-    """Whether a run config's requests are interrupted: forced interruption applies only to the
-    think format (a plain answer has no think phase)."""
-    return config.rl.length_control == "interruption" and config.data.answer_format == "think"
-
-
-def max_sequence_length(config: ml_collections.ConfigDict) -> int:
-    """KV cache length per slot and the longest train row of a run config: prompt budget +
-    completion budget."""
-    return config.data.max_prompt_tokens + config.sampler.max_new_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Static shape and sampling knobs of an `Engine` (changing any of them recompiles).
-
-    `max_len`: KV cache length per slot = the longest prompt + completion. `chunk_size`: decode
-    steps per jitted `generate` call. `top_k` (0 = off) and `top_p` (1.0 = off) apply to every
-    sampled slot; temperature is per slot. `max_stop_tokens`: capacity of the per-slot stop set.
-    `min_prefill_bucket`: smallest prefill length bucket (buckets double up to `max_len`).
-    `max_prefill_rows`: most requests prefilled by one call (row counts are powers of two up to
-    it, so prefill compiles <= (log2(max_prefill_rows) + 1) x number of length buckets).
-    `interruption`: None disables forced interruption for every request.
-    `decode_block`: keys a decode step reads per piece of a cache layer (bounds its scratch memory
-    to one piece); 0 picks by backend: `CPU_DECODE_BLOCK` on CPU (where XLA would otherwise copy the
-    whole window out of the cache), `TPU_DECODE_BLOCK` on TPU (measured by compilation), the whole
-    window on GPU (XLA fuses the cache slice into the attention reductions: 0.13 GiB of
-    temporaries for the 8B chunk at window 16,384 in `compile_check`).
-    `min_decode_window`: smallest decode attention window (see `Engine.generate`; windows double
-    up to `max_len`, one `generate` compile each).
-    `page_size`: tokens per KV page. `num_pages`: pages in the shared pool (0 = num_slots x
-    ceil(max_len / page_size): every slot can reach max_len at once and nothing is ever preempted;
-    fewer pages serve as many slots as the live tokens allow, the batcher preempting the youngest
-    sequence when a group runs short). `decode_kernel`: 'xla' (blockwise attention over the live
-    window's pages, every backend), 'pallas' (`models.paged_attention`, reads each slot's own
-    length; GPU) or 'auto' (`layers.resolve_decode_kernel`).
-    """
-
-    num_slots: int
-    max_len: int
-    chunk_size: int = 16
-    top_k: int = 0
-    top_p: float = 1.0
-    max_stop_tokens: int = 4
-    min_prefill_bucket: int = 16
-    max_prefill_rows: int = 8
-    interruption: InterruptionConfig | None = None
-    decode_block: int = 0
-    min_decode_window: int = 256
-    page_size: int = 16
-    num_pages: int = 0
-    decode_kernel: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.decode_block < 0:
-            raise ValueError(f"EngineConfig.decode_block={self.decode_block} must be >= 0 (0 = by backend)")
-        if self.num_pages < 0:
-            raise ValueError(f"EngineConfig.num_pages={self.num_pages} must be >= 0 (0 = every slot at max_len)")
-        resolve_decode_kernel(self.decode_kernel, "cpu")
-        for name in (
-            "num_slots",
-            "max_len",
-            "chunk_size",
-            "max_stop_tokens",
-            "min_prefill_bucket",
-            "max_prefill_rows",
-            "min_decode_window",
-            "page_size",
-        ):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} must be >= 1")
-        if self.max_len < 2:
-            raise ValueError(f"EngineConfig.max_len={self.max_len} must be >= 2")
-        if self.top_k < 0:
-            raise ValueError(f"EngineConfig.top_k={self.top_k} must be >= 0 (0 = off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"EngineConfig.top_p={self.top_p} must be in (0, 1]")
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> EngineConfig:
-        """The sampler engine of a run config's `sampler` section: slots, cache length
-        (`max_sequence_length`), sampling knobs, room for the tokenizer's stop ids, the forced
-        interruption (its phrase and think-end tag encoded by `tokens`, when `interrupts`), KV
-        pages and the decode attention kernel."""
-        s = config.sampler
-        interruption = (
-            interruption_from_tokenizer(
-                tokens.tokenizer,
-                phrase=s.interruption_phrase,
-                end_think=s.think_end,
-                think_budget_min=s.think_budget_min,
-                think_budget_max=s.think_budget_max,
-                answer_budget=s.answer_budget,
-            )
-            if interrupts(config)
-            else None
-        )
-        return cls.from_sampler_config(config, max_stop_tokens=len(tokens.stop_ids), interruption=interruption)
-
-    @classmethod
-    def from_sampler_config(
-        cls, config: ml_collections.ConfigDict, *, max_stop_tokens: int, interruption: InterruptionConfig | None
-    ) -> EngineConfig:
-        """The engine of a run config's `sampler` section, given what a tokenizer decides: room for
-        `max_stop_tokens` stop ids and the encoded `interruption` (None: off)."""
-        s = config.sampler
-        return cls(
-            num_slots=s.num_slots,
-            max_len=max_sequence_length(config),
-            chunk_size=s.chunk_steps,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            max_stop_tokens=max_stop_tokens,
-            interruption=interruption,
-            page_size=s.page_size,
-            num_pages=s.num_pages,
-            decode_kernel=s.decode_kernel,
-        )
 
 
 class DecodeState(NamedTuple):
@@ -470,28 +297,6 @@ class Engine:
             )
         )
 
-    def abstract_decode_state(self) -> DecodeState:
-        """`init_decode_state`'s shapes and dtypes without building it, each on the sharding
-        `init_decode_state` gives it (the KV pages by the rules, the rest replicated; none without a
-        mesh): what `aot_programs` takes."""
-        abstract = jax.eval_shape(self.init_decode_state)
-        if self.mesh is None:
-            return abstract
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-
-        def place(leaf: jax.ShapeDtypeStruct, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-
-        fields = {
-            name: jax.tree.map(lambda leaf: place(leaf, replicated), value)
-            for name, value in abstract._asdict().items()
-        }
-        fields["cache"] = {
-            name: place(leaf, kv_pages_sharding(leaf.shape, self.mesh, self.rules))
-            for name, leaf in abstract.cache.items()
-        }
-        return DecodeState(**fields)
-
     def prefill(self, params: Any, tokens: Any, true_length: Any) -> Prefix:
         """K/V of right-padded host prompts `tokens` int32[N, Tb] (or [Tb]), lengths `true_length`."""
         tokens = np.asarray(tokens, np.int32)
@@ -499,7 +304,7 @@ class Engine:
         if tokens.ndim == 1:
             tokens, true_length = tokens[None], true_length.reshape(1)
         self._count("prefill", tokens.shape)
-        with self._mesh_context():
+        with self.mesh_context():
             return self._prefill_jit(params, tokens, true_length)
 
     def insert(self, prefix: Prefix, state: DecodeState, slots: Any, settings: SlotSettings) -> DecodeState:
@@ -507,7 +312,7 @@ class Engine:
         slots = np.asarray(slots, np.int32).reshape(-1)
         self._count("insert", jax.tree.leaves(prefix.cache)[0].shape)
         self._note_inserted(slots, np.asarray(prefix.true_length))
-        with self._mesh_context():
+        with self.mesh_context():
             return self._insert_jit(prefix, state, slots, settings, self._table_rows(slots))
 
     def prefill_insert(
@@ -518,7 +323,7 @@ class Engine:
         true_length, slots = np.asarray(true_length, np.int32), np.asarray(slots, np.int32)
         self._count("prefill_insert", tokens.shape)
         self._note_inserted(slots, true_length)
-        with self._mesh_context():
+        with self.mesh_context():
             return self._prefill_insert_jit(
                 params, state, tokens, true_length, slots, settings, self._table_rows(slots)
             )
@@ -530,7 +335,7 @@ class Engine:
         naming the groups if the pool is short: resolve `chunk_shortfall` first, e.g. by `evict`).
         """
         window, table, held = self.prepare_chunk()
-        with self._mesh_context():
+        with self.mesh_context():
             return self._generate_jit(params, state, window, table, held)
 
     def prepare_chunk(self) -> tuple[int, np.ndarray, np.ndarray]:
@@ -577,7 +382,7 @@ class Engine:
         mask[slots] = True
         self.release_slots(slots)
         self._count("evict", ())
-        with self._mesh_context():
+        with self.mesh_context():
             return self._evict_jit(state, mask)
 
     def warm_up(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> DecodeState:
@@ -586,25 +391,12 @@ class Engine:
         `state`, which must have no live slot, comes back unchanged; donates `state`."""
         if self._live_bound.any():
             raise ValueError("Engine.warm_up needs a decode state with no live slot")
-        with self._mesh_context():
+        with self.mesh_context():
             for call in self.decode_path_calls(max_prompt_length):
                 self._count(call.name, call.shape)
                 out = call.jitted(*((params,) if call.takes_params else ()), state, *call.args)
                 state = out[0] if call.name == "generate" else out
         return state
-
-    def aot_programs(self, params: Any, state: DecodeState, *, max_prompt_length: int) -> Iterator[AotProgram]:
-        """Every call of `decode_path_calls`, to lower ahead of time; `params` and `state` may be
-        abstract (ShapeDtypeStructs with shardings: `abstract_decode_state`)."""
-        for call in self.decode_path_calls(max_prompt_length):
-            shape = " ".join(f"{key}={value}" for key, value in zip(call.shape_names, call.shape))
-            yield AotProgram(
-                f"generator/{call.name}", shape or "state", functools.partial(self._lower, params, state, call)
-            )
-
-    def _lower(self, params: Any, state: DecodeState, call: DecodeCall) -> jax.stages.Lowered:
-        with self._mesh_context():
-            return call.jitted.lower(*((params,) if call.takes_params else ()), state, *call.args)
 
     def decode_path_calls(self, max_prompt_length: int) -> Iterator[DecodeCall]:
         """Every jitted call the decode path can make for prompts up to `max_prompt_length`, with
@@ -643,12 +435,14 @@ class Engine:
         needed = int(self._live_bound.max()) + cfg.chunk_size - 1
         return prefill_bucket(needed, min_bucket=cfg.min_decode_window, max_len=cfg.max_len)
 
-    # ------------------------------------------------------------------------------ internals
-    def _mesh_context(self) -> contextlib.AbstractContextManager:
+    def mesh_context(self) -> contextlib.AbstractContextManager:
+        """The context the engine's calls are traced in: its mesh's sharding rules (nothing
+        without a mesh)."""
         if self.mesh is None:
             return contextlib.nullcontext()
         return use_mesh_rules(self.mesh, self.rules)
 
+    # ------------------------------------------------------------------------------ internals
     def _note_inserted(self, slots: np.ndarray, lengths: np.ndarray) -> None:
         """Host bound of the inserted slots: next position + 1 <= prompt length (padding rows dropped);
         each gets pages for its prompt (RuntimeError if its group lacks them: `reserve` first)."""

@@ -1,8 +1,8 @@
-"""Zero-variance filtering on the host (data/batching.py) against a plain-python reference."""
+"""Zero-variance filtering on the host (data/zero_variance.py) against a plain-python reference."""
 
 import numpy as np
 
-from scalerl_jax.data.batching import zero_variance_filter
+from scalerl_jax.data.zero_variance import zero_variance_filter
 
 
 def _reference_keep(rewards, group_ids, valid):

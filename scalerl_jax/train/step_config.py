@@ -1,0 +1,64 @@
+"""The train step's knobs (`TrainStepConfig`) and the run config's `nan_policy` choices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
+
+NAN_POLICIES = ("skip", "stop")  # `nan_policy`: keep the old state (`skip_nonfinite`), or the run loop raises
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+    """Loss and step knobs (the recipe's defaults: CISPO, prompt average, batch-std advantages)."""
+
+    objective: str = "cispo"
+    aggregation: str = "prompt"
+    advantage_normalization: str = "batch"
+    eps_low: float | None = None  # clip range of dapo/grpo/gspo; None: the objective's default
+    eps_high: float | None = None  # (dapo 0.2/0.28, grpo symmetric, gspo 3e-4/4e-4; rl.objectives)
+    eps_max: float = 4.0  # cispo's importance-weight truncation
+    num_microbatches: int = 1
+    temperature: float = 1.0  # the sampler's temperature: logp of logits / temperature
+    logprob_chunk_size: int = 512  # sequence chunk of the log-prob computation
+    skip_nonfinite: bool = True  # keep the old state when loss or grads are NaN/inf
+    sort_by_length: bool = False  # batches in the sorted layout (split_sorted_batch); SortedTrainStep
+
+    def __post_init__(self):
+        for name, allowed in (
+            ("objective", OBJECTIVES),
+            ("aggregation", AGGREGATIONS),
+            ("advantage_normalization", NORMALIZATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainStepConfig.{name}={getattr(self, name)!r}; expected one of {allowed}")
+        if self.num_microbatches < 1:
+            raise ValueError(f"TrainStepConfig.num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.temperature <= 0:
+            raise ValueError(f"TrainStepConfig.temperature must be > 0, got {self.temperature}")
+        if self.logprob_chunk_size < 1:
+            raise ValueError(f"TrainStepConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> TrainStepConfig:
+        """The step's knobs from a run config (`scalerl_jax.config.recipes`): `rl.{objective, aggregation,
+        advantage_normalization, eps_low, eps_high, eps_max}`, `batch.{microbatches,
+        sort_by_length}`, `sampler.temperature`, `model.logprob_chunk`, and `nan_policy` ('skip':
+        a non-finite step keeps the old state)."""
+        rl = config.rl
+        return cls(
+            objective=rl.objective,
+            aggregation=rl.aggregation,
+            advantage_normalization=rl.advantage_normalization,
+            eps_low=rl.eps_low,
+            eps_high=rl.eps_high,
+            eps_max=rl.eps_max,
+            num_microbatches=config.batch.microbatches,
+            temperature=config.sampler.temperature,
+            logprob_chunk_size=config.model.logprob_chunk,
+            skip_nonfinite=config.nan_policy == "skip",
+            sort_by_length=config.batch.sort_by_length,
+        )
