@@ -26,10 +26,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from scalerl_jax.config import recipes  # noqa: E402
+from scalerl_jax.config.adapters import optimizer_config_of, train_step_config_of
 from scalerl_jax.models import Transformer, make_mesh  # noqa: E402
 from scalerl_jax.run.programs import model_config_of  # noqa: E402
 from scalerl_jax.sampler import generate  # noqa: E402
-from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step  # noqa: E402
+from scalerl_jax.train import init_train_state, make_optimizer, make_train_step  # noqa: E402
 
 
 def main() -> None:
@@ -59,9 +60,9 @@ def main() -> None:
     mesh = make_mesh((1, 1, 1), devices=[trainer_device])
     rows, length = b.prompts_per_step * b.generations_per_prompt, prompt + budget
     graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(0)))
-    optimizer = make_optimizer(OptimizerConfig.from_config(config))
+    optimizer = make_optimizer(optimizer_config_of(config))
     state, shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_config = dataclasses.replace(TrainStepConfig.from_config(config), sort_by_length=False)
+    step_config = dataclasses.replace(train_step_config_of(config), sort_by_length=False)
     step = make_train_step(graphdef, optimizer, step_config, mesh=mesh, state_shardings=shardings)
     mask = np.zeros((rows, length), np.float32)
     mask[:, prompt:] = 1.0

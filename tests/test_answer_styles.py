@@ -17,6 +17,7 @@ import pytest
 
 from scalerl_jax.config import recipes, relevance
 from scalerl_jax.config import validation as config_validation
+from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.data import answers, builders, rows
 from scalerl_jax.data.evaluation import evaluate
 from scalerl_jax.data.rewards import RewardConfig, RewardTally, score_completions
@@ -362,9 +363,9 @@ def test_recipe_defaults_and_validation():
     assert recipes.scalerl_8b().data.answer_extraction == "boxed"
     assert recipes.scalerl_8b().data.gold_extraction == ""
     assert recipes.tiny().data.answer_extraction == "boxed"
-    assert RewardConfig.from_config(recipes.tiny()).answer_styles == ("boxed",)
+    assert reward_config_of(recipes.tiny()).answer_styles == ("boxed",)
     good = _config(answer_extraction="hashes,answer_is,last_number", gold_extraction="hashes")
-    assert RewardConfig.from_config(good).answer_styles == GSM8K_STYLES
+    assert reward_config_of(good).answer_styles == GSM8K_STYLES
     for key, value in [("answer_extraction", ""), ("answer_extraction", "boxed,boxed"), ("gold_extraction", "hash")]:
         problems = config_validation.check_values(_config(**{key: value}))
         assert len(problems) == 1 and f"`data.{key}` = {value!r}" in problems[0]

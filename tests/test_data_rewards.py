@@ -9,6 +9,7 @@ import threading
 import psutil
 import pytest
 
+from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.data import rewards
 from scalerl_jax.data.rewards import RewardConfig, extract_answer, last_boxed, math_reward
 from scalerl_jax.data.verify_pool import TIMEOUT, VerifyPool
@@ -190,14 +191,14 @@ def test_reward_config_from_the_tiny_and_8b_configs():
     from scalerl_jax.config import recipes
 
     # Hand-read from recipes.tiny(): synthetic task, +1 / -1, think format ending at </think>.
-    assert RewardConfig.from_config(recipes.tiny()) == RewardConfig(
+    assert reward_config_of(recipes.tiny()) == RewardConfig(
         kind="exact", correct_reward=1.0, incorrect_reward=-1.0, think_end="</think>", answer_format="think"
     )
     config = recipes.scalerl_8b()
     config.data.answer_format = "plain"
     config.data.reward_fn = "tests.custom_rewards:contains_gold"
     config.data.reward_incorrect = 0.0
-    assert RewardConfig.from_config(config) == RewardConfig(
+    assert reward_config_of(config) == RewardConfig(
         kind="math",
         correct_reward=1.0,
         incorrect_reward=0.0,

@@ -31,6 +31,7 @@ from test_main import REPO, SMALL
 from scalerl_jax import data as data_lib
 from scalerl_jax import run as run_lib
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.relevance import check_irrelevant
 from scalerl_jax.config.validation import validate
@@ -210,7 +211,7 @@ def encode(text: str) -> tuple[int, ...]:
 
 def reward_parts(config, *, time_limit_s: float = 5.0):
     """make_reward_fn on one training prompt (PROBLEM, gold '42') with a real verify pool."""
-    reward_config = data_lib.RewardConfig.from_config(config)
+    reward_config = reward_config_of(config)
     verify_pool = data_lib.VerifyPool(1, time_limit_s=time_limit_s, reward_fn=reward_config.reward_fn)
     tallies = RewardTallies()
     task = TaskData([PROBLEM], [[1, 2]], ["42"], [], 0)

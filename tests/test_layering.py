@@ -134,6 +134,28 @@ def test_only_the_entry_points_import_the_composition_root_and_the_commands():
     assert sorted(part for part, imports in graph.items() if "cli" in imports and part != "cli") == ["main"]
 
 
+def parts_importing(module: str) -> set[str]:
+    """The parts of the package with a file that imports the top-level module `module`."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
+            if any(name == module or name.startswith(module + ".") for name in names):
+                found.add(path.relative_to(PACKAGE).parts[0].removesuffix(".py"))
+    return found
+
+
+def test_only_the_configuration_the_run_and_the_commands_read_config_dicts():
+    """Libraries take their own dataclasses (`config.adapters` builds them): no ConfigDict below."""
+    assert sorted(parts_importing("ml_collections")) == ["cli", "config", "run"]
+
+
 def test_cycles_finds_a_circle_by_hand():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []

@@ -5,6 +5,7 @@ completion tokens, 48 x 16, PipelineRL-8, forced interruption, 10,000 steps)."""
 import pytest
 
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import pipeline_config_of
 from scalerl_jax.pipeline.config import PipelineConfig
 
 
@@ -13,7 +14,7 @@ def flops(rows, length):
 
 
 def test_the_8b_recipe_resumed_at_step_4096():
-    config = PipelineConfig.from_config(
+    config = pipeline_config_of(
         recipes.scalerl_8b(), stop_tokens=[7, 8], start_step=4096, train_step_flops=flops, peak_flops_per_s=1e15
     )
     assert config == PipelineConfig(
@@ -59,6 +60,6 @@ def test_each_switch_reaches_its_field(overrides, field, expected):
     for key, value in overrides.items():
         section, _, name = key.rpartition(".")
         setattr(config[section] if section else config, name, value)
-    built = PipelineConfig.from_config(config, stop_tokens=[7], start_step=300)
+    built = pipeline_config_of(config, stop_tokens=[7], start_step=300)
     assert getattr(built, field) == expected
     assert built.train_step_flops is None and built.peak_flops_per_s is None

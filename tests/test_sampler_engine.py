@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import engine_config_of
 from scalerl_jax.models import CheckpointTokenizer, Transformer, get_preset, init_kv_cache
 from scalerl_jax.sampler import (
     Completion,
@@ -466,7 +467,7 @@ def test_engine_config_from_the_8b_recipe():
             stop_ids=(2, 5, 9), tokenizer=PhraseTokenizer({s.interruption_phrase: (40, 41, 42), s.think_end: (42,)})
         ),
     )
-    assert EngineConfig.from_config(config, tokens) == EngineConfig(
+    assert engine_config_of(config, tokens) == EngineConfig(
         num_slots=256,
         max_len=2048 + 14336,
         chunk_size=64,
@@ -479,4 +480,4 @@ def test_engine_config_from_the_8b_recipe():
         decode_kernel="auto",
     )
     config.data.answer_format = "plain"  # no think phase, nothing to interrupt
-    assert EngineConfig.from_config(config, tokens).interruption is None
+    assert engine_config_of(config, tokens).interruption is None

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import optimizer_config_of
 from scalerl_jax.train.optimizer import (
     OptimizerConfig,
     init_optimizer_state,
@@ -137,7 +138,7 @@ def test_mixed_dtype_params_share_no_buffer_with_master():
 def test_from_config_reads_the_optimizer_section():
     """configs/tiny.py's optimizer section, written out: lr 5e-5 after 5 warmup steps, eps 1e-8,
     the recipe's betas and weight decay, global-norm clip 1.0; the recipe's clip 0 means none."""
-    assert OptimizerConfig.from_config(recipes.tiny()) == OptimizerConfig(
+    assert optimizer_config_of(recipes.tiny()) == OptimizerConfig(
         learning_rate=5e-5, warmup_steps=5, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01, max_grad_norm=1.0
     )
-    assert OptimizerConfig.from_config(recipes.scalerl_8b()).max_grad_norm is None
+    assert optimizer_config_of(recipes.scalerl_8b()).max_grad_norm is None

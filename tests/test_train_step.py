@@ -18,6 +18,7 @@ from flax import nnx
 from small_models import small_llama
 
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import train_step_config_of
 from scalerl_jax.contracts.batch_layout import validate_batch
 from scalerl_jax.models import Transformer, make_mesh, param_shardings
 from scalerl_jax.train import (
@@ -452,7 +453,7 @@ def test_step_config_from_the_run_config():
     normalization, the recipe's clip settings, one microbatch in the sorted layout, temperature 1,
     log-prob chunks of 64, and nan_policy 'skip' (skip_nonfinite); 'stop' turns skip_nonfinite off."""
     config = recipes.tiny()
-    assert TrainStepConfig.from_config(config) == TrainStepConfig(
+    assert train_step_config_of(config) == TrainStepConfig(
         objective="cispo",
         aggregation="prompt",
         advantage_normalization="batch",
@@ -466,7 +467,7 @@ def test_step_config_from_the_run_config():
         sort_by_length=True,
     )
     config.nan_policy = "stop"
-    assert not TrainStepConfig.from_config(config).skip_nonfinite
+    assert not train_step_config_of(config).skip_nonfinite
 
 
 @pytest.mark.slow

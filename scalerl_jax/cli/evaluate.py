@@ -48,6 +48,7 @@ from absl import flags, logging
 from scalerl_jax import data as data_lib
 from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, EXIT_RUN_ERROR, report_error
 from scalerl_jax.config import recipes
+from scalerl_jax.config.adapters import engine_config_of, reward_config_of
 from scalerl_jax.config.argv import CONFIG_ARGV_ERRORS, apply_config_overrides, config_argv_problem, parse_config_argv
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.memory_fit import check_run_memory
@@ -61,7 +62,7 @@ from scalerl_jax.run.sampling_setup import (
     make_prompt_encoder,
     make_sample_fn,
 )
-from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine, EngineConfig
+from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine
 from scalerl_jax.telemetry.compile_events import compile_log
 from scalerl_jax.telemetry.console import quiet_library_logs
 
@@ -292,10 +293,10 @@ def evaluate_policy(
     kept = encoded.source_indices
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
-    engine = Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tok), mesh=mesh)
+    engine = Engine(policy.graphdef, policy.model_config, engine_config_of(config, tok), mesh=mesh)
     progress = Progress(len(kept) * num_samples, num_samples, progress_every_s)
     batcher = ProgressBatcher(engine, params, version=policy.step or 0, seed=seed, progress=progress)
-    reward_config = data_lib.RewardConfig.from_config(config)
+    reward_config = reward_config_of(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
     )

@@ -11,9 +11,9 @@ from typing import Any
 
 import ml_collections
 
+from scalerl_jax.config.adapters import max_sequence_length
 from scalerl_jax.config.devices import mesh_shape
 from scalerl_jax.config.errors import ConfigError
-from scalerl_jax.sampler.engine_config import max_sequence_length
 
 # Of a device's memory, the share a run may plan to fill (XLA's workspace, the prefill's and the
 # train step's scratch, the host's own processes take the rest).

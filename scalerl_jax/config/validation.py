@@ -16,13 +16,13 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax.config import schema
+from scalerl_jax.config.adapters import interrupts
 from scalerl_jax.config.devices import check_devices
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.relevance import answer_style_warnings, check_irrelevant
 from scalerl_jax.config.schema import AUTO_SPLIT, OPEN_UNIT, PROBABILITY, flat_keys, get_key
 from scalerl_jax.data.answers import ANSWER_STYLES, parse_styles
 from scalerl_jax.data.builders import POLARIS_FILENAME, dataset_kind
-from scalerl_jax.sampler.engine_config import interrupts
 
 GENERATOR_FRACTION = OPEN_UNIT  # `mesh.generator_fraction` when a number
 

@@ -38,7 +38,6 @@ import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
 
-import ml_collections
 import numpy as np
 from absl import logging
 
@@ -139,22 +138,6 @@ class RewardConfig:
                 answers.check_reward_fn_spec(self.reward_fn)
             except ValueError as e:
                 raise ValueError(f"RewardConfig.{e}") from None
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> RewardConfig:
-        """The run config's verifier: exact match on the synthetic task (`data.dataset`), math-verify
-        otherwise, or `data.reward_fn` when set; rewards `data.reward_correct` / `data.reward_incorrect`,
-        answers extracted per `data.answer_format` after `sampler.think_end` by the styles of
-        `data.answer_extraction`."""
-        return cls(
-            kind="exact" if config.data.dataset == "synthetic" else "math",
-            correct_reward=config.data.reward_correct,
-            incorrect_reward=config.data.reward_incorrect,
-            answer_format=config.data.answer_format,
-            think_end=config.sampler.think_end,
-            reward_fn=config.data.reward_fn or None,
-            answer_styles=answers.parse_styles(config.data.answer_extraction),
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-
-import ml_collections
-
-from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET
-from scalerl_jax.sampler.engine_config import interrupts, max_sequence_length
+from collections.abc import Callable
 
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
@@ -104,45 +99,3 @@ class PipelineConfig:
     def rows(self) -> int:
         """Rows of every train batch: G prompts x n completions."""
         return self.prompts_per_step * self.samples_per_prompt
-
-    @classmethod
-    def from_config(
-        cls,
-        config: ml_collections.ConfigDict,
-        *,
-        stop_tokens: Sequence[int],
-        start_step: int,
-        train_step_flops: Callable[[int, int], float] | None = None,
-        peak_flops_per_s: float | None = None,
-    ) -> PipelineConfig:
-        """The run config's schedule, batch shape, sampling and stopping, for a run resumed at
-        version `start_step` (0 for a fresh run): the remaining `num_steps - start_step` steps
-        (at least 0), first version `start_step`. `stop_tokens`: the tokenizer's stop ids. The
-        MFU denominators come from the caller (None on a generator process, which trains
-        nothing), so the pipeline needs nothing of the model or the devices."""
-        max_seq_len = max_sequence_length(config)
-        return cls(
-            max_new_tokens=config.sampler.max_new_tokens,
-            max_seq_len=max_seq_len,
-            schedule=config.schedule.kind,
-            k=config.schedule.k,
-            prompts_per_step=config.batch.prompts_per_step,
-            samples_per_prompt=config.batch.generations_per_prompt,
-            num_steps=max(0, config.num_steps - start_step),
-            capacity=config.schedule.queue_groups or None,
-            zero_variance=(
-                "refill" if config.rl.refill_zero_variance else "drop" if config.rl.zero_variance_filter else "none"
-            ),
-            temperature=config.sampler.temperature,
-            stop_tokens=tuple(stop_tokens),
-            interrupt=interrupts(config),
-            min_length_bucket=min(MIN_LENGTH_BUCKET, max_seq_len),
-            seed=config.seed,
-            first_version=start_step,
-            length_buckets_per_octave=config.batch.length_buckets_per_octave,
-            sort_by_length=config.batch.sort_by_length,
-            microbatches=config.batch.microbatches,
-            mask_truncated=config.rl.mask_truncated_completions,
-            train_step_flops=train_step_flops,
-            peak_flops_per_s=peak_flops_per_s,
-        )

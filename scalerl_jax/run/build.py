@@ -26,6 +26,13 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.config.adapters import (
+    engine_config_of,
+    max_sequence_length,
+    optimizer_config_of,
+    pipeline_config_of,
+    train_step_config_of,
+)
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.data.builders import dataset_kind
@@ -46,10 +53,9 @@ from scalerl_jax.rl import length_penalty
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.run.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
 from scalerl_jax.run.warm_start import build_warm_start, synthetic_task
-from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig
-from scalerl_jax.sampler.engine_config import max_sequence_length
+from scalerl_jax.sampler import ContinuousBatcher, Engine
 from scalerl_jax.telemetry.compile_events import CompileLog, compile_log, summary
-from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
+from scalerl_jax.train import init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.compiled import abstract_state
 from scalerl_jax.train.flops import devices_peak_flops_per_s, train_step_flops
 from scalerl_jax.train.optimizer import learning_rate_schedule
@@ -325,7 +331,7 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     log = compile_log()  # counts this process's compiles from here on
     model = load_hf(checkpoint_dir, mesh=mesh, **run_model_overrides(config))
     graphdef, params = nnx.split(model)
-    optimizer = make_optimizer(OptimizerConfig.from_config(config))
+    optimizer = make_optimizer(optimizer_config_of(config))
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
     step = RunTrainStep(
         build_train_step(config, graphdef, optimizer, mesh, state_shardings),
@@ -354,10 +360,10 @@ def build_train_step(
     return make_train_step(
         graphdef,
         optimizer,
-        TrainStepConfig.from_config(config),
+        train_step_config_of(config),
         mesh=mesh,
         state_shardings=state_shardings,
-        learning_rate_schedule=learning_rate_schedule(OptimizerConfig.from_config(config)),
+        learning_rate_schedule=learning_rate_schedule(optimizer_config_of(config)),
     )
 
 
@@ -365,7 +371,7 @@ def build_engine(
     config: ml_collections.ConfigDict, policy: AbstractPolicy, tokens: CheckpointTokenizer, mesh: jax.sharding.Mesh
 ) -> Engine:
     """The generator's decode engine: slots, cache length, sampling knobs, stop ids, interruption."""
-    return Engine(policy.graphdef, policy.model_config, EngineConfig.from_config(config, tokens), mesh=mesh)
+    return Engine(policy.graphdef, policy.model_config, engine_config_of(config, tokens), mesh=mesh)
 
 
 def build_batcher(config: ml_collections.ConfigDict, engine: Engine, params: Any, version: int) -> ContinuousBatcher:
@@ -390,7 +396,7 @@ def pipeline_config(
     """The leader's pipeline: the run config's schedule and batch, with the MFU denominators of
     its model on the trainer devices."""
     devices = list(roles.trainer_devices)
-    return PipelineConfig.from_config(
+    return pipeline_config_of(
         config,
         stop_tokens=tokens.stop_ids,
         start_step=start_step,
@@ -401,7 +407,7 @@ def pipeline_config(
 
 def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> SamplingSettings:
     """What every generator's requests share (the same on every process)."""
-    return sampling_settings(PipelineConfig.from_config(config, stop_tokens=tokens.stop_ids, start_step=0))
+    return sampling_settings(pipeline_config_of(config, stop_tokens=tokens.stop_ids, start_step=0))
 
 
 # ---------------------------------------------------------------------------------------------

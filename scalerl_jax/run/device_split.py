@@ -40,6 +40,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from scalerl_jax.config.adapters import optimizer_config_of, train_step_config_of
 from scalerl_jax.config.devices import split_candidates
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.schema import AUTO_SPLIT
@@ -139,7 +140,7 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
     from scalerl_jax.models import Transformer, make_mesh
     from scalerl_jax.run.programs import model_config_of
     from scalerl_jax.sampler import generate
-    from scalerl_jax.train import OptimizerConfig, TrainStepConfig, init_train_state, make_optimizer, make_train_step
+    from scalerl_jax.train import init_train_state, make_optimizer, make_train_step
 
     s, b = config.sampler, config.batch
     prompt, budget = config.data.max_prompt_tokens, s.max_new_tokens
@@ -189,9 +190,9 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
     rows = -(-rows // mesh.size) * mesh.size
     length = prompt + budget
     graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(config.seed)))
-    optimizer = make_optimizer(OptimizerConfig.from_config(config))
+    optimizer = make_optimizer(optimizer_config_of(config))
     state, shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_config = dataclasses.replace(TrainStepConfig.from_config(config), num_microbatches=1, sort_by_length=False)
+    step_config = dataclasses.replace(train_step_config_of(config), num_microbatches=1, sort_by_length=False)
     step = make_train_step(graphdef, optimizer, step_config, mesh=mesh, state_shardings=shardings)
     loss_mask = np.zeros((rows, length), np.float32)
     loss_mask[:, prompt:] = 1.0

@@ -26,11 +26,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
+from scalerl_jax.config.adapters import optimizer_config_of
 from scalerl_jax.models import Transformer, load_hf, make_mesh, param_shardings
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf import load_hf_config
 from scalerl_jax.run import warm_start
-from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer, train_state_shardings
+from scalerl_jax.train import create_train_state, make_optimizer, train_state_shardings
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
 RUN_CONFIG_FILE = "config.json"
@@ -137,7 +138,7 @@ def run_model_config(config: ml_collections.ConfigDict, base_dir: str) -> ModelC
 
 def run_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """The run's optimizer from `config.optimizer` (its state's structure is part of a checkpoint)."""
-    return make_optimizer(OptimizerConfig.from_config(config))
+    return make_optimizer(optimizer_config_of(config))
 
 
 def restore_params(

@@ -20,6 +20,7 @@ from typing import Any
 from absl import logging
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.config.resume import config_json, flat_config
 from scalerl_jax.contracts.threads import FirstError
 from scalerl_jax.distributed.remote_generator import (
@@ -133,7 +134,7 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) 
     if remote is not None:
         remote.announce(start_step)  # the offer was made with the local one
 
-    reward_config = data_lib.RewardConfig.from_config(config)
+    reward_config = reward_config_of(config)
     verify_pool = data_lib.VerifyPool(
         config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
     )

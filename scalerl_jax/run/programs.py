@@ -33,6 +33,7 @@ import jax
 import ml_collections
 from flax import nnx
 
+from scalerl_jax.config.adapters import interrupts, optimizer_config_of, sampler_engine_config_of
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.schema import AUTO_SPLIT
 from scalerl_jax.distributed.roles import Roles, assign_roles
@@ -47,9 +48,9 @@ from scalerl_jax.pipeline.generator import RETAINED_EVAL_VERSIONS
 from scalerl_jax.run.build import build_meshes, build_train_step, generator_mesh, train_length_buckets
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.sampler import Engine, EngineConfig
-from scalerl_jax.sampler.engine_config import InterruptionConfig, interrupts
+from scalerl_jax.sampler.engine_config import InterruptionConfig
 from scalerl_jax.sampler.engine_programs import abstract_decode_state, aot_programs
-from scalerl_jax.train import OptimizerConfig, create_train_state, make_optimizer
+from scalerl_jax.train import create_train_state, make_optimizer
 from scalerl_jax.train.compiled import train_state_shardings
 
 
@@ -114,7 +115,7 @@ def engine_config_of(
         if interrupts(config)
         else None
     )
-    return EngineConfig.from_sampler_config(config, max_stop_tokens=stop_tokens, interruption=interruption)
+    return sampler_engine_config_of(config, max_stop_tokens=stop_tokens, interruption=interruption)
 
 
 def run_roles(config: ml_collections.ConfigDict, devices: Sequence[Any]) -> Roles:
@@ -146,7 +147,7 @@ def run_programs(
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
     trainer_params = with_shardings(abstract, param_shardings(abstract, trainer_mesh))
 
-    optimizer = make_optimizer(OptimizerConfig.from_config(config))
+    optimizer = make_optimizer(optimizer_config_of(config))
     abstract_state = jax.eval_shape(lambda p: create_train_state(p, optimizer), trainer_params)
     state_shardings = train_state_shardings(
         abstract_state, optimizer, param_shardings(abstract, trainer_mesh), trainer_mesh

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.config.adapters import interrupts
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.models import CheckpointTokenizer
 from scalerl_jax.models.hf_tokenizer import (
@@ -30,7 +31,6 @@ from scalerl_jax.models.hf_tokenizer import (
     read_json,
 )
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine_config import interrupts
 
 
 def check_think_end(config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str) -> None:

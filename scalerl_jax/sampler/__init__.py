@@ -7,8 +7,6 @@ from scalerl_jax.sampler.engine_config import (
     EngineConfig,
     InterruptionConfig,
     interruption_from_tokenizer,
-    interrupts,
-    max_sequence_length,
 )
 from scalerl_jax.sampler.sampling import masked_log_probs, sample_tokens, top_k_mask, top_p_mask
 
@@ -25,10 +23,8 @@ __all__ = [
     "Request",
     "SlotSettings",
     "generate",
-    "interrupts",
     "interruption_from_tokenizer",
     "masked_log_probs",
-    "max_sequence_length",
     "sample_tokens",
     "top_k_mask",
     "top_p_mask",

@@ -1,18 +1,16 @@
-"""The sampler engine's settings: `EngineConfig` (static shapes and sampling knobs),
-`InterruptionConfig` (forced interruption of thinking), and what a run config decides of them
-(`interrupts`, `max_sequence_length`, `EngineConfig.from_config`)."""
+"""The sampler engine's settings: `EngineConfig` (static shapes and sampling knobs) and
+`InterruptionConfig` (forced interruption of thinking). A run config is read into them by
+`scalerl_jax.config.adapters`."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-import ml_collections
-
 from scalerl_jax.models.layers import resolve_decode_kernel
 
 if TYPE_CHECKING:
-    from scalerl_jax.models import CheckpointTokenizer
+    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,18 +61,6 @@ def interruption_from_tokenizer(
     return InterruptionConfig(
         tuple(phrase_ids), tuple(end_think_ids), think_budget_min, think_budget_max, answer_budget
     )
-
-
-def interrupts(config: ml_collections.ConfigDict) -> bool:
-    """Whether a run config's requests are interrupted: forced interruption applies only to the
-    think format (a plain answer has no think phase)."""
-    return config.rl.length_control == "interruption" and config.data.answer_format == "think"
-
-
-def max_sequence_length(config: ml_collections.ConfigDict) -> int:
-    """KV cache length per slot and the longest train row of a run config: prompt budget +
-    completion budget."""
-    return config.data.max_prompt_tokens + config.sampler.max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,44 +128,3 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.top_k={self.top_k} must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"EngineConfig.top_p={self.top_p} must be in (0, 1]")
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict, tokens: CheckpointTokenizer) -> EngineConfig:
-        """The sampler engine of a run config's `sampler` section: slots, cache length
-        (`max_sequence_length`), sampling knobs, room for the tokenizer's stop ids, the forced
-        interruption (its phrase and think-end tag encoded by `tokens`, when `interrupts`), KV
-        pages and the decode attention kernel."""
-        s = config.sampler
-        interruption = (
-            interruption_from_tokenizer(
-                tokens.tokenizer,
-                phrase=s.interruption_phrase,
-                end_think=s.think_end,
-                think_budget_min=s.think_budget_min,
-                think_budget_max=s.think_budget_max,
-                answer_budget=s.answer_budget,
-            )
-            if interrupts(config)
-            else None
-        )
-        return cls.from_sampler_config(config, max_stop_tokens=len(tokens.stop_ids), interruption=interruption)
-
-    @classmethod
-    def from_sampler_config(
-        cls, config: ml_collections.ConfigDict, *, max_stop_tokens: int, interruption: InterruptionConfig | None
-    ) -> EngineConfig:
-        """The engine of a run config's `sampler` section, given what a tokenizer decides: room for
-        `max_stop_tokens` stop ids and the encoded `interruption` (None: off)."""
-        s = config.sampler
-        return cls(
-            num_slots=s.num_slots,
-            max_len=max_sequence_length(config),
-            chunk_size=s.chunk_steps,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            max_stop_tokens=max_stop_tokens,
-            interruption=interruption,
-            page_size=s.page_size,
-            num_pages=s.num_pages,
-            decode_kernel=s.decode_kernel,
-        )

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 
@@ -53,21 +52,6 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.eps must be >= 0, got {self.eps}")
         if self.weight_decay < 0:
             raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> OptimizerConfig:
-        """The optimizer's knobs from a run config's `optimizer` section (`scalerl_jax.config.recipes`):
-        lr, warmup_steps, b1, b2, eps, weight_decay, and max_grad_norm (0 there: no clipping)."""
-        o = config.optimizer
-        return cls(
-            learning_rate=o.lr,
-            warmup_steps=o.warmup_steps,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            max_grad_norm=o.max_grad_norm or None,
-        )
 
 
 def warmup_constant_schedule(peak_lr: float, warmup_steps: int) -> optax.Schedule:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_collections
-
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 
 NAN_POLICIES = ("skip", "stop")  # `nan_policy`: keep the old state (`skip_nonfinite`), or the run loop raises
@@ -41,24 +39,3 @@ class TrainStepConfig:
             raise ValueError(f"TrainStepConfig.temperature must be > 0, got {self.temperature}")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"TrainStepConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
-
-    @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict) -> TrainStepConfig:
-        """The step's knobs from a run config (`scalerl_jax.config.recipes`): `rl.{objective, aggregation,
-        advantage_normalization, eps_low, eps_high, eps_max}`, `batch.{microbatches,
-        sort_by_length}`, `sampler.temperature`, `model.logprob_chunk`, and `nan_policy` ('skip':
-        a non-finite step keeps the old state)."""
-        rl = config.rl
-        return cls(
-            objective=rl.objective,
-            aggregation=rl.aggregation,
-            advantage_normalization=rl.advantage_normalization,
-            eps_low=rl.eps_low,
-            eps_high=rl.eps_high,
-            eps_max=rl.eps_max,
-            num_microbatches=config.batch.microbatches,
-            temperature=config.sampler.temperature,
-            logprob_chunk_size=config.model.logprob_chunk,
-            skip_nonfinite=config.nan_policy == "skip",
-            sort_by_length=config.batch.sort_by_length,
-        )
