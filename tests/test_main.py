@@ -294,7 +294,7 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
 @pytest.fixture(autouse=True)
 def signal_handlers_are_restored():
     """An in-process run (scalerl_jax.run.run) hands back the caller's SIGINT / SIGTERM handlers, so Ctrl-C
-    keeps working in the caller afterwards (the pipeline installs its own while it runs)."""
+    keeps working in the caller afterwards (the run installs its own while it runs: `run.signals.StopSignals`)."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     yield
     assert {s: signal.getsignal(s) for s in saved} == saved
