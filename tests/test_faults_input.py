@@ -366,7 +366,7 @@ def test_i9_tired_user_inputs_get_one_line(base, tmp_path):
     ]
     for args, status, expected in cases:
         line = one_line(cli(*args), status)
-        if expected is None:  # main: config_validation's message, whose wording is its own
+        if expected is None:  # main: the config checks' message, whose wording is its own
             assert "data.path" in line and str(tmp_path / "nope.jsonl") in line, line
         else:
             assert line == expected, (args, line)

@@ -1,4 +1,4 @@
-"""`PipelineConfig.from_config`: the pipeline of a run config, fresh and resumed, checked field by
+"""`config.adapters.pipeline_config_of`: the pipeline of a run config, fresh and resumed, checked field by
 field against the recipe's numbers (`recipes.scalerl_8b`: Polaris prompts of 2,048 tokens, 14,336
 completion tokens, 48 x 16, PipelineRL-8, forced interruption, 10,000 steps)."""
 

@@ -460,7 +460,7 @@ class PhraseTokenizer:
 def test_engine_config_from_the_8b_recipe():
     config = recipes.scalerl_8b()
     s = config.sampler
-    # A stand-in: from_config reads only `stop_ids` and `tokenizer.encode`.
+    # A stand-in: engine_config_of reads only `stop_ids` and `tokenizer.encode`.
     tokens = cast(
         CheckpointTokenizer,
         types.SimpleNamespace(

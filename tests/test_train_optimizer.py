@@ -135,7 +135,7 @@ def test_mixed_dtype_params_share_no_buffer_with_master():
     assert new_params["body"].dtype == jnp.bfloat16 and new_params["head"].dtype == jnp.float32
 
 
-def test_from_config_reads_the_optimizer_section():
+def test_optimizer_config_of_reads_the_optimizer_section():
     """configs/tiny.py's optimizer section, written out: lr 5e-5 after 5 warmup steps, eps 1e-8,
     the recipe's betas and weight decay, global-norm clip 1.0; the recipe's clip 0 means none."""
     assert optimizer_config_of(recipes.tiny()) == OptimizerConfig(

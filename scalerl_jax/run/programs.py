@@ -99,7 +99,7 @@ def model_config_of(config: ml_collections.ConfigDict) -> ModelConfig:
 def engine_config_of(
     config: ml_collections.ConfigDict, stop_tokens: int, interruption_lengths: tuple[int, int]
 ) -> EngineConfig:
-    """`EngineConfig.from_config` with token counts instead of a tokenizer: `stop_tokens` stop ids,
+    """`config.adapters.engine_config_of` with token counts instead of a tokenizer: `stop_tokens` stop ids,
     and an interruption phrase and think-end tag of `interruption_lengths` tokens (they size
     constant arrays of the decode program only)."""
     phrase, end_think = interruption_lengths

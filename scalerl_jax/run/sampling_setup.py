@@ -1,7 +1,7 @@
 """What a run config says about prompts, sampling and scoring, for training and evaluation alike.
 
 The training run (`run.build`) and the evaluate command (`cli.evaluate`) build their prompt encoder,
-requests and verifier here, and their sampler engine with `EngineConfig.from_config`, from the
+requests and verifier here, and their sampler engine with `config.adapters.engine_config_of`, from the
 same config keys and the checkpoint's own tokenizer (`models.load_checkpoint_tokenizer`), so a
 policy is evaluated exactly as it was trained.
 

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-# The modes wandb.init accepts (config_validation allows logging.wandb_mode offline, online, disabled).
+# The modes wandb.init accepts (the config schema allows logging.wandb_mode offline, online, disabled).
 WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 WANDB_MODES = ("offline", "online", "disabled")  # `wandb.init(mode=...)` values a run may pass
