@@ -2,7 +2,7 @@
 
 A random `LlamaForCausalLM` is created with transformers, saved as safetensors and loaded with
 `load_hf`, so both sides run the same weights; with `--checkpoint DIR` both sides load that local
-Hugging Face directory instead (e.g. SmolLM2-135M-Instruct: `python tests/real_models.py smollm2`
+Hugging Face directory instead (e.g. SmolLM2-135M-Instruct: `python tests/support/real_models.py smollm2`
 prints it), in float32, and the prompts are random ids below its vocabulary size. Both decode the same batch of equal-length
 prompts greedily for `--max_new` tokens (no EOS), HF with its KV cache (`generate`, batch =
 all prompts), ours with `generate(..., num_slots=batch)`. Reported: generated tokens per second,

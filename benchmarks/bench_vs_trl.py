@@ -1,7 +1,7 @@
 """The same RL step with TRL's GRPOTrainer and with this project, on one machine, in one run.
 
 Model: SmolLM2-135M-Instruct, a local Hugging Face directory (--checkpoint, else $SMOLLM2_DIR, else
-`tests/real_models.smollm2_135m_instruct()` where that module exists). Prompts: the first --rows
+`tests/support/real_models.smollm2_135m_instruct()` where that module exists). Prompts: the first --rows
 GSM8K train rows (--data, default ../shared/data/gsm8k/train.jsonl from the project root), each
 question the one user message of the model's chat template, and nothing added. Reward: both sides
 call `benchmarks/gsm8k_reward.reward` (+1 when the completion's last number is the gold's `####`
@@ -127,7 +127,7 @@ def resolve_checkpoint(flag: str) -> str:
     path = flag or os.environ.get("SMOLLM2_DIR", "")
     if not path:
         try:
-            path = str(importlib.import_module("tests.real_models").smollm2_135m_instruct())
+            path = str(importlib.import_module("tests.support.real_models").smollm2_135m_instruct())
         except (ImportError, AttributeError):
             path = ""
     if not path or not os.path.isfile(os.path.join(path, "config.json")):

@@ -97,7 +97,7 @@ DEVICES: tuple[DeviceFacts, ...] = (
     DeviceFacts("L40S", "gpu", ("L40S",), 48 * GB, 362.05 * TFLOPS, 0.864 * TB_S),
     # Cloud TPU pages: v4 32 GiB at 1,200 GB/s, 275 TFLOPS; v5e 16 GB at 819 GB/s, 197 TFLOPS; v5p 95 GB at
     # 2,765 GB/s, 459 TFLOPS; v6e 32 GB at 1,640 GB/s, 918 TFLOPS. JAX names v5e 'TPU v5 lite', v5p 'TPU v5'
-    # and v6e 'TPU v6 lite' (read from deviceless topologies: tests/test_hardware_facts.py).
+    # and v6e 'TPU v6 lite' (read from deviceless topologies: tests/unit/hardware/test_hardware_facts.py).
     DeviceFacts("TPU v4", "tpu", ("TPU v4",), 32 * GIB, 275 * TFLOPS, 1.2 * TB_S, "v4", "megacore", _TPU_HOST),
     DeviceFacts(
         "TPU v5e", "tpu", ("TPU v5 lite", "TPU v5e"), 16 * GB, 197 * TFLOPS, 0.819 * TB_S, "v5e", "default", _TPU_HOST

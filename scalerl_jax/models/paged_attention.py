@@ -21,7 +21,7 @@ just read (a cache hit on GPU), and those positions are masked. The layer is pic
 from the stacked pool (`layer` is a traced scalar, the layer-scan index): no layer or pool is copied.
 
 Verified here (CPU, no GPU lent): values in `interpret=True` mode against an fp64 numpy reference
-(tests/test_paged_attention.py), and that the kernel lowers to Triton IR for the 'cuda' platform
+(tests/unit/models/test_paged_attention.py), and that the kernel lowers to Triton IR for the 'cuda' platform
 (`jax.jit(...).trace(...).lower(lowering_platforms=('cuda',))`, which runs the Pallas->Triton
 lowering on CPU) with the pool passed to the Triton custom call as is. NOT verified (no GPU): the
 Triton IR compiling to PTX, numerics and speed on a GPU, whether XLA keeps the pool in place around
