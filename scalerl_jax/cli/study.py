@@ -4,7 +4,7 @@
       --seeds=3 --workdir=studies/tiny [--config.key=value ...]
   python -m scalerl_jax.cli.study --analyze studies/tiny
 
-Variants: 'baseline' (the --config as given) or names of recipe.LEAVE_ONE_OUT applied on top of
+Variants: 'baseline' (the --config as given) or names of config.recipes.LEAVE_ONE_OUT applied on top of
 it; 'loo' is the baseline and every leave-one-out variant. `--config.key=value` flags go to every
 run (after the variant's change). Each (variant, seed) runs as `python -m scalerl_jax.main` in
 WORKDIR/<variant>/seed<k> (`driver`), then the analysis (`analysis`, `report`) prints its tables

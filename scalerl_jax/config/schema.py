@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.data.answers import ANSWER_FORMATS
 from scalerl_jax.data.builders import DATASET_CHOICES
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
@@ -129,6 +130,7 @@ class Key:
         return f"a number in (0, 1), or {AUTO_SPLIT!r}"
 
 
+# One constructor per type, so that the table below reads `type(name, default, [choices | bound,] doc)`.
 def flag(name: str, default: bool, doc: str, **kw: Any) -> Key:
     return Key(name, default, BOOL, doc, **kw)
 
@@ -439,6 +441,8 @@ BY_NAME: dict[str, Key] = {key.name: key for key in KEYS}
 # into microbatches (not what it computes). `log_every` was a key no code read: a workdir whose
 # saved config still has it resumes.
 RESUMABLE = tuple(key.name for key in KEYS if key.resumable) + ("log_every",)
+# MAPPING keys: sections whose own keys the user names (extra evaluation sets, model overrides).
+OPEN_KEYS = frozenset(key.name for key in KEYS if key.type == MAPPING)
 
 
 def sections() -> list[str]:
@@ -486,8 +490,6 @@ def section_config(section: str) -> ml_collections.ConfigDict:
 def get_key(config: Any, dotted: str) -> Any:
     """The value of the dotted key `dotted` in a ConfigDict or its JSON form; ConfigError naming it
     when missing."""
-    from scalerl_jax.config.errors import ConfigError
-
     node: Any = config
     for part in dotted.split("."):
         if part not in node:
@@ -500,7 +502,7 @@ def flat_keys(config: Any, prefix: str = "") -> Iterator[str]:
     """The dotted keys of a ConfigDict or its JSON form; a MAPPING key counts as one key."""
     for name, value in config.items():
         path = f"{prefix}{name}"
-        if isinstance(value, (ml_collections.ConfigDict, dict)) and path not in set(open_keys()):
+        if isinstance(value, (ml_collections.ConfigDict, dict)) and path not in OPEN_KEYS:
             yield from flat_keys(value, path + ".")
         else:
             yield path
@@ -516,12 +518,8 @@ def sized_by(program_name: str) -> tuple[str, ...]:
     return tuple(key.name for key in KEYS if role in key.sizes)
 
 
-def open_keys() -> Iterator[str]:
-    """The MAPPING keys, whose own keys the user names."""
-    return (key.name for key in KEYS if key.type == MAPPING)
-
-
 def _cell(value: Any) -> str:
+    """A default as a markdown table cell: its repr in backquotes, cut at 40 characters."""
     text_value = repr(value)
     if len(text_value) > 40:
         text_value = text_value[:37] + "..."
