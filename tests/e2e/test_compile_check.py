@@ -3,6 +3,7 @@ not attached (libtpu from the test extra), its memory against hand counts, an ov
 refused naming the program and its keys, bad input in one line; the GPU route (the CUDA plugin,
 too large for CI) as a slow test."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -137,10 +138,8 @@ def test_a_bad_target_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_a_missing_extra_is_named_and_exit_2(tmp_path, capsys, monkeypatch):
-    real = compile_check.importlib.util.find_spec
-    monkeypatch.setattr(
-        compile_check.importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a)
-    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
     status, _, captured = run_check(TINY, tmp_path, capsys)
     assert status == 2
     assert "pip install -e '.[tpu]'" in captured.err

@@ -25,6 +25,7 @@ import policy_fixtures  # noqa: E402
 
 from scalerl_jax import data as data_lib  # noqa: E402
 from scalerl_jax.cli import evaluate  # noqa: E402
+from scalerl_jax.run import benchmark as benchmark_lib  # noqa: E402
 
 TINY_CONFIG = os.path.join(REPO, "configs", "tiny.py")
 ROWS = [
@@ -168,8 +169,8 @@ def test_evaluate_hf_dir_with_config_overrides(setup, tmp_path):
 
 def test_parquet_and_jsonl_read_alike_with_str_answers(setup):
     _, _, jsonl, parquet = setup
-    from_jsonl = evaluate.read_benchmark(jsonl, group_field="level")
-    from_parquet = evaluate.read_benchmark(parquet, group_field="level")
+    from_jsonl = benchmark_lib.read_benchmark(jsonl, group_field="level")
+    from_parquet = benchmark_lib.read_benchmark(parquet, group_field="level")
     assert from_jsonl.answers == from_parquet.answers == [str(row["answer"]) for row in ROWS]
     assert from_jsonl.problems == from_parquet.problems and from_parquet.groups == ["1", "2"] * 3
 
@@ -177,10 +178,10 @@ def test_parquet_and_jsonl_read_alike_with_str_answers(setup):
 def test_summaries_match_a_hand_computation():
     correct = np.array([[1, 0, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
     # c = 1, 3, 0, 4 of K = 4: mean@4 = (1/4 + 3/4 + 0 + 1) / 4; pass@2 = (1 - 3/6 + 1 - 0 + 0 + 1) / 4
-    summary = evaluate.summarize(correct, (1, 2))
+    summary = benchmark_lib.summarize(correct, (1, 2))
     assert summary["mean@4"] == pytest.approx(0.5) and summary["pass@1"] == pytest.approx(0.5)
     assert summary["pass@2"] == pytest.approx((0.5 + 1.0 + 0.0 + 1.0) / 4)
-    groups = evaluate.summarize_groups(correct, ["a", "b", "a", "b"], (2,))
+    groups = benchmark_lib.summarize_groups(correct, ["a", "b", "a", "b"], (2,))
     assert groups["a"]["mean@4"] == pytest.approx(0.125) and groups["a"]["pass@2"] == pytest.approx(0.25)
     assert groups["b"]["num_prompts"] == 2 and groups["b"]["pass@2"] == pytest.approx(1.0)
 
@@ -234,12 +235,12 @@ def test_sizes_the_host_cannot_hold_are_named_before_any_compile(setup, capsys):
 def test_progress_line_by_hand():
     # 10 of 40 samples (3 of 10 prompts) in 20 s with 500 completion tokens: 25 tokens/s, and 30
     # samples left at 2 s each: ETA 60 s.
-    line = evaluate.progress_line(10, 40, 3, 10, 500, 20.0, 4)
+    line = benchmark_lib.progress_line(10, 40, 3, 10, 500, 20.0, 4)
     assert line == (
         "evaluate: 10/40 samples, 3/10 prompts done, 25.0 completion tokens/s, 20 s elapsed, ETA 60 s, "
         "4 programs compiled"
     )
-    assert "ETA unknown" in evaluate.progress_line(0, 40, 0, 10, 0, 5.0, 0)
+    assert "ETA unknown" in benchmark_lib.progress_line(0, 40, 0, 10, 0, 5.0, 0)
 
 
 GSM8K_TEST = os.path.join(GSM8K_DIR, "test.jsonl")
@@ -250,11 +251,11 @@ def test_gsm8k_rows_as_published_with_gold_extraction_and_two_step_problems():
     # GSM8K's test file as published: `question`, and `answer` a worked solution whose gold follows
     # the last `#### `. Rows 0, 1 and 3 are the first of its 326 two-line solutions (counted by a
     # one-line script over the file); their golds read by hand: 18 (Janet's ducks) and 3 (bolts).
-    benchmark = evaluate.read_benchmark(
+    benchmark = benchmark_lib.read_benchmark(
         GSM8K_TEST, problem_field="question", answer_field="answer", gold_extraction="hashes", max_solution_steps=2
     )
     assert len(benchmark.problems) == 326 and benchmark.rows[:3] == [0, 1, 3]
     assert benchmark.answers[:2] == ["18", "3"]
     assert benchmark.problems[0].startswith("Janet’s ducks lay 16 eggs per day.")
-    everything = evaluate.read_benchmark(GSM8K_TEST, problem_field="question", gold_extraction="hashes")
+    everything = benchmark_lib.read_benchmark(GSM8K_TEST, problem_field="question", gold_extraction="hashes")
     assert len(everything.problems) == 1319 and everything.answers[0] == "18"

@@ -20,6 +20,7 @@ from scalerl_jax.cli import export  # noqa: E402
 from scalerl_jax.config import recipes  # noqa: E402
 from scalerl_jax.config.resume import config_json  # noqa: E402
 from scalerl_jax.models import Transformer  # noqa: E402
+from scalerl_jax.run import export as export_lib  # noqa: E402
 from scalerl_jax.run import policy_source, warm_start  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def test_export_round_trip_matches_transformers(run, tmp_path):
 def test_export_tokenizer_and_generation_config_load(run, tmp_path):
     run_dir, base_model, _, _, base_dir = run
     out = tmp_path / "hf"
-    export.export_run(run_dir, str(out))
+    export_lib.export_run(run_dir, str(out))
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     text = "What is 3 + 4?\nAnswer in \\boxed{}.<think>3+4</think>\\boxed{7}"
     run_tokenizer = tokenizers.Tokenizer.from_file(os.path.join(base_dir, "tokenizer.json"))  # what the run used
