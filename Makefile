@@ -3,14 +3,17 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The exact versions CI tests (tools/lock.py writes it): every install goes through it.
+LOCK := constraints.txt
 
-$(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test,lint]'
+# A fresh environment whenever pyproject or the lock changes, so it holds the lock and nothing else.
+$(VENV)/.installed: pyproject.toml $(LOCK)
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PY) -m pip install -c $(LOCK) --upgrade pip
+	$(PY) -m pip install -c $(LOCK) -e '.[test,lint]'
 	touch $@
 
-.PHONY: demo test test-e2e lint
+.PHONY: demo test test-e2e lint lock upgrade numerics
 # The tiny config splits the CPU into two devices itself (mesh.cpu_devices): one generates, one trains.
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny
@@ -29,3 +32,20 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pyright
+
+# Re-resolve every extra to the newest versions pyproject allows and write them to the lock.
+# pip resolves in a throwaway environment with the newest pip, which the lock then pins too.
+lock:
+	$(PYTHON) -m venv --clear .venv-lock
+	.venv-lock/bin/python -m pip install --quiet --upgrade pip
+	.venv-lock/bin/python tools/lock.py --out $(LOCK)
+
+# A new jax, flax, transformers or torch as a reviewed change: refresh the lock (it prints what
+# moved), reinstall from it, and run the numerics tests (logit parity with transformers, bfloat16
+# KL, greedy tokens), which print their measured numbers. Review `git diff constraints.txt`.
+upgrade: lock
+	$(MAKE) $(VENV)/.installed
+	$(MAKE) numerics
+
+numerics: $(VENV)/.installed
+	$(PY) -m pytest -q -s -m 'not slow' tests/unit/models tests/e2e/test_real_smollm2.py

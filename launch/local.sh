@@ -17,7 +17,7 @@
 # Environment: CPU_DEVICES=D runs on the CPU (JAX_PLATFORMS=cpu) with D devices per process;
 # GRACE_S as above; PYTHON (default REPO/.venv/bin/python); SCALERL_MAIN_MODULE, the module run
 # with `python -m` (default scalerl_jax.main; tests substitute a small one).
-# On GPUs, install with the CUDA plugin first: .venv/bin/pip install -e '.[cuda]'.
+# On GPUs, install with the CUDA plugin first: .venv/bin/pip install -c constraints.txt -e '.[cuda]'.
 set -euo pipefail
 USAGE="usage: launch/local.sh [N] CONFIG WORKDIR [overrides...]"
 NUM_PROCESSES=

@@ -6,7 +6,7 @@
 #   gcloud compute tpus tpu-vm ssh NAME --zone=ZONE --worker=all --command="cd scalerl_jax && \
 #     launch/tpu.sh configs/scalerl_8b.py /mnt/shared/runs/scalerl_8b --config.model.checkpoint=/mnt/shared/models/Llama-3.1-8B"
 # Install once on every worker (libtpu from PyPI):
-#   python3 -m venv .venv && .venv/bin/pip install -e '.[tpu]'
+#   python3 -m venv .venv && .venv/bin/pip install -c constraints.txt -e '.[tpu]'
 # WORKDIR, the checkpoint and the data must be on storage every worker sees (e.g. a Filestore or
 # gcsfuse mount): process 0 writes the run's outputs, and every trainer process writes its part of
 # each checkpoint. Before launching, check that every program fits the slice's HBM without a TPU:

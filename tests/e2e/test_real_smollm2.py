@@ -82,6 +82,8 @@ def test_float32_logits_match_transformers(smollm2_dir, torch_model, chat_prompt
     for ids in chat_prompts[:2]:
         want = torch_logits(torch_model, ids)
         got = our_logits(model, ids)
+        # `make upgrade` runs this file with -s: the number a new jax or torch moves, in its output.
+        print(f"numerics: float32 max abs logit difference {np.abs(got - want).max():.3g} over {len(ids)} positions")
         assert np.abs(want).max() > 10  # real logits, not a degenerate model
         np.testing.assert_allclose(got, want, atol=FLOAT32_ATOL, rtol=0)
 
@@ -104,6 +106,10 @@ def test_bfloat16_with_float32_head_is_as_close_as_transformers_own_bfloat16(smo
     ours_kl, theirs_kl = mean_kl(want, got), mean_kl(want, torch_logits(torch_bf16, ids))
     bf16_head_kl = mean_kl(want, our_logits(load_hf(smollm2_dir, dtype="bfloat16", fp32_head=False), ids))
     ours_agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+    print(
+        f"numerics: bfloat16 KL to float32 ours {ours_kl:.3g} nats, transformers' {theirs_kl:.3g}, "
+        f"ours with a bfloat16 head {bf16_head_kl:.3g}; argmax kept {ours_agree:.3f}"
+    )
     assert 0 < ours_kl <= 1.1 * theirs_kl, (ours_kl, theirs_kl)
     assert ours_kl < bf16_head_kl, (ours_kl, bf16_head_kl)
     assert ours_kl < 0.01 and ours_agree > 0.95, (ours_kl, ours_agree)
