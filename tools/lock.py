@@ -102,10 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lines = lock_lines(resolve(project_dir, ALL_EXTRAS), pip.__version__)
     old = read_lock(open(args.out).read()) if os.path.exists(args.out) else {}
-    header = HEADER.format(platform=f"{sys.platform} {platform.machine()}", python=platform.python_version())
-    with open(args.out, "w") as f:
-        f.write(header + "\n".join(lines) + "\n")
     moved = changes(old, read_lock("\n".join(lines)))
+    if moved:  # an unchanged lock keeps its time stamp, so make does not rebuild the environment
+        header = HEADER.format(platform=f"{sys.platform} {platform.machine()}", python=platform.python_version())
+        with open(args.out, "w") as f:
+            f.write(header + "\n".join(lines) + "\n")
     print(f"{args.out}: {len(lines)} packages; {len(moved)} changed" + (":" if moved else ""))
     print("\n".join(moved))
     return 0

@@ -5,7 +5,8 @@ module, so it imports only the standard library, math-verify, ``answers.py`` (lo
 standard library only) and, when ``REWARD_FN`` (``'package.module:function'``) is given, the
 user's module (found through the ``PYTHONPATH`` the pool passes down).
 
-Protocol: JSON lines. The worker first writes ``{"status": "ready"}``, or
+Protocol: JSON lines. The worker first scores one warm-up pair (math-verify's first use loads its grammar and sympy), then
+writes ``{"status": "ready"}``, or
 ``{"status": "startup_error", "detail": str}`` and exits if the reward function cannot be loaded.
 Then for each request line ``{"kind", "answer_format", "think_end", "styles": [answer style, ...],
 "items": [[completion, gold, problem], ...]}`` it writes one line per item, in order, as each is
@@ -73,6 +74,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - any failure of the verifier on this item is reported, not fatal
             return answers.ERROR, f"{type(e).__name__}: {str(e)[:200]}"
 
+    # math-verify loads its LaTeX grammar and sympy's simplification on first use: seconds on a busy
+    # machine, which the pool's per-item limit would charge to the first fraction or polynomial.
+    verify_math("\\frac{1}{2}", "x+1")
     respond({"status": "ready"})
     for line in sys.stdin:
         request = json.loads(line)

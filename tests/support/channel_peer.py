@@ -4,7 +4,7 @@ usage: channel_peer.py MODE ADDRESS SECRET_HEX PROCESS ROLE
   echo    answer each request {"x": array, ...} with {"echo": request, "doubled": x * 2,
           "from": PROCESS}, until a request {"stop": True}
   die     connect, then SIGKILL itself after 0.5 s (the test is waiting in recv)
-  silent  connect, then sleep (the test times out in recv and kills this process)
+  silent  print "connecting" (imports done), connect, then sleep (the test times out and kills this process)
   refused connect expecting refusal; print the ConnectionRefusedError and exit 3
 Errors are printed as "ERROR <type>: <message>" with exit code 2.
 """
@@ -33,6 +33,8 @@ def main(mode: str, address: str, secret_hex: str, process: str, role: str) -> i
             print(f"REFUSED {err}", flush=True)
             return 3
         return 0
+    if mode == "silent":
+        print("connecting", flush=True)
     connection = connect()
     if mode == "echo":
         while True:

@@ -5,6 +5,7 @@ silenced to check that every wait ends with an error naming the peer."""
 import json
 import os
 import pathlib
+import select
 import socket
 import subprocess
 import sys
@@ -50,9 +51,10 @@ def spawn_peer(mode: str, address: str, *, process: int = 1, role: str = "genera
 
 
 def finish(process: subprocess.Popen) -> str:
-    """The peer's output once it exits (killed if still running after 30 s)."""
+    """The peer's output once it exits (killed if still running after 300 s: a bound for a hung
+    peer, far above what a loaded 2-core machine needs to import jax and run every scenario)."""
     try:
-        output, _ = process.communicate(timeout=30)
+        output, _ = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         process.kill()
         output, _ = process.communicate(timeout=30)
@@ -228,6 +230,9 @@ def test_accept_timeout_names_who_arrived_and_who_is_missing():
     server = local_server()
     peer = spawn_peer("silent", server.address, process=1)
     try:
+        # The accept timeout starts once the peer is past its imports, which take seconds on a busy machine.
+        assert peer.stdout is not None and select.select([peer.stdout], [], [], 120)[0], "the peer did not start"
+        assert peer.stdout.readline() == "connecting\n"
         with pytest.raises(TimeoutError) as caught:
             server.accept(timeout=4.0, expect=[1, 2])
     finally:
