@@ -153,7 +153,7 @@ def check_run_memory(
     devices cannot hold their share raises the ConfigError. `generator_devices` and
     `trainer_devices` are the run's (all processes', `device.process_index` saying whose);
     `capacities` maps each process to its `device_memory_bytes`, the same on every process, so
-    that every process reaches the same verdict (default: this process's first device's, for all).
+    that every process reaches the same verdict (default, for one process: its first device's).
 
     The meshes are the run's: each generator process's local mesh (`mesh.generator_shape` over its
     generator devices: each holds the weights and 1/(data x fsdp) of the KV pool), the one trainer
