@@ -16,6 +16,9 @@ S6 SIGTERM while the run starts (sampler warm-up, train programs compiling ahead
    start-up finishes, step 0 is evaluated, exit 0 with 'signal SIGTERM'; the train programs still
    queued are dropped, not compiled at the interpreter's exit after the run's last line (the hang
    it was); the rerun writes every row once
+S7 SIGTERM to the leader alone of a 2-process run (a follower trainer) while it starts: both
+   exit 0, the leader with 'signal SIGTERM' and row 0; both processes drop their queued
+   train programs
 """
 
 import json
@@ -206,6 +209,36 @@ def test_s6_sigterm_while_starting_drops_the_train_programs_still_to_compile(tmp
     resumed = run_main(tmp_path, *flags({**SMALL, "num_steps": 2, "eval.every": 2}), timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]  # every row once
+
+
+@pytest.mark.slow
+def test_s7_sigterm_to_the_leader_while_starting_stops_both_processes(tmp_path):
+    workdir = str(tmp_path / "run")
+    overrides = {
+        **TINY,
+        "mesh.generator_fraction": 0.25,  # trainer spans both processes: a follower trainer
+        "mesh.trainer_shape": "(-1,1,1)",
+        "batch.prompts_per_step": 3,
+        "batch.length_buckets_per_octave": 8,  # 18 train programs to compile ahead, one at a time
+        "train.compile_threads": 1,
+        "num_steps": 6,
+        "distributed.heartbeat_timeout_s": 60,  # a loaded host's compiles may starve a heartbeat for 20 s
+    }
+    procs = start(workdir, overrides, processes=2)
+    deadline = time.monotonic() + 600
+    while "warm start: reusing" not in full_log(workdir, 0):  # the shared files are ready: the start-up goes on
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            wait(procs, timeout=1)
+            raise AssertionError(logs(workdir, 2))
+        time.sleep(0.5)
+    procs[0].send_signal(signal.SIGTERM)  # the leader only: it stops every process
+    codes = wait(procs, timeout=600)  # generous: they have to exit at all
+    assert codes == [0, 0], logs(workdir, 2)
+    assert "'stop_reason': 'signal SIGTERM'" in full_log(workdir, 0), logs(workdir, 2)
+    assert [r["step"] for r in read_metrics(workdir)] == [0]
+    for rank in range(2):
+        log = full_log(workdir, rank)
+        assert "train step: compiling ahead stopped with the run" in log and "programs compiled ahead in" not in log
 
 
 # A stand-in for main: records its pid, then waits; SIGTERM makes it "checkpoint" and exit 0.
