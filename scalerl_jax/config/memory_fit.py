@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -92,12 +92,18 @@ def memory_need(
 
 
 def check_memory(
-    config: ml_collections.ConfigDict, need: MemoryNeed, *, devices: int, capacity: int, where: str
+    config: ml_collections.ConfigDict,
+    need: MemoryNeed,
+    *,
+    devices: int,
+    capacity: int,
+    where: str,
+    process: int | None = None,
 ) -> None:
     """Raises one ConfigError when `need` (the bytes of `devices` devices that share `capacity`
     bytes of `where`: CPU devices share the host) exceeds `USABLE_MEMORY_FRACTION` of it: one line
     naming the keys that size the sampler's KV pool (and the trainer), with their values and the
-    estimate."""
+    estimate, and `process` (the devices' process in a multi-process run)."""
     if need.total <= USABLE_MEMORY_FRACTION * capacity:
         return
     s, b, gb = config.sampler, config.batch, lambda n: f"{n / 1e9:,.1f} GB"
@@ -125,9 +131,10 @@ def check_memory(
             ("batch.microbatches", b.microbatches),
             ("model.remat_policy", config.model.remat_policy),
         ]
+    owner = "" if process is None else f" of process {process}"
     raise ConfigError(
         f"config keys {', '.join(f'`{k}` = {v!r}' for k, v in keys)} need about {gb(need.total)} "
-        f"({' + '.join(parts)}) on {devices} device{'s' if devices > 1 else ''}, more than "
+        f"({' + '.join(parts)}) on {devices} device{'s' if devices > 1 else ''}{owner}, more than "
         f"{USABLE_MEMORY_FRACTION:.0%} of the {where}'s {gb(capacity)}: lower `sampler.num_slots`, "
         "`sampler.max_new_tokens` or `data.max_prompt_tokens`, or cap the KV pool with `sampler.num_pages`"
         + (", or train fewer rows per microbatch (more `batch.microbatches`)" if need.trainer else "")
@@ -140,49 +147,81 @@ def check_run_memory(
     *,
     generator_devices: Sequence[Any],
     trainer_devices: Sequence[Any] = (),
+    capacities: Mapping[int, tuple[int, str]] | None = None,
 ) -> None:
-    """`check_memory` for this process's devices: each generator device holds the weights and its
-    share of the KV pool (`mesh.generator_shape` over `generator_devices`), each trainer device its
-    share of the train state (`mesh.trainer_shape`); a device in both holds both. CPU devices share
-    the host's memory, so their needs add up; an accelerator is checked alone, the fullest one."""
+    """`check_memory` for every process of a run, in process order: the first process whose
+    devices cannot hold their share raises the ConfigError. `generator_devices` and
+    `trainer_devices` are the run's (all processes', `device.process_index` saying whose);
+    `capacities` maps each process to its `device_memory_bytes`, the same on every process, so
+    that every process reaches the same verdict (default, for one process: its first device's).
+
+    The meshes are the run's: each generator process's local mesh (`mesh.generator_shape` over its
+    generator devices: each holds the weights and 1/(data x fsdp) of the KV pool), the one trainer
+    mesh over all trainer devices (`mesh.trainer_shape`: each holds its share of the train state).
+    A device in both holds both. CPU devices share their host's memory, so a process's needs add
+    up; an accelerator is checked alone, the fullest one. A trainer mesh that does not divide a
+    parameter's sharded dimension is a ConfigError too."""
     from scalerl_jax.models import memory  # shapes of a Transformer: flax, only when a run asks
 
-    device = (list(generator_devices) + list(trainer_devices))[0]
-    platform = device.platform
-    # A process without generator devices (a multi-process run's trainer) holds no KV pool; its
-    # shape is one group so that the per-device share is defined (and then counted zero times).
-    gen_shape = (
-        (mesh_shape(config.mesh.generator_shape, len(generator_devices)) or (len(generator_devices), 1, 1))
-        if generator_devices
-        else (1, 1, 1)
-    )
+    devices = list(generator_devices) + list(trainer_devices)
+    if capacities is None:
+        capacity = device_memory_bytes(devices[0])
+        capacities = {process: capacity for process in sorted({d.process_index for d in devices})}
+    platform = devices[0].platform
     trainer_shape = (
         (mesh_shape(config.mesh.trainer_shape, len(trainer_devices)) or (1, len(trainer_devices), 1))
         if trainer_devices
         else None
     )
-    need = memory_need(
-        config,
-        model_config,
-        generator_groups=gen_shape[0] * gen_shape[1],
-        trainer_shape=trainer_shape,
-        platform=platform if platform in memory.PLATFORMS else "gpu",
-    )
-    shared = set(generator_devices) & set(trainer_devices)
-    capacity, where = device_memory_bytes(device)
-    if platform == "cpu":
-        gens, trainers = len(generator_devices), len(trainer_devices)
-        devices = len(set(generator_devices) | set(trainer_devices))
+    for process in sorted({d.process_index for d in devices}):
+        local_generators = [d for d in generator_devices if d.process_index == process]
+        local_trainers = [d for d in trainer_devices if d.process_index == process]
+        # A process without generator devices (a multi-process run's trainer) holds no KV pool; its
+        # shape is one group so that the per-device share is defined (and then counted zero times).
+        gen_shape = (
+            (mesh_shape(config.mesh.generator_shape, len(local_generators)) or (len(local_generators), 1, 1))
+            if local_generators
+            else (1, 1, 1)
+        )
+        try:
+            need = memory_need(
+                config,
+                model_config,
+                generator_groups=gen_shape[0] * gen_shape[1],
+                trainer_shape=trainer_shape if local_trainers else None,
+                platform=platform if platform in memory.PLATFORMS else "gpu",
+            )
+        except ValueError as e:  # a parameter dimension the trainer mesh does not divide
+            raise ConfigError(
+                f"config keys `mesh.trainer_shape` = {tuple(config.mesh.trainer_shape)!r}, "
+                f"`mesh.generator_fraction` = {config.mesh.generator_fraction!r}: the trainer mesh "
+                f"{trainer_shape} (data, fsdp, tensor) over the run's {len(trainer_devices)} trainer devices "
+                f"cannot shard the model: {e}"
+            ) from e
+        capacity, where = capacities[process]
+        check_memory(
+            config,
+            process_share(need, local_generators, local_trainers, one_memory=platform == "cpu"),
+            devices=len(set(local_generators) | set(local_trainers)) if platform == "cpu" else 1,
+            capacity=capacity,
+            where=where,
+            process=process if len(capacities) > 1 else None,
+        )
+
+
+def process_share(
+    need: MemoryNeed, generators: Sequence[Any], trainers: Sequence[Any], *, one_memory: bool
+) -> MemoryNeed:
+    """The bytes a process's `generators` and `trainers` devices must fit, each device needing
+    `need`: with `one_memory` (CPU devices share the host's) all of them, `len(generators)` x
+    (weights + KV share) + `len(trainers)` x trainer share; else (an accelerator, a memory each)
+    its fullest device's: both roles where one device holds both, else the larger of the two."""
+    if one_memory:
+        gens, trainers_held = len(generators), len(trainers)
     else:
-        gens = 1 if generator_devices and (shared or need.weights + need.kv_cache >= need.trainer) else 0
-        trainers = 1 if trainer_devices and (shared or not gens) else 0
-        devices = 1
-    check_memory(
-        config,
-        dataclasses.replace(
-            need, weights=gens * need.weights, kv_cache=gens * need.kv_cache, trainer=trainers * need.trainer
-        ),
-        devices=devices,
-        capacity=capacity,
-        where=where,
+        shared = set(generators) & set(trainers)
+        gens = 1 if generators and (shared or need.weights + need.kv_cache >= need.trainer) else 0
+        trainers_held = 1 if trainers and (shared or not gens) else 0
+    return dataclasses.replace(
+        need, weights=gens * need.weights, kv_cache=gens * need.kv_cache, trainer=trainers_held * need.trainer
     )

@@ -10,6 +10,7 @@ blocking reads; this module puts names, bounded waits and clear errors on top of
   thread. Before waiting, each process writes an arrival key; on timeout the keys say which
   processes never arrived, and CoordinationTimeout names them.
 - `publish` / `lookup`: write-once keys, and a read that waits for the key with a timeout.
+- `gather(name, value)`: every process's value, the same list everywhere.
 - `run_once(name, fn)`: a side effect on process 0 (build a dataset, write a warm start) while
   the others wait for its status key, which says "ok" or "error: <one line>": a failure on
   process 0 reaches the others at once instead of after their timeout.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -158,6 +160,25 @@ def lookup(key: str, timeout_s: float) -> str:
         raise CoordinationTimeout(
             f"process {_process_index()}: key {key!r} was not published within {float(timeout_s)} s"
         ) from err
+
+
+def gather(name: str, value: str, timeout_s: float) -> list[str]:
+    """Every process's `value` for `name`, in process order, the same list on every process: each
+    publishes its own and waits (up to `timeout_s` in all) for the others'. Every process must call
+    a given name the same number of times. CoordinationTimeout names the first value missing.
+    Single process: [value]."""
+    client = distributed_client()
+    if client is None:
+        return [value]
+    import jax
+
+    call = _next_call("gather", name)
+    prefix = f"gather/{name}/{call}"
+    publish(f"{prefix}/{_process_index()}", value)
+    deadline = time.monotonic() + timeout_s
+    return [
+        lookup(f"{prefix}/{process}", max(0.001, deadline - time.monotonic())) for process in range(jax.process_count())
+    ]
 
 
 def _one_line(err: BaseException) -> str:

@@ -228,7 +228,9 @@ class RunTrainStep:
     `compile_ahead_in_background(state, rows, lengths, threads=N)` starts a thread that compiles
     every program a batch of `rows` rows and length buckets `lengths` can run (`compile_ahead` of
     the step, N at once) while the caller goes on (sampler warm-up, first generations); the first call waits
-    for it (at most `timeout_s`) and re-raises its error. Each call adds to the step's metrics,
+    for it (at most `timeout_s`) and re-raises its error. `close()` drops the programs not yet
+    compiling (a run that stops before its first step; else the interpreter's exit would wait for
+    every queued compile of the pool). Each call adds to the step's metrics,
     from the process's `CompileLog` (every thread's compiles, generator included):
       compile/count, compile/seconds   compiles (and their seconds) since the log was installed
       compile/in_step                  compiles while this step ran
@@ -246,6 +248,8 @@ class RunTrainStep:
         self._log = log
         self._timeout_s = timeout_s
         self._thread: threading.Thread | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
         self._errors = FirstError()
         self._first_step_count: int | None = None  # the log's count when the first step began
 
@@ -258,11 +262,21 @@ class RunTrainStep:
             logging.info("train step: %s has no programs to compile ahead", type(self.step).__name__)
             return
         abstract = abstract_state(state)
+        pool = self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="train-compile-ahead")
 
         def work() -> None:
             start, before = time.perf_counter(), self._log.count()
-            with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="train-compile-ahead") as pool:
+            try:
                 programs = compile_ahead(abstract, rows, lengths, compile_map=pool.map)
+            except (concurrent.futures.CancelledError, RuntimeError):
+                if not self._closed:
+                    raise
+                # `close()` cancelled the queue (CancelledError) or shut the pool before the programs
+                # were handed to it (RuntimeError: no new futures after shutdown).
+                logging.info("train step: compiling ahead stopped with the run")
+                return
+            finally:
+                pool.shutdown(wait=False)
             logging.info(
                 "train step: %d programs compiled ahead in %.1f s, %d at once (%d rows, %d length buckets "
                 "%d..%d; %.1f s of XLA compiles in this process meanwhile)",
@@ -280,6 +294,13 @@ class RunTrainStep:
             target=self._errors.guarded("train-compile-ahead", work), name="train-compile-ahead", daemon=True
         )
         self._thread.start()
+
+    def close(self) -> None:
+        """Drops the programs still queued to compile ahead; those compiling finish (the pool's
+        threads are joined at the interpreter's exit). Idempotent; the step itself stays usable."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def wait_compiled(self) -> float:
         """Waits for the ahead-of-time compiles, if any are running (seconds waited); re-raises

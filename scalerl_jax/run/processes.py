@@ -40,6 +40,7 @@ from scalerl_jax.pipeline.group import Prompt
 from scalerl_jax.pipeline.pipeline_rl import Pipeline, PipelineResult
 from scalerl_jax.pipeline.queue import PipelineStopped
 from scalerl_jax.run.build import (
+    TaskData,
     Trainer,
     build_batcher,
     build_engine,
@@ -102,6 +103,16 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) 
     task = load_task(config, workdir, source.encoder)
     assert ctx.meshes.trainer is not None  # the leader is a trainer process
     trainer = build_trainer(config, source.checkpoint_dir, ctx.meshes.trainer)
+    try:
+        return _lead_with(ctx, checkpointer, signals, task, trainer)
+    finally:  # a stop before the first step: the programs still queued to compile ahead are dropped
+        trainer.step_fn.close()
+
+
+def _lead_with(
+    ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals, task: TaskData, trainer: Trainer
+) -> PipelineResult:
+    config, workdir, source = ctx.config, ctx.workdir, ctx.source
     npr = config.rl.positive_pass_rate if config.rl.no_positive_resampling else None
     run_state = RunState(
         pool=data_lib.PromptPool(len(task.train_prompts), seed=config.seed, npr_threshold=npr), meter=ComputeMeter()
@@ -187,9 +198,10 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) 
             reporter.checkpoint(result.version)
         if result.stop_reason != "num_steps":
             logging.warning(
-                "stopped (%s) at step %d, its state checkpointed; the same command resumes from there",
+                "stopped (%s) at step %d, %s; the same command resumes from there",
                 result.stop_reason,
                 result.version,
+                "its state checkpointed" if result.version > start_step else "before its first train step",
             )
     finally:
         run_state.meter.stop()
@@ -271,6 +283,7 @@ def run_follower(ctx: RunContext) -> None:
 def _follow(ctx: RunContext) -> None:
     config, leader = ctx.config, _links(ctx).leader["trainer"]
     checkpointer = _checkpointer(ctx)
+    trainer: Trainer | None = None
     try:
         assert ctx.meshes.trainer is not None  # a follower is a trainer process
         trainer = build_trainer(config, ctx.source.checkpoint_dir, ctx.meshes.trainer)
@@ -296,6 +309,8 @@ def _follow(ctx: RunContext) -> None:
         )
         logging.info("follower trainer: %d steps, stopped by the leader", steps)
     finally:
+        if trainer is not None:  # stopped before the first step: drop the queued compiles
+            trainer.step_fn.close()
         checkpointer.close()
 
 

@@ -19,7 +19,7 @@ from absl import logging
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.config.errors import ConfigError
-from scalerl_jax.config.memory_fit import check_run_memory
+from scalerl_jax.config.memory_fit import check_run_memory, device_memory_bytes
 from scalerl_jax.config.resume import check_resume, config_json
 from scalerl_jax.contracts.workdir_lock import WorkdirLockedError, hold_workdir
 from scalerl_jax.distributed import coordination
@@ -69,8 +69,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         check_run_memory(  # before any program compiles: recipe sizes the devices cannot hold, named
             config,
             policy.model_config,
-            generator_devices=roles.local_generator_devices(),
-            trainer_devices=[device for device in roles.trainer_devices if device.process_index == roles.process],
+            generator_devices=roles.generator_devices,
+            trainer_devices=roles.trainer_devices,
+            capacities=run_capacities(timeout_s=d.connect_timeout_s),
         )
         meshes = build_meshes(config, roles)
         transfer = build_transfer(config, roles, plan_routes(roles), policy.params, meshes.trainer)
@@ -84,6 +85,14 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         if heartbeat is not None:  # a process that fails says no goodbye: the others see it lost
             heartbeat.close()
         return summary
+
+
+def run_capacities(*, timeout_s: float) -> dict[int, tuple[int, str]]:
+    """Each process's device memory (`device_memory_bytes` of its first local device), gathered
+    from every process so that each judges the whole run on the same numbers."""
+    capacity, where = device_memory_bytes(jax.local_devices()[0])
+    gathered = coordination.gather("device_memory", f"{capacity} {where}", timeout_s)
+    return {process: (int(text.split(" ", 1)[0]), text.split(" ", 1)[1]) for process, text in enumerate(gathered)}
 
 
 def prepare_shared_files(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack) -> None:

@@ -55,6 +55,16 @@ def test_two_processes_complete_every_step(tmp_path, layout):
     assert reporting == [0], logs(workdir, 2)  # only the leader writes metrics and reports progress
 
 
+def test_three_devices_per_process_fit_the_global_trainer_mesh(tmp_path):
+    # 2 processes x 3 CPU devices, round(6 x 0.34) = 2 generator devices: trainer p0d0..p0d2 + p1d0
+    # (fsdp over 4 divides the embedding's 128), generator p1d1 + p1d2. Process 0 alone holds 3
+    # trainer devices: its memory must be judged on the run's 4-device trainer mesh, not a 3-device one.
+    workdir = str(tmp_path / "run")
+    procs = start(workdir, {**TINY, "mesh.generator_fraction": 0.34}, processes=2, devices=3)
+    assert wait(procs, timeout=400) == [0, 0], logs(workdir, 2)
+    check_run(workdir, TINY["num_steps"], k=2)
+
+
 @pytest.mark.slow
 def test_a_generator_process_evaluates_beside_training(tmp_path):
     # The cluster's shape: the leader holds only trainer devices, the generator is another process.

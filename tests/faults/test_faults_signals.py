@@ -12,6 +12,13 @@ S4 SIGTERM to the study: passed on to its run, which checkpoints and exits 0; th
    in one line and exits 143; no run left behind
 S5 a run's workdir held by another process: the study does not launch it, says so, logs it as
    refused (not a launch's end, not a killed launch); a second study on one directory is refused
+S6 SIGTERM while the run starts (sampler warm-up, train programs compiling ahead beside it): the
+   start-up finishes, step 0 is evaluated, exit 0 with 'signal SIGTERM'; the train programs still
+   queued are dropped, not compiled at the interpreter's exit after the run's last line (the hang
+   it was); the rerun writes every row once
+S7 SIGTERM to the leader alone of a 2-process run (a follower trainer) while it starts: both
+   exit 0, the leader with 'signal SIGTERM' and row 0; both processes drop their queued
+   train programs
 """
 
 import json
@@ -22,6 +29,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -147,6 +155,90 @@ def test_s3_sigterm_to_every_process_stops_at_one_step_with_one_checkpoint(tmp_p
     assert codes == [0, 0], logs(rerun, 2)
     assert resumed_step(full_log(rerun, 0)) == stop_step
     assert [r["step"] for r in read_metrics(workdir)] == list(range(7))
+
+
+def test_s6_sigterm_while_starting_drops_the_train_programs_still_to_compile(tmp_path):
+    # 8 length buckets per octave: 15 buckets, 18 train programs to compile ahead on one thread,
+    # far more than are done when the sampler's warm-up and the step-0 evaluation end.
+    overrides = flags(
+        {**SMALL, "batch.length_buckets_per_octave": 8, "train.compile_threads": 1, "num_steps": 2, "eval.every": 2}
+    )
+    process = subprocess.Popen(
+        main_command(tmp_path, *overrides),
+        cwd=REPO,
+        env=main_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    warming_up = threading.Event()
+
+    stderr = process.stderr
+    assert stderr is not None
+
+    def read() -> None:
+        for line in stderr:
+            lines.append(line)
+            if "sampler engine: compiling" in line:  # the warm-up; the train programs compile beside it
+                warming_up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert warming_up.wait(600), "".join(lines)[-4000:]
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=600)  # generous: it has to exit at all
+        except subprocess.TimeoutExpired:
+            pytest.fail("no exit within 600 s of the SIGTERM; its last lines:\n" + "".join(lines[-20:]))
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(timeout=30)
+    text = "".join(lines)
+    assert process.returncode == 0, text[-4000:]
+    assert "'stop_reason': 'signal SIGTERM'" in text and "before its first train step" in text, text[-4000:]
+    assert "train step: compiling ahead stopped with the run" in text, text[-4000:]
+    assert "programs compiled ahead in" not in text, text[-4000:]  # none compiled after the stop
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0]
+    assert not os.path.isdir(os.path.join(tmp_path, "checkpoints")) or checkpoints(tmp_path) == []
+
+    # The rerun (no checkpoint yet: from the start) with the usual 3 buckets (a resumable key).
+    resumed = run_main(tmp_path, *flags({**SMALL, "num_steps": 2, "eval.every": 2}), timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]  # every row once
+
+
+@pytest.mark.slow
+def test_s7_sigterm_to_the_leader_while_starting_stops_both_processes(tmp_path):
+    workdir = str(tmp_path / "run")
+    overrides = {
+        **TINY,
+        "mesh.generator_fraction": 0.25,  # trainer spans both processes: a follower trainer
+        "mesh.trainer_shape": "(-1,1,1)",
+        "batch.prompts_per_step": 3,
+        "batch.length_buckets_per_octave": 8,  # 18 train programs to compile ahead, one at a time
+        "train.compile_threads": 1,
+        "num_steps": 6,
+        "distributed.heartbeat_timeout_s": 60,  # a loaded host's compiles may starve a heartbeat for 20 s
+    }
+    procs = start(workdir, overrides, processes=2)
+    deadline = time.monotonic() + 600
+    while "warm start: reusing" not in full_log(workdir, 0):  # the shared files are ready: the start-up goes on
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            wait(procs, timeout=1)
+            raise AssertionError(logs(workdir, 2))
+        time.sleep(0.5)
+    procs[0].send_signal(signal.SIGTERM)  # the leader only: it stops every process
+    codes = wait(procs, timeout=600)  # generous: they have to exit at all
+    assert codes == [0, 0], logs(workdir, 2)
+    assert "'stop_reason': 'signal SIGTERM'" in full_log(workdir, 0), logs(workdir, 2)
+    assert [r["step"] for r in read_metrics(workdir)] == [0]
+    for rank in range(2):
+        log = full_log(workdir, rank)
+        assert "train step: compiling ahead stopped with the run" in log and "programs compiled ahead in" not in log
 
 
 # A stand-in for main: records its pid, then waits; SIGTERM makes it "checkpoint" and exit 0.
