@@ -28,7 +28,9 @@ worker, an answer math-verify cannot parse) are counted for the whole run by ``R
 (checkpointed with the run state), one ``RewardTally`` per scope: training under ``data/``, each
 evaluation set under its own prefix; the first item of each kind in a scope is logged once. The
 tally also counts the items whose answer was found (``<prefix>/answers_found``; training also
-reports their fraction of all its items so far, ``data/answer_found_frac``).
+reports their fraction of all its items so far, ``data/answer_found_frac``, and of the items scored
+since the previous training step's row, ``data/step_answer_found_frac``: a late format collapse
+moves the second at once, the first only by the share of the run it lasts).
 """
 
 from __future__ import annotations
@@ -242,6 +244,7 @@ FAILURE_METRICS = {
 ITEMS_METRIC = "reward_items"
 FOUND_METRIC = "answers_found"
 FOUND_FRAC_METRIC = "answer_found_frac"
+STEP_FOUND_FRAC_METRIC = "step_answer_found_frac"
 
 
 def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str) -> str:
@@ -254,14 +257,17 @@ def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str
 class RewardTally:
     """Cumulative counts of one scope's scored items, of those whose answer a style found, and of
     those the reward failed on (``FAILURE_METRICS``); the first item of each failure kind is
-    logged once (a warning naming the item's problem prefix, its gold and the reason). Thread
-    safe."""
+    logged once (a warning naming the item's problem prefix, its gold and the reason). It also
+    counts the items and answers found since ``take_step`` was last called (not saved with the
+    run state: a resumed run's first window starts at its start). Thread safe."""
 
     def __init__(self, prefix: str, what: str):
         self.prefix, self._what = prefix, what
         self._lock = threading.Lock()
         self._items = 0
         self._found = 0
+        self._step_items = 0
+        self._step_found = 0
         self._failures = dict.fromkeys(FAILURE_METRICS, 0)
         self._logged: set[str] = set()
 
@@ -271,6 +277,8 @@ class RewardTally:
         with self._lock:
             self._items += len(scored.outcomes)
             self._found += int(scored.answer_found.sum())
+            self._step_items += len(scored.outcomes)
+            self._step_found += int(scored.answer_found.sum())
             for index, outcome in enumerate(scored.outcomes):
                 if outcome in self._failures:
                     self._failures[outcome] += 1
@@ -306,6 +314,15 @@ class RewardTally:
             if self.prefix == RewardTallies.TRAINING and self._items:
                 counts[f"{self.prefix}/{FOUND_FRAC_METRIC}"] = self._found / self._items
             return counts
+
+    def take_step(self) -> dict[str, float]:
+        """``{prefix}/step_answer_found_frac`` = answers found / items scored since the previous
+        call (or since this tally was made), empty when no item was scored meanwhile; starts the
+        next window. Called once per training step's row, so each item counts in one step."""
+        with self._lock:
+            items, found = self._step_items, self._step_found
+            self._step_items = self._step_found = 0
+        return {f"{self.prefix}/{STEP_FOUND_FRAC_METRIC}": found / items} if items else {}
 
     def state_dict(self) -> dict[str, int]:
         with self._lock:

@@ -233,6 +233,7 @@ class StepReporter:
                 "data/prompts_too_long": self._task.num_too_long,
                 **rs.pool.metrics(),
                 **rs.rewards.metrics(),
+                **rs.rewards.training.take_step(),
                 **compute,
             }
         )

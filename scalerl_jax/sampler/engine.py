@@ -37,7 +37,11 @@ exact and later chunks, with larger bounds, go on.
 
 Compiles. `warm_up` compiles every prefill shape up to a prompt length, every window and the
 eviction call before decoding starts, so none happens on the decode path later
-(`decode_path_calls`; `engine_programs.py` lowers the same calls ahead of time). The engine's
+(`decode_path_calls`; `engine_programs.py` lowers the same calls ahead of time). A program is
+compiled for the shardings of its inputs, so every call returns the decode state on the shardings
+`init_decode_state` gives it (`_pinned`): left to XLA's propagation, a mesh of several devices gets
+the state back slot-sharded from one call and replicated from another, and the next call with it
+compiles again (on the decode path, after warm-up). The engine's
 settings (`EngineConfig`, `InterruptionConfig`) are in `engine_config.py`.
 
 Length control (forced interruption) runs inside the jitted chunk as a per-slot state machine:
@@ -72,7 +76,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
 from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
-from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages
+from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages, kv_pages_sharding
 from scalerl_jax.sampler.engine_config import EngineConfig
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
@@ -228,7 +232,9 @@ class Engine:
         self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
         self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
         self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
-        self._evict_jit = jax.jit(lambda state, mask: state._replace(active=state.active & ~mask), donate_argnums=(0,))
+        self._evict_jit = jax.jit(
+            lambda state, mask: self._pinned(state._replace(active=state.active & ~mask)), donate_argnums=(0,)
+        )
         self._live_bound = np.zeros((config.num_slots,), np.int64)
         self.page_groups = _batch_shards(mesh, self.rules)
         self.pages_per_slot = pages_for(config.max_len, config.page_size)
@@ -522,6 +528,23 @@ class Engine:
     ) -> DecodeState:
         return self._insert(self._prefill(params, tokens, true_length), state, slots, settings, tables)
 
+    def _pinned(self, state: DecodeState) -> DecodeState:
+        """`state` (traced) constrained to the shardings `init_decode_state` gives it: the KV pages
+        by the rules (`kv_pages_sharding`), every other field replicated; unchanged without a mesh."""
+        if self.mesh is None:
+            return state
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        fields = {
+            name: jax.lax.with_sharding_constraint(value, replicated)
+            for name, value in state._asdict().items()
+            if name != "cache"
+        }
+        fields["cache"] = {
+            name: jax.lax.with_sharding_constraint(leaf, kv_pages_sharding(leaf.shape, self.mesh, self.rules))
+            for name, leaf in state.cache.items()
+        }
+        return DecodeState(**fields)
+
     def _insert(
         self, prefix: Prefix, state: DecodeState, slots: jax.Array, settings: SlotSettings, tables: jax.Array
     ) -> DecodeState:
@@ -556,7 +579,7 @@ class Engine:
         phase = jnp.where(think_budget >= 0, PHASE_THINK, PHASE_ANSWER)
         zeros = jnp.zeros((rows,), jnp.int32)
         falses = jnp.zeros((rows,), bool)
-        return state._replace(
+        inserted = state._replace(
             cache=jax.tree.map(put_cache, state.cache, prefix.cache),
             tokens=put(state.tokens, prefix.last_token),
             positions=put(state.positions, prefix.true_length - 1),
@@ -577,6 +600,7 @@ class Engine:
             truncated=put(state.truncated, falses),
             stopped=put(state.stopped, falses),
         )
+        return self._pinned(inserted)
 
     def _paged_view(self, state: DecodeState, window: int, table: jax.Array, held: jax.Array) -> PagedView:
         """Where each slot writes this step (its page, or nowhere if idle) and the keys it reads
@@ -713,7 +737,7 @@ class Engine:
         )
         # The per-slot fields are separate output buffers from the state's (which the next call
         # donates); the batcher reads them after dispatching that call (tested via the batcher).
-        return state, result
+        return self._pinned(state), result
 
 
 def _doublings(first: int, last: int) -> list[int]:

@@ -302,6 +302,27 @@ def test_training_tally_counts_answers_found(pool):
     assert "eval/answer_found_frac" not in RewardTally("eval", "an eval item").metrics()
 
 
+def test_training_tally_reports_each_steps_found_fraction_beside_the_cumulative_one(pool):
+    """Hand count: step 1 scores 4 items, 3 with a `####` answer; step 2 scores 2 + 2 items, 1
+    found (a format collapse); step 3 scores nothing. Cumulative after step 2: 4 of 8."""
+    config = RewardConfig(kind="math", answer_format="plain", answer_styles=("hashes",))
+    tally = RewardTally("data", "a training item")
+    assert tally.take_step() == {}  # nothing scored yet
+
+    def score(texts):
+        tally.add(
+            score_completions(texts, ["1"] * len(texts), config, pool=pool), [""] * len(texts), ["1"] * len(texts)
+        )
+
+    score(["#### 1", "#### 2", "none", "#### 1"])
+    assert tally.take_step() == {"data/step_answer_found_frac": pytest.approx(3 / 4)}
+    score(["none", "#### 5"])
+    score(["none", "none"])
+    assert tally.take_step() == {"data/step_answer_found_frac": pytest.approx(1 / 4)}
+    assert tally.metrics()["data/answer_found_frac"] == pytest.approx(4 / 8)
+    assert tally.take_step() == {}  # no item since the last step's row
+
+
 # ------------------------------------------------------------------ gold extraction when reading
 
 

@@ -7,6 +7,7 @@ from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings, split_devices
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request
+from scalerl_jax.telemetry.compile_events import compile_log
 
 CONFIG = get_preset("tiny-llama", initializer_range=0.15)
 
@@ -66,3 +67,26 @@ def test_params_push_to_the_generator_never_touches_the_host():
     ):
         assert got.sharding == target
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
+def test_decoding_after_warm_up_compiles_nothing_on_a_generator_mesh():
+    """`warm_up` compiles each decode-path program once, for the decode state it has at that
+    point; on a mesh of several devices every later call must see the state on the same
+    shardings, else the prefill of a bucket and the decode chunk compile again while decoding
+    (seen in a run's evaluations after step 0). Prompts of 2 .. 12 tokens: both prefill buckets
+    (8, 16) and the decode window (32)."""
+    model = Transformer(CONFIG, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    generator_devices, _ = split_devices(jax.devices(), 0.5)
+    mesh = make_mesh((4, 1, 1), devices=generator_devices)  # slots over data
+    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=1)
+    engine = Engine(graphdef, CONFIG, engine_config, mesh=mesh)
+    batcher = ContinuousBatcher(engine, jax.device_put(params, param_shardings(params, mesh)), seed=1)
+    batcher.warm_up(16)
+    log = compile_log()
+    before = log.count()
+    for i in range(4):
+        batcher.add_request(Request(i, list(range(1, 3 + 3 * i)), 6, seed=i, temperature=1.0))
+    assert len(batcher.drain()) == 4
+    assert log.events(before) == []
