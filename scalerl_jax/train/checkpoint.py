@@ -218,6 +218,7 @@ class RunCheckpointer:
         `close` does not wait for, and a process that ends just after would print its traceback)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+        self._save_failed = False
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         multiprocessing = ocp.options.MultiprocessingOptions()
         if processes is not None and jax.process_count() > 1:
@@ -282,6 +283,7 @@ class RunCheckpointer:
             except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise ValueError, OSError, RuntimeError
                 failure = error
         if failure is not None:
+            self._save_failed = True
             logging.debug("checkpoint save failure", exc_info=failure)
             newest = self._manager.latest_step()
             intact = f"step {newest}" if newest is not None else "none"
@@ -385,4 +387,19 @@ class RunCheckpointer:
         return None
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for the writes under way and releases orbax's threads and files. Orbax raises a
+        failed save again in each thread that waits for it (a run saves from its trainer thread and
+        closes from the main thread): one that `save` reported already is dropped here, and the
+        close is finished by a second call (the failure is raised once per thread)."""
+        failure = None
+        with _orbax_muted():
+            try:
+                self._manager.close()
+            except Exception as error:  # noqa: BLE001 - whatever the failed write raised
+                failure = error
+                self._manager.close()
+        if failure is None:
+            return
+        logging.debug("checkpoint close failure", exc_info=failure)
+        if not self._save_failed:
+            raise CheckpointError(f"checkpoint: could not finish writing to {self.directory}: {_short_reason(failure)}")
