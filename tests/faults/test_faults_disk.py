@@ -5,14 +5,25 @@ D1 a save that failed on a full disk in one thread (the run's trainer thread), t
    another (the run's `finally`, in the main thread): no exception and nothing on stderr (orbax
    raises a failed save once in each thread that waits for it, and logs its traceback); the
    previous checkpoint restores
+D2 a metrics row that does not fit on a full disk: the OSError names metrics.jsonl (a write to an
+   open file has no file name of its own, and the run's one line would name nothing)
+D3 MetricsWriter.close() after writes failed on a full disk, then the process's exit: no exception
+   and no traceback (TensorBoard's writer thread and exit hook retry the flush that cannot succeed)
 """
 
+import errno
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
+import pytest
+from repo_paths import REPO
 from test_faults import CONFIG, assert_state_is_step, big_state, tiny_tmpfs, train_state
 
+from scalerl_jax.telemetry.metrics import MetricsWriter
 from scalerl_jax.train.checkpoint import CheckpointError, RunCheckpointer
 
 
@@ -49,3 +60,42 @@ def fill_leaving(mount, free_bytes: int) -> None:
     stats = os.statvfs(mount)
     with open(mount / "filler", "wb") as f:
         os.posix_fallocate(f.fileno(), 0, stats.f_bavail * stats.f_frsize - free_bytes)
+
+
+def test_d2_a_metrics_row_that_cannot_be_written_names_the_file(tmp_path):
+    with tiny_tmpfs(tmp_path / "mnt", 256) as mount:
+        writer = MetricsWriter(str(mount))
+        writer.write(1, {"train/loss": 0.5})
+        fill_leaving(mount, 0)
+        with pytest.raises(OSError) as error:
+            for step in range(2, 200):  # the page holding the first rows fills, the next has no room
+                writer.write(step, {"train/loss": 0.5, "note": "x" * 200})
+        assert error.value.errno == errno.ENOSPC
+        assert str(mount / "metrics.jsonl") in str(error.value), str(error.value)
+        writer.close()
+
+
+def test_d3_metrics_writer_on_a_full_disk_closes_and_exits_without_tracebacks(tmp_path):
+    with tiny_tmpfs(tmp_path / "mnt", 256) as mount:
+        script = textwrap.dedent(
+            f"""
+            import os
+            from scalerl_jax.telemetry.metrics import MetricsWriter
+            writer = MetricsWriter({str(mount)!r})
+            writer.write(1, {{"train/loss": 0.5}})
+            stats = os.statvfs({str(mount)!r})
+            with open({str(mount / "filler")!r}, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, stats.f_bavail * stats.f_frsize)
+            try:
+                for step in range(2, 400):
+                    writer.write(step, {{"train/loss": 0.5, "note": "x" * 200}})
+            except OSError as error:
+                print("write failed:", error)
+            writer.close()
+            print("closed")
+            """
+        )
+        result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "write failed: [Errno 28]" in result.stdout and "closed" in result.stdout, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr, result.stderr
+    assert result.returncode == 0
