@@ -355,6 +355,12 @@ class Fault:
     _started: float = 0.0
 
 
+def add_problem(fault: Fault, problem: str | None) -> None:
+    """Adds `problem` (if any) to what went wrong with `fault`."""
+    if problem:
+        fault.problem = f"{fault.problem}; {problem}" if fault.problem else problem
+
+
 class Soak:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -372,6 +378,8 @@ class Soak:
         self.workers: set[tuple[int, int]] = set()  # (pid, start) of every verifier worker seen
         self.plan: list[str] = []
         self.due: float | None = None
+        self.stop_asked: str | None = None  # SIGINT / SIGTERM to the soak: stop early, then check
+        self.stopped_at: int | None = None  # the last training step of a soak stopped early
 
     # -- the run ------------------------------------------------------------------------------
     @property
@@ -390,6 +398,13 @@ class Soak:
             f"--config.seed={args.seed}",
             *args.override,
         ]
+
+    def place_warm_start(self) -> None:
+        """Copies `--warm-start` (a warm start directory built for the same config) under the run's
+        workdir, where the run finds and reuses it instead of training it again."""
+        source = os.path.abspath(self.args.warm_start)
+        shutil.copytree(source, os.path.join(self.run_dir, "warm_start", os.path.basename(source)))
+        log(f"warm start {source} placed in {self.run_dir}/warm_start")
 
     def start_run(self) -> None:
         index = len(self.runs)
@@ -415,6 +430,9 @@ class Soak:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.poll()
+            if self.stop_asked is not None:
+                self.stop_early()
+                return
             if not self.run.alive():
                 self.poll()
                 return self.run.process.returncode
@@ -430,7 +448,7 @@ class Soak:
             os.killpg(self.run.pid, signal.SIGKILL)
             self.run.process.wait(timeout=60)
             if fault is not None:
-                fault.problem = (fault.problem or "") + f"; no exit {self.args.exit_timeout:.0f} s after SIGTERM"
+                add_problem(fault, f"no exit {self.args.exit_timeout:.0f} s after SIGTERM")
 
     # -- faults -------------------------------------------------------------------------------
     def next_kind(self) -> str:
@@ -446,6 +464,9 @@ class Soak:
             return
         now = time.monotonic()
         fault = Fault(kind, now - self.t0, self.tail.last_training_step, _started=now)
+        # recovery ends with a training row of the run after this one (the stopped run may still
+        # log the step it is in), or of this one for a killed worker
+        fault.resumed_by = self.run.index + (kind != "worker")
         self.faults.append(fault)
         log(f"fault {len(self.faults)}: {kind} at step {fault.step}")
         getattr(self, f"fault_{kind}")(fault)
@@ -456,7 +477,6 @@ class Soak:
 
     def resume(self, fault: Fault) -> None:
         self.start_run()
-        fault.resumed_by = self.run.index
 
     def fault_sigterm(self, fault: Fault) -> None:
         os.kill(self.run.pid, signal.SIGTERM)
@@ -481,7 +501,6 @@ class Soak:
         victim = self.rng.choice(workers)
         os.kill(victim.pid, signal.SIGKILL)
         fault.outcome = f"killed worker {victim.pid} of {len(workers)}"
-        fault.resumed_by = self.run.index
 
     def wait_for_save(self, timeout: float) -> bool:
         """Polls (every millisecond) until a checkpoint save's temporary directory exists."""
@@ -532,26 +551,33 @@ class Soak:
         if remaining > 0:
             time.sleep(remaining)
         if status is None:
-            fault.outcome = f"survived {self.args.read_only_s:.0f} s read-only; stopped with SIGTERM"
+            fault.outcome = f"survived {self.args.read_only_s:.0f} s read-only; SIGTERM"
             self.stop_run(fault)
             status = self.run.process.returncode
         else:
-            fault.outcome = f"stopped by itself, exit {status}"
-            if status == 0:
-                fault.problem = "exit status 0 although the workdir was read-only"
-            else:
-                fault.problem = one_line_error(self.run.log_since(offset), self.args.workdir)
-        fault.line = last_line(self.run.log_since(offset))
+            fault.outcome = "stopped by itself"
+        fault.outcome += f", exit {status}"
+        text = self.run.log_since(offset)
+        fault.line = last_line(text)
+        if status == 0:  # a stop checkpoints, which a read-only filesystem refuses
+            fault.problem = "exit status 0 although the workdir was read-only"
+        else:
+            add_problem(fault, one_line_error(text, self.args.workdir))
         self.fs.make_writable()
         self.resume(fault)
 
     # -- the loop -----------------------------------------------------------------------------
     def drive(self) -> None:
         args = self.args
+        if args.warm_start:
+            self.place_warm_start()
         self.start_run()
         deadline = time.monotonic() + args.timeout
         while time.monotonic() < deadline:
             self.poll()
+            if self.stop_asked is not None:
+                self.stop_early()
+                return
             if not self.run.alive():
                 status = self.run.process.returncode
                 if status == 0 and self.tail.last_training_step >= args.steps:
@@ -576,6 +602,18 @@ class Soak:
         self.unplanned_exits.append(f"the soak timed out after {args.timeout:.0f} s")
         self.stop_run()
 
+    def ask_stop(self, signum: int, frame: object = None) -> None:
+        """The soak's SIGINT / SIGTERM handler: no more faults; the run is stopped and checked."""
+        self.stop_asked = signal.Signals(signum).name
+
+    def stop_early(self) -> None:
+        """Stops the run as SIGTERM does (it checkpoints its step) and checks the steps reached."""
+        log(f"{self.stop_asked}: stopping the run and checking the steps it reached")
+        self.stop_run()
+        self.poll()
+        self.stopped_at = self.tail.last_training_step
+        log(f"stopped early at step {self.stopped_at} of {self.args.steps}")
+
     # -- the end checks -----------------------------------------------------------------------
     def final_rows(self) -> list[dict]:
         with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
@@ -584,7 +622,7 @@ class Soak:
     def check_rows(self, rows: list[dict]) -> list[str]:
         problems = []
         training = collections.Counter(row["step"] for row in rows if is_training(row))
-        expected = set(range(1, self.args.steps + 1))
+        expected = set(range(1, (self.stopped_at or self.args.steps) + 1))
         missing = sorted(expected - set(training))
         twice = sorted(step for step, count in training.items() if count > 1)
         extra = sorted(set(training) - expected)
@@ -630,7 +668,7 @@ class Soak:
     def compare_pass_rate(self, rows: list[dict]) -> tuple[dict, list[str]]:
         step = self.args.compare_step
         evaluations = {row["step"]: row["eval/pass_rate"] for row in rows if is_evaluation(row)}
-        if self.args.steps < step or not os.path.isdir(self.args.baseline):
+        if (self.stopped_at or self.args.steps) < step or not os.path.isdir(self.args.baseline):
             return {"compared": False, "why": f"the soak ends before step {step} or has no baseline"}, []
         seeds = sorted(d for d in os.listdir(self.args.baseline) if d.startswith("seed"))
         baseline = []
@@ -701,6 +739,7 @@ class Soak:
             "wall_s": time.monotonic() - self.t0,
             "runs": len(self.runs),
             "steps": self.args.steps,
+            "stopped_at": self.stopped_at,
             "training_rows": sum(1 for row in rows if is_training(row)),
             "evaluation_rows": sum(1 for row in rows if is_evaluation(row)),
             "faults": [{k: v for k, v in dataclasses.asdict(f).items() if not k.startswith("_")} for f in self.faults],
@@ -728,7 +767,10 @@ def last_mean(step: int, count: int):
 
 
 def print_summary(summary: dict) -> None:
-    print(f"\nsoak: {summary['steps']} steps, {summary['runs']} run starts, {summary['wall_s'] / 60:.1f} min wall")
+    early = f" (stopped early at step {summary['stopped_at']})" if summary["stopped_at"] is not None else ""
+    print(
+        f"\nsoak: {summary['steps']} steps{early}, {summary['runs']} run starts, {summary['wall_s'] / 60:.1f} min wall"
+    )
     print(f"filesystem: {summary['filesystem']}" + "".join(f"; {k}: {v}" for k, v in summary["unavailable"].items()))
     print("| fault | count | skipped | recovery median s | recovery max s |")
     print("|---|---|---|---|---|")
@@ -790,6 +832,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quiet-steps", type=int, default=20, help="no fault in the last this many steps")
     parser.add_argument("--config", default=STUDY_CONFIG)
     parser.add_argument("--override", action="append", default=None, help="a --config.KEY=VALUE flag for the run")
+    parser.add_argument(
+        "--warm-start", help="a warm start directory (WORKDIR/warm_start/HASH) of the same config to reuse"
+    )
     parser.add_argument("--fs-size-mb", type=int, default=2048)
     parser.add_argument("--headroom-mb", type=int, default=1, help="free space a full disk leaves")
     parser.add_argument("--read-only-s", type=float, default=60.0)
@@ -834,6 +879,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.scratch, exist_ok=True)
     LOG_FILE.append(os.path.join(args.scratch, "soak.log"))
     soak = Soak(args)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, soak.ask_stop)
     with mounted(soak.fs):
         try:
             soak.drive()

@@ -168,6 +168,19 @@ class _FromOrbax(std_logging.Filter):
         return "/orbax/" not in path and "/etils/" not in path
 
 
+class _AbortedOrbaxTasks(std_logging.Filter):
+    """Drops asyncio's 'Task exception was never retrieved' reports of orbax's coroutines: the
+    writes of a failed save that were not the first to fail. They are reported when the task is
+    collected, which can be at the process's exit, after the failure was raised as one line."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+
+
+_ABORTED_TASKS = _AbortedOrbaxTasks()
+
+
 @contextlib.contextmanager
 def _orbax_muted() -> Iterator[None]:
     """Silences orbax for the block: its absl logging (INFO chatter and error tracebacks; other
@@ -284,6 +297,7 @@ class RunCheckpointer:
                 failure = error
         if failure is not None:
             self._save_failed = True
+            std_logging.getLogger("asyncio").addFilter(_ABORTED_TASKS)  # for the process's rest; added once
             logging.debug("checkpoint save failure", exc_info=failure)
             newest = self._manager.latest_step()
             intact = f"step {newest}" if newest is not None else "none"
