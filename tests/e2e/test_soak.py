@@ -36,7 +36,7 @@ def soak_command(mount, scratch) -> list[str]:
         "--read-only-s=5",
         "--fs-size-mb=256",
         "--exit-timeout=120",
-        "--timeout=1500",
+        "--timeout=2700",
     ]
 
 
@@ -63,7 +63,7 @@ def test_short_soak_every_fault_kind_rows_once_checkpoints_verified_nothing_left
         env=dict(os.environ, PYTHONPATH=REPO),
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=3000,
     )
     summary_file = scratch / "summary.json"
     assert summary_file.exists(), result.stdout[-4000:] + result.stderr[-4000:]
