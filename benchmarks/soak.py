@@ -430,9 +430,6 @@ class Soak:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.poll()
-            if self.stop_asked is not None:
-                self.stop_early()
-                return
             if not self.run.alive():
                 self.poll()
                 return self.run.process.returncode
@@ -440,12 +437,14 @@ class Soak:
         return None
 
     def stop_run(self, fault: Fault | None = None) -> None:
-        """SIGTERM, then SIGKILL after `--exit-timeout` seconds; notes a hang in `fault`."""
+        """SIGTERM to the run (its workers are its to stop), then SIGKILL to its whole session
+        after `--exit-timeout` seconds; notes a hang in `fault`."""
         if not self.run.alive():
             return
-        os.killpg(self.run.pid, signal.SIGTERM)
+        os.kill(self.run.pid, signal.SIGTERM)
         if self.wait_exit(self.args.exit_timeout) is None:
-            os.killpg(self.run.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.run.pid, signal.SIGKILL)
             self.run.process.wait(timeout=60)
             if fault is not None:
                 add_problem(fault, f"no exit {self.args.exit_timeout:.0f} s after SIGTERM")
