@@ -181,6 +181,24 @@ class _AbortedOrbaxTasks(std_logging.Filter):
 _ABORTED_TASKS = _AbortedOrbaxTasks()
 
 
+def _drop_closed_loop_prints(exc_type: Any, value: BaseException, tb: Any, fallback: Callable[..., None]) -> None:
+    """A sys.excepthook: tensorstore prints (PyErr_Print, which calls the hook) what its completion
+    callbacks raise; those of a failed save's aborted writes come after orbax closed its event
+    loop ('Event loop is closed') and are dropped; anything else goes to `fallback`."""
+    if isinstance(value, RuntimeError) and "Event loop is closed" in str(value):
+        return
+    fallback(exc_type, value, tb)
+
+
+def _quiet_aborted_writes() -> None:
+    """After a failed save, for the rest of the process: drops the reports of its aborted writes
+    (asyncio's, and tensorstore's prints), which can come after the failure was raised as one line."""
+    asyncio_logger = std_logging.getLogger("asyncio")
+    if _ABORTED_TASKS not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_ABORTED_TASKS)
+        sys.excepthook = functools.partial(_drop_closed_loop_prints, fallback=sys.excepthook)
+
+
 @contextlib.contextmanager
 def _orbax_muted() -> Iterator[None]:
     """Silences orbax for the block: its absl logging (INFO chatter and error tracebacks; other
@@ -297,7 +315,7 @@ class RunCheckpointer:
                 failure = error
         if failure is not None:
             self._save_failed = True
-            std_logging.getLogger("asyncio").addFilter(_ABORTED_TASKS)  # for the process's rest; added once
+            _quiet_aborted_writes()
             logging.debug("checkpoint save failure", exc_info=failure)
             newest = self._manager.latest_step()
             intact = f"step {newest}" if newest is not None else "none"
