@@ -210,9 +210,11 @@ def _orbax_muted() -> Iterator[None]:
     asyncio_logger = std_logging.getLogger("asyncio")
     asyncio_level = asyncio_logger.level
     hook = sys.unraisablehook
+    excepthook = sys.excepthook
     absl_logger.addFilter(orbax_filter)
     asyncio_logger.setLevel(std_logging.CRITICAL)
     sys.unraisablehook = functools.partial(_drop_closed_loop_reports, fallback=hook)
+    sys.excepthook = functools.partial(_drop_closed_loop_prints, fallback=excepthook)
     try:
         yield
     finally:
@@ -220,6 +222,7 @@ def _orbax_muted() -> Iterator[None]:
             warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
             gc.collect()
         sys.unraisablehook = hook
+        sys.excepthook = excepthook
         asyncio_logger.setLevel(asyncio_level)
         absl_logger.removeFilter(orbax_filter)
 
