@@ -157,12 +157,18 @@ class MetricsWriter:
         return report
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Writes one line `{"step": step, **metrics}` and the numeric values to TensorBoard."""
+        """Writes one line `{"step": step, **metrics}` and the numeric values to TensorBoard.
+
+        An OSError (a full disk, a read-only filesystem) names the file: the write to an open file
+        that raised it names none."""
         row = {"step": int(step)}
         for key, value in metrics.items():
             row[key] = _to_json_value(value)
-        self._file.write(json.dumps(row, sort_keys=True) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(row, sort_keys=True) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise OSError(error.errno, f"{error.strerror}: could not write the row of step {step}", self.path) from None
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._tb.add_scalar(tensorboard_tag(key), value, global_step=int(step))
@@ -175,8 +181,36 @@ class MetricsWriter:
         return self._file.tell()
 
     def close(self) -> None:
-        self._file.close()
-        self._tb.close()
+        """Closes metrics.jsonl and the TensorBoard writer. When the filesystem failed (full,
+        read-only), their final flush fails too: logged in one line, not raised (the write that
+        failed was raised where it happened), and the TensorBoard writer is abandoned."""
+        problems = []
+        try:
+            self._file.close()
+        except OSError as error:
+            problems.append(f"{self.path}: {error.strerror}")
+        try:
+            self._tb.close()
+        except OSError as error:
+            problems.append(f"{self._tb.logdir}: {error.strerror}")
+            _abandon(self._tb)
+        if problems:
+            logging.warning("metrics: could not flush on close: %s", "; ".join(problems))
+
+
+def _abandon(tb: SummaryWriter) -> None:
+    """Stops the event writers of `tb` whose flush failed, without flushing. tensorboardX has no
+    call for it: its exit hook would retry the flush (a traceback at exit) and its writer thread
+    would die on the queue closed under it (another)."""
+    for writer in (tb.all_writers or {}).values():
+        events = getattr(writer, "event_writer", None)  # none in a writer that does not write
+        if events is None or events._closed:
+            continue
+        if events._worker is not None:
+            events._worker.stop()
+        if events._event_queue is not None:
+            events._event_queue.close()
+        events._closed = True
 
 
 def format_progress(

@@ -168,6 +168,37 @@ class _FromOrbax(std_logging.Filter):
         return "/orbax/" not in path and "/etils/" not in path
 
 
+class _AbortedOrbaxTasks(std_logging.Filter):
+    """Drops asyncio's 'Task exception was never retrieved' reports of orbax's coroutines: the
+    writes of a failed save that were not the first to fail. They are reported when the task is
+    collected, which can be at the process's exit, after the failure was raised as one line."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+
+
+_ABORTED_TASKS = _AbortedOrbaxTasks()
+
+
+def _drop_closed_loop_prints(exc_type: Any, value: BaseException, tb: Any, fallback: Callable[..., None]) -> None:
+    """A sys.excepthook: tensorstore prints (PyErr_Print, which calls the hook) what its completion
+    callbacks raise; those of a failed save's aborted writes come after orbax closed its event
+    loop ('Event loop is closed') and are dropped; anything else goes to `fallback`."""
+    if isinstance(value, RuntimeError) and "Event loop is closed" in str(value):
+        return
+    fallback(exc_type, value, tb)
+
+
+def _quiet_aborted_writes() -> None:
+    """After a failed save, for the rest of the process: drops the reports of its aborted writes
+    (asyncio's, and tensorstore's prints), which can come after the failure was raised as one line."""
+    asyncio_logger = std_logging.getLogger("asyncio")
+    if _ABORTED_TASKS not in asyncio_logger.filters:
+        asyncio_logger.addFilter(_ABORTED_TASKS)
+        sys.excepthook = functools.partial(_drop_closed_loop_prints, fallback=sys.excepthook)
+
+
 @contextlib.contextmanager
 def _orbax_muted() -> Iterator[None]:
     """Silences orbax for the block: its absl logging (INFO chatter and error tracebacks; other
@@ -179,9 +210,11 @@ def _orbax_muted() -> Iterator[None]:
     asyncio_logger = std_logging.getLogger("asyncio")
     asyncio_level = asyncio_logger.level
     hook = sys.unraisablehook
+    excepthook = sys.excepthook
     absl_logger.addFilter(orbax_filter)
     asyncio_logger.setLevel(std_logging.CRITICAL)
     sys.unraisablehook = functools.partial(_drop_closed_loop_reports, fallback=hook)
+    sys.excepthook = functools.partial(_drop_closed_loop_prints, fallback=excepthook)
     try:
         yield
     finally:
@@ -189,6 +222,7 @@ def _orbax_muted() -> Iterator[None]:
             warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
             gc.collect()
         sys.unraisablehook = hook
+        sys.excepthook = excepthook
         asyncio_logger.setLevel(asyncio_level)
         absl_logger.removeFilter(orbax_filter)
 
@@ -218,6 +252,7 @@ class RunCheckpointer:
         `close` does not wait for, and a process that ends just after would print its traceback)."""
         if keep < 1:
             raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
+        self._save_failed = False
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         multiprocessing = ocp.options.MultiprocessingOptions()
         if processes is not None and jax.process_count() > 1:
@@ -282,6 +317,8 @@ class RunCheckpointer:
             except Exception as error:  # noqa: BLE001 - orbax/tensorstore raise ValueError, OSError, RuntimeError
                 failure = error
         if failure is not None:
+            self._save_failed = True
+            _quiet_aborted_writes()
             logging.debug("checkpoint save failure", exc_info=failure)
             newest = self._manager.latest_step()
             intact = f"step {newest}" if newest is not None else "none"
@@ -385,4 +422,19 @@ class RunCheckpointer:
         return None
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for the writes under way and releases orbax's threads and files. Orbax raises a
+        failed save again in each thread that waits for it (a run saves from its trainer thread and
+        closes from the main thread): one that `save` reported already is dropped here, and the
+        close is finished by a second call (the failure is raised once per thread)."""
+        failure = None
+        with _orbax_muted():
+            try:
+                self._manager.close()
+            except Exception as error:  # noqa: BLE001 - whatever the failed write raised
+                failure = error
+                self._manager.close()
+        if failure is None:
+            return
+        logging.debug("checkpoint close failure", exc_info=failure)
+        if not self._save_failed:
+            raise CheckpointError(f"checkpoint: could not finish writing to {self.directory}: {_short_reason(failure)}")
