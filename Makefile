@@ -47,5 +47,9 @@ upgrade: lock
 	$(MAKE) $(VENV)/.installed
 	$(MAKE) numerics
 
+# The tests' own output (-s) goes to runs/numerics.log; the measured numbers and the verdict are shown.
 numerics: $(VENV)/.installed
-	$(PY) -m pytest -q -s -m 'not slow' tests/unit/models tests/e2e/test_real_smollm2.py
+	@mkdir -p runs
+	@$(PY) -m pytest -q -s -m 'not slow' tests/unit/models tests/e2e/test_real_smollm2.py > runs/numerics.log 2>&1; \
+	  status=$$?; grep -o 'numerics: .*' runs/numerics.log; tail -n 1 runs/numerics.log; \
+	  echo "full output: runs/numerics.log"; exit $$status
