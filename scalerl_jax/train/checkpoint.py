@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from orbax.checkpoint._src.metadata import array_metadata_store  # no public path; the version is locked
 
 TRAIN_STATE, RUN_STATE, INTEGRITY = "train_state", "run_state", "integrity"
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
@@ -227,6 +228,28 @@ def _orbax_muted() -> Iterator[None]:
         absl_logger.removeFilter(orbax_filter)
 
 
+def _array_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
+    """Orbax's handlers for the train state's leaves. Replica-parallel saving (orbax's default off
+    GPU) splits each replicated array into one slice per replica so that several hosts share its
+    write; it slices with a `jit(slice)` program per shape and offset, compiled at the first save,
+    after the first train step. It pays only when the replicas sit on several processes, so a
+    single-process run writes each array from replica 0 whole; a multi-process run keeps orbax's
+    default (and compiles those slices at its first save)."""
+    return ocp.type_handlers.create_type_handler_registry(
+        (int, ocp.type_handlers.ScalarHandler()),
+        (float, ocp.type_handlers.ScalarHandler()),
+        (np.number, ocp.type_handlers.ScalarHandler()),
+        (np.ndarray, ocp.type_handlers.NumpyHandler()),
+        (
+            jax.Array,
+            ocp.type_handlers.ArrayHandler(
+                use_replica_parallel=None if jax.process_count() > 1 else False,
+                array_metadata_store=array_metadata_store.Store(),
+            ),
+        ),
+    )
+
+
 def _serializable(train_state: Any) -> Any:
     """The state as orbax can write it. In a multi-process run whose trainer is one process (0),
     its arrays are fully addressable there, and orbax refuses those ("host local") when there are
@@ -274,7 +297,9 @@ class RunCheckpointer:
                 multiprocessing_options=multiprocessing,
             ),
             item_handlers={  # the handlers take the same processes (orbax's defaults: all of them)
-                TRAIN_STATE: ocp.StandardCheckpointHandler(multiprocessing_options=multiprocessing),
+                TRAIN_STATE: ocp.PyTreeCheckpointHandler(
+                    multiprocessing_options=multiprocessing, type_handler_registry=_array_handlers()
+                ),
                 RUN_STATE: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
                 INTEGRITY: ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
             },
@@ -307,7 +332,7 @@ class RunCheckpointer:
                     step,
                     args=ocp.args.Composite(
                         **{
-                            TRAIN_STATE: ocp.args.StandardSave(_serializable(train_state)),
+                            TRAIN_STATE: ocp.args.PyTreeSave(_serializable(train_state)),
                             RUN_STATE: ocp.args.JsonSave(run_state),
                             INTEGRITY: ocp.args.JsonSave(record),
                         }
@@ -360,7 +385,9 @@ class RunCheckpointer:
                     step,
                     args=ocp.args.Composite(
                         **{
-                            TRAIN_STATE: ocp.args.StandardRestore(abstract),
+                            TRAIN_STATE: ocp.args.PyTreeRestore(
+                                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+                            ),
                             RUN_STATE: ocp.args.JsonRestore(),
                         }
                     ),

@@ -4,7 +4,9 @@ the evaluation's push, the checkpoint) is compiled before the first train step.
 
 The runs split 3 CPU devices into 2 generator devices and 1 trainer device: on a generator mesh of
 several devices the decode state came back from some calls on other shardings than warm-up
-compiled for, and a prefill bucket compiled again during the evaluations after step 0.
+compiled for, and a prefill bucket compiled again during the evaluations after step 0. A trainer
+of 2 devices (4 devices, half of them generating) holds replicated arrays, which orbax's
+replica-parallel save sliced with programs compiled at the first checkpoint.
 
 The run logs `compile/after_step0` on every training row (compiles since the first train step
 began) and a warning 'compile after the first train step began: <program> ...' for each one, which
@@ -33,10 +35,15 @@ def assert_nothing_compiled_after_step0(workdir, log: str, evaluated_after_step0
     assert not late, "\n".join(late)
 
 
-def test_tiny_run_compiles_nothing_after_step0(tmp_path):
+@pytest.mark.parametrize(
+    ("devices", "generator_fraction"),
+    [(DEVICES, SPLIT["mesh.generator_fraction"]), (4, 0.5)],
+    ids=["one_trainer_device", "two_trainer_devices"],
+)
+def test_tiny_run_compiles_nothing_after_step0(tmp_path, devices, generator_fraction):
     # Evaluations at steps 0, 1, 2, 3 (every step; the last one after the last row), checkpoints at 2, 3.
-    overrides = {**SMALL, **SPLIT, "eval.every": 1}
-    result = run_main(tmp_path, *flags(overrides), timeout=900, devices=DEVICES)
+    overrides = {**SMALL, "mesh.generator_fraction": generator_fraction, "eval.every": 1}
+    result = run_main(tmp_path, *flags(overrides), timeout=900, devices=devices)
     assert result.returncode == 0, result.stderr[-4000:]
     assert_nothing_compiled_after_step0(tmp_path, result.stderr, [1, 2, 3])
 
