@@ -30,10 +30,14 @@ from 0 after `CUDA_VISIBLE_DEVICES`. With several tasks on one node, bind GPUs p
 Timeouts (measured on CPU with jax 0.10.2, 2 processes):
 - `initialization_timeout` (`SCALERL_INIT_TIMEOUT_S`, default 300 s): how long a process waits
   for all peers to connect, since nodes start at different times.
-- `heartbeat_timeout_seconds` (`SCALERL_HEARTBEAT_TIMEOUT_S`, default 30 s): how long a silent
+- `heartbeat_timeout_seconds` (`SCALERL_HEARTBEAT_TIMEOUT_S`, default 90 s): how long a silent
   process counts as alive. When it passes, the coordination service declares the process dead and
-  every other process aborts (status 134): a crashed (SIGKILLed) peer stopped the others after
-  heartbeat + 3 s; a dead coordinator (process 0) is noticed at once (socket closed, about 1 s).
+  every other process aborts (status 134) with a stack dump. It is the backstop: the run's own
+  watchdog (`distributed.heartbeat_timeout_s`, 30 s) stops every process with one line naming the
+  lost one, at once for a crashed peer (its socket closes) and after its timeout for a frozen one.
+  JAX's clients beat every half timeout, so its service can declare a frozen peer dead as early as
+  half its timeout after the freeze (at 30 s: 17 s, before a 20 s watchdog); 90 s keeps it behind
+  the watchdog.
 - `shutdown_timeout_seconds` (`SCALERL_SHUTDOWN_TIMEOUT_S`, default 60 s): how long an exiting
   process waits at JAX's shutdown barrier (run at interpreter exit) for the others. A process that
   fails with an exception does not die: it waits there while its peers wait for it inside a
@@ -52,7 +56,7 @@ import re
 from collections.abc import Collection, Mapping
 
 DEFAULT_INIT_TIMEOUT_S = 300
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+DEFAULT_HEARTBEAT_TIMEOUT_S = 90
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60
 EXPLICIT_VARS = ("SCALERL_COORDINATOR", "SCALERL_NUM_PROCESSES", "SCALERL_PROCESS_ID")
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")

@@ -37,6 +37,7 @@ import logging as std_logging
 import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -170,13 +171,20 @@ class _FromOrbax(std_logging.Filter):
 
 
 class _AbortedOrbaxTasks(std_logging.Filter):
-    """Drops asyncio's 'Task exception was never retrieved' reports of orbax's coroutines: the
-    writes of a failed save that were not the first to fail. They are reported when the task is
-    collected, which can be at the process's exit, after the failure was raised as one line."""
+    """Drops asyncio's '<Task or _GatheringFuture> exception was never retrieved' reports of
+    orbax's coroutines: the writes of a failed save that were not the first to fail. They are
+    reported when the task or the future gathering them is collected, which can be at the
+    process's exit, after the failure was raised as one line. Orbax's: the report names an orbax
+    coroutine (a task's) or the exception was raised in orbax's code (a gathering future's)."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Task exception was never retrieved") and "/orbax/" in message)
+        if "exception was never retrieved" not in message:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        frames = traceback.walk_tb(error.__traceback__) if error is not None else ()
+        from_orbax = "/orbax/" in message or any("/orbax/" in frame.f_code.co_filename for frame, _ in frames)
+        return not from_orbax
 
 
 _ABORTED_TASKS = _AbortedOrbaxTasks()

@@ -233,7 +233,7 @@ def test_tpu_sh_runs_main_with_peers_found_by_jax(tmp_path):
     probe = json.loads(result.stdout.split("PROBE ", 1)[1])
     assert probe["kwargs"] == {
         "initialization_timeout": 300,
-        "heartbeat_timeout_seconds": 30,
+        "heartbeat_timeout_seconds": 90,
         "shutdown_timeout_seconds": 60,
     }
     assert probe["argv"] == ["--config=configs/tiny.py", f"--workdir={tmp_path}", "--config.num_steps=3"]

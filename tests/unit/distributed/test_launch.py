@@ -17,7 +17,7 @@ from scalerl_jax.distributed.launch_env import (
 )
 
 
-def expected_kwargs(coordinator, num_processes, process_id, init=300, heartbeat=30, shutdown=60):
+def expected_kwargs(coordinator, num_processes, process_id, init=300, heartbeat=90, shutdown=60):
     return {
         "coordinator_address": coordinator,
         "num_processes": num_processes,
