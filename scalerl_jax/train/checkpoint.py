@@ -201,11 +201,13 @@ def _drop_closed_loop_prints(exc_type: Any, value: BaseException, tb: Any, fallb
 
 def _quiet_aborted_writes() -> None:
     """After a failed save, for the rest of the process: drops the reports of its aborted writes
-    (asyncio's, and tensorstore's prints), which can come after the failure was raised as one line."""
+    (asyncio's, and tensorstore's, through sys.excepthook and the unraisable hook), which can come
+    after the failure was raised as one line."""
     asyncio_logger = std_logging.getLogger("asyncio")
     if _ABORTED_TASKS not in asyncio_logger.filters:
         asyncio_logger.addFilter(_ABORTED_TASKS)
         sys.excepthook = functools.partial(_drop_closed_loop_prints, fallback=sys.excepthook)
+        sys.unraisablehook = functools.partial(_drop_closed_loop_reports, fallback=sys.unraisablehook)
 
 
 @contextlib.contextmanager

@@ -89,3 +89,35 @@ def test_aborted_orbax_writes_are_not_reported_after_a_failed_save(tmp_path):
     assert "RESOURCE_EXHAUSTED" not in result.stderr, result.stderr
     assert result.stderr.count("exception was never retrieved") == 1, result.stderr
     assert "an error of another library" in result.stderr
+
+
+CLOSED_LOOP_REPORTS = """
+import sys
+from scalerl_jax.train import checkpoint
+
+class LateCallback:  # raises from __del__, reported as unraisable (as tensorstore reports its callbacks')
+    def __init__(self, message):
+        self.message = message
+
+    def __del__(self):
+        raise RuntimeError(self.message)
+
+checkpoint._quiet_aborted_writes()  # what a failed save installs
+LateCallback("Event loop is closed")
+sys.excepthook(RuntimeError, RuntimeError("Event loop is closed"), None)  # as PyErr_Print reports
+LateCallback("another error")
+"""
+
+
+def test_closed_loop_reports_are_dropped_after_a_failed_save(tmp_path):
+    """Tensorstore reports what the completion callbacks of a failed save's aborted writes raise
+    ('Event loop is closed': orbax closed its loop) through both the unraisable hook and
+    sys.excepthook, after the save was raised as one line: dropped; other errors still reported."""
+    script = tmp_path / "closed_loop_reports.py"
+    script.write_text(CLOSED_LOOP_REPORTS)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Event loop is closed" not in result.stderr, result.stderr
+    assert "RuntimeError: another error" in result.stderr, result.stderr
