@@ -53,6 +53,7 @@ TRAIN_STATE, RUN_STATE, INTEGRITY = "train_state", "run_state", "integrity"
 _OS_ERROR_CODE = re.compile(r"\[os_error_code='?(\d+)'?\]")
 _LOCAL_FILE = re.compile(r'local file "([^"]+)"')
 _MAX_REASON_CHARS = 300
+_SAVE_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax writes a step into STEP.orbax-checkpoint-tmp*, then renames it
 
 
 class CheckpointError(RuntimeError):
@@ -171,20 +172,22 @@ class _FromOrbax(std_logging.Filter):
 
 
 class _AbortedOrbaxTasks(std_logging.Filter):
-    """Drops asyncio's '<Task or _GatheringFuture> exception was never retrieved' reports of
-    orbax's coroutines: the writes of a failed save that were not the first to fail. They are
-    reported when the task or the future gathering them is collected, which can be at the
-    process's exit, after the failure was raised as one line. Orbax's: the report names an orbax
-    coroutine (a task's) or the exception was raised in orbax's code (a gathering future's)."""
+    """Drops asyncio's '<Task, Future or _GatheringFuture> exception was never retrieved' reports
+    of a failed save's aborted writes (those that were not the first to fail). They are reported
+    when the task or future is collected, which can be at the process's exit, after the failure
+    was raised as one line. A save's: the report names an orbax coroutine (a task's) or a file
+    in a save's temporary directory (tensorstore's futures, raised without Python frames), or the
+    exception was raised in orbax's code (a gathering future's)."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         message = record.getMessage()
         if "exception was never retrieved" not in message:
             return True
+        if "/orbax/" in message or _SAVE_TMP_SUFFIX in message:
+            return False
         error = record.exc_info[1] if record.exc_info else None
         frames = traceback.walk_tb(error.__traceback__) if error is not None else ()
-        from_orbax = "/orbax/" in message or any("/orbax/" in frame.f_code.co_filename for frame, _ in frames)
-        return not from_orbax
+        return not any("/orbax/" in frame.f_code.co_filename for frame, _ in frames)
 
 
 _ABORTED_TASKS = _AbortedOrbaxTasks()

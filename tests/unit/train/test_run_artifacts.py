@@ -69,6 +69,13 @@ async def not_orbax():
 async def main():
     gathered = [asyncio.gather(orbax["write"](1), orbax["write"](2)), asyncio.gather(not_orbax())]
     tasks = [asyncio.ensure_future(orbax["write"](3))]
+    # tensorstore's future of a write into the save's temporary directory: no Python frame at all
+    store_write = asyncio.get_running_loop().create_future()
+    store_write.set_exception(ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "w/.zarray" in OCDBT database at local file '
+        '"/w/checkpoints/4.orbax-checkpoint-tmp/train_state.orbax-checkpoint-tmp/ocdbt.process_0/"'
+    ))
+    del store_write
     await asyncio.sleep(0.1)  # all of them failed; nobody asks for the errors
 
 checkpoint._quiet_aborted_writes()  # what a failed save installs
