@@ -35,9 +35,9 @@ Timeouts (measured on CPU with jax 0.10.2, 2 processes):
   every other process aborts (status 134) with a stack dump. It is the backstop: the run's own
   watchdog (`distributed.heartbeat_timeout_s`, 30 s) stops every process with one line naming the
   lost one, at once for a crashed peer (its socket closes) and after its timeout for a frozen one.
-  JAX's clients beat every half timeout, so its service can declare a frozen peer dead as early as
-  half its timeout after the freeze (at 30 s: 17 s, before a 20 s watchdog); 90 s keeps it behind
-  the watchdog.
+  JAX counts the silence from the frozen peer's last beat, which its clients send only every
+  part of the timeout, so it can declare the peer dead well before a full timeout after the freeze
+  (docs/results/steady_suite.md); at 3x the watchdog's timeout it stays behind the watchdog.
 - `shutdown_timeout_seconds` (`SCALERL_SHUTDOWN_TIMEOUT_S`, default 60 s): how long an exiting
   process waits at JAX's shutdown barrier (run at interpreter exit) for the others. A process that
   fails with an exception does not die: it waits there while its peers wait for it inside a
