@@ -53,6 +53,15 @@ def test_checkpoint_round_trip_and_incomplete_is_ignored(tmp_path):
     assert reopened.saved_config() == {"checkpoint.keep": 2}
 
 
+def run_script(tmp_path, text: str) -> subprocess.CompletedProcess:
+    """Runs `text` as a Python script in a process of its own (the hooks it installs stay there)."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
 ABORTED_WRITES = """
 import asyncio, gc, logging, sys
 logging.basicConfig(stream=sys.stderr)  # asyncio reports collected, never-retrieved errors to its logger
@@ -87,11 +96,7 @@ gc.collect()
 def test_aborted_orbax_writes_are_not_reported_after_a_failed_save(tmp_path):
     """The gathered writes of a failed save are reported by asyncio when collected (at the run's
     exit, after its one error line): orbax's are dropped, another library's still reported."""
-    script = tmp_path / "aborted_writes.py"
-    script.write_text(ABORTED_WRITES)
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
-    )
+    result = run_script(tmp_path, ABORTED_WRITES)
     assert result.returncode == 0, result.stderr
     assert "RESOURCE_EXHAUSTED" not in result.stderr, result.stderr
     assert result.stderr.count("exception was never retrieved") == 1, result.stderr
@@ -120,11 +125,7 @@ def test_closed_loop_reports_are_dropped_after_a_failed_save(tmp_path):
     """Tensorstore reports what the completion callbacks of a failed save's aborted writes raise
     ('Event loop is closed': orbax closed its loop) through both the unraisable hook and
     sys.excepthook, after the save was raised as one line: dropped; other errors still reported."""
-    script = tmp_path / "closed_loop_reports.py"
-    script.write_text(CLOSED_LOOP_REPORTS)
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
-    )
+    result = run_script(tmp_path, CLOSED_LOOP_REPORTS)
     assert result.returncode == 0, result.stderr
     assert "Event loop is closed" not in result.stderr, result.stderr
     assert "RuntimeError: another error" in result.stderr, result.stderr
