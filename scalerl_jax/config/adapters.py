@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from scalerl_jax.data import answers
+from scalerl_jax.data.ladder import LadderConfig
 from scalerl_jax.data.rewards import RewardConfig
 from scalerl_jax.models.hf_tokenizer import CheckpointTokenizer
 from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET
@@ -32,13 +33,26 @@ def max_sequence_length(config: ml_collections.ConfigDict) -> int:
     return config.data.max_prompt_tokens + config.sampler.max_new_tokens
 
 
+def ladder_config(config: ml_collections.ConfigDict) -> LadderConfig:
+    """The arithmetic ladder of `config.ladder` (ValueError naming the key when it is invalid)."""
+    s = config.ladder
+    return LadderConfig(
+        seed=s.seed,
+        levels=tuple(s.levels),
+        heldout_per_level=s.heldout_per_level,
+        transfer_levels=tuple(s.transfer_levels),
+        word_problem_fraction=s.word_problem_fraction,
+    )
+
+
 def reward_config_of(config: ml_collections.ConfigDict) -> RewardConfig:
-    """The run config's verifier: exact match on the synthetic task (`data.dataset`), math-verify
+    """The run config's verifier: exact match on the generated tasks (`data.dataset` 'synthetic' or
+    'ladder': integer golds), math-verify
     otherwise, or `data.reward_fn` when set; rewards `data.reward_correct` / `data.reward_incorrect`,
     answers extracted per `data.answer_format` after `sampler.think_end` by the styles of
     `data.answer_extraction`."""
     return RewardConfig(
-        kind="exact" if config.data.dataset == "synthetic" else "math",
+        kind="exact" if config.data.dataset in ("synthetic", "ladder") else "math",
         correct_reward=config.data.reward_correct,
         incorrect_reward=config.data.reward_incorrect,
         answer_format=config.data.answer_format,

@@ -266,6 +266,54 @@ def smollm2_gsm8k() -> ml_collections.ConfigDict:
     return c
 
 
+# The arithmetic ladder's instruction. SmolLM2-135M-Instruct writes '####' in few of its answers
+# (12% at temperature 0.6), so the reward also reads "the answer is" and the last number: a correct
+# answer followed by more numbers fails, and stopping after the answer is part of what RL teaches.
+LADDER_TEMPLATE = "{problem} Put the final answer after '####'."
+
+
+def smollm2_arith() -> ml_collections.ConfigDict:
+    """The ScaleRL recipe's choices (CISPO, PipelineRL-k, prompt aggregation, batch-normalized
+    advantages, zero-variance filtering, No-Positive-Resampling, FP32 head) at CPU size for a small
+    real instruct model on the arithmetic ladder (`scalerl_jax/data/ladder.py`): set
+    `model.checkpoint` (a Hugging Face directory, e.g. SmolLM2-135M-Instruct) on the command line.
+
+    Trained and held out: one-digit addition, subtraction and multiplication and a teen plus a
+    digit; evaluated and never trained (`eval_transfer/...`): two-digit addition and a product
+    plus a digit. Answers read as such a model writes them (`#### 3`, "The answer is: 3", else the
+    last number), no think phase; the sampling temperature and sizes were chosen by the
+    measurements of docs/results/smollm2_arith/README.md.
+    """
+    c = smollm2_gsm8k()
+    c.num_steps = 40
+    c.data.dataset = "ladder"
+    c.data.path = ""
+    c.data.problem_field = "problem"
+    c.data.answer_field = "answer"
+    c.data.gold_extraction = ""
+    c.data.max_solution_steps = 0
+    c.data.prompt_template = LADDER_TEMPLATE
+    c.data.max_prompt_tokens = 96
+
+    c.batch.microbatches = 4
+
+    c.sampler.max_new_tokens = 64
+    c.sampler.temperature = 0.6
+
+    c.optimizer.lr = 2e-5
+
+    c.eval.every = 4
+    c.eval.num_prompts = 128  # the whole held-out split: 4 levels x 32
+    c.eval.samples_per_prompt = 1
+    c.eval.samples_logged = 128
+    c.eval.fit_a_range = (0.3, 1.0)
+    c.checkpoint.every = 4
+
+    c.ladder = schema.section_config("ladder")
+    c.ladder.transfer_levels = ("add_2d", "mul_add")
+    return c
+
+
 # ---------------------------------------------------------------- the embedded default (CPU)
 def tiny() -> ml_collections.ConfigDict:
     """The full ScaleRL recipe scaled down to one CPU: a 0.86M-parameter Llama-style policy warm

@@ -27,10 +27,10 @@ def answer_style_warnings(config: ml_collections.ConfigDict) -> list[str]:
                 f"{d.answer_extraction!r} does not read it; add {style!r} to `data.answer_extraction` or change "
                 "the template"
             )
-    if d.gold_extraction and d.dataset == "synthetic":
+    if d.gold_extraction and d.dataset in ("synthetic", "ladder"):
         warnings.append(
             f"config key `data.gold_extraction` = {d.gold_extraction!r} has no effect: `data.dataset` = "
-            "'synthetic' generates its gold answers"
+            f"{d.dataset!r} generates its gold answers"
         )
     return warnings
 
@@ -65,9 +65,9 @@ def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list
             "checkpoint, use a config without `warm_start` (e.g. configs/scalerl_8b.py); to train the "
             "warm-started policy, leave `model.checkpoint` empty"
         )
-    if d.dataset == "synthetic" and d.path:
+    if d.dataset in ("synthetic", "ladder") and d.path:
         problems.append(
-            f"config key `data.path` = {d.path!r} is not used: `data.dataset` = 'synthetic' trains on the "
+            f"config key `data.path` = {d.path!r} is not used: `data.dataset` = {d.dataset!r} trains on a "
             "generated arithmetic task; set `data.dataset` to 'jsonl' or 'polaris_53k' to train on the file"
         )
     if d.max_solution_steps and dataset_kind(d.dataset, d.path) != "jsonl":

@@ -85,9 +85,9 @@ PREFILL = "generator/prefill_insert"
 GENERATOR_ANY = "generator/"
 PUSH_ANY = "push/"
 
-# Sections only some configs carry (the tiny run's synthetic task and warm start); `default_config`
-# leaves them out and `section_config` builds one.
-OPTIONAL_SECTIONS = ("synthetic", "warm_start")
+# Sections only some configs carry (the tiny run's synthetic task and warm start, the arithmetic
+# ladder of real instruct models); `default_config` leaves them out and `section_config` builds one.
+OPTIONAL_SECTIONS = ("synthetic", "warm_start", "ladder")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +188,8 @@ KEYS: tuple[Key, ...] = (
         "data.dataset",
         "",
         DATASET_CHOICES,
-        "'': the reader follows data.path (Polaris-53K for polaris-data-53K.jsonl, else .jsonl/.parquet).",
+        "'': the reader follows data.path (Polaris-53K for polaris-data-53K.jsonl, else .jsonl/.parquet); "
+        "'synthetic', 'ladder': generated arithmetic (sections synthetic, ladder).",
     ),
     text("data.path", "", "Local polaris-data-53K.jsonl, or any .jsonl / .parquet file."),
     text("data.data_dir", "", "TFDS data_dir; empty means WORKDIR/tfds."),
@@ -404,6 +405,16 @@ KEYS: tuple[Key, ...] = (
     number("synthetic.sft_size", 4096, COUNT, "Warm-start demonstrations."),
     number("synthetic.train_size", 4096, COUNT, "RL training problems."),
     sequence("synthetic.levels", ((2, 9), (3, 9), (4, 9), (5, 9)), "(terms, largest digit) of each difficulty level."),
+    # ------------------------------------------------------------------ ladder (optional)
+    number("ladder.seed", 0, NON_NEGATIVE_INT, "Seed of the arithmetic ladder's problems and phrasings."),
+    sequence(
+        "ladder.levels",
+        ("add_1d", "sub_1d", "mul_1d", "add_teen"),
+        "Rungs trained on and held out (scalerl_jax/data/ladder.py LEVELS).",
+    ),
+    number("ladder.heldout_per_level", 32, COUNT, "Held-out problems per rung (never trained, any phrasing)."),
+    sequence("ladder.transfer_levels", (), "Rungs only evaluated (eval_transfer/...), never trained."),
+    number("ladder.word_problem_fraction", 0.25, PROBABILITY, "Problems phrased as short word problems."),
     # ------------------------------------------------------------------ warm_start (optional)
     number("warm_start.seed", 0, NON_NEGATIVE_INT, "Seed of the warm start's init and batches."),
     number("warm_start.steps", 400, COUNT, "Supervised steps of the warm start."),
@@ -534,7 +545,8 @@ def markdown() -> str:
         "",
         "Generated from `scalerl_jax/config/schema.py` by `scalerl config-docs --out docs/config.md`; a test",
         "fails when this file is stale. Defaults are the 8B recipe's (`configs/scalerl_8b.py`); the optional",
-        f"sections ({', '.join(OPTIONAL_SECTIONS)}) only the tiny recipe carries, with the defaults shown.",
+        f"sections ({', '.join(OPTIONAL_SECTIONS)}) only some recipes carry (synthetic and warm_start the tiny",
+        "one, ladder configs/smollm2_arith.py), with the defaults shown.",
         "*resume*: a run resumed from its checkpoints may change the key. *sizes*: the compiled programs",
         "whose shapes it sets (`scalerl compile-check` names these keys when a program does not fit).",
     ]

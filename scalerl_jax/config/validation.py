@@ -16,7 +16,7 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax.config import schema
-from scalerl_jax.config.adapters import interrupts
+from scalerl_jax.config.adapters import interrupts, ladder_config
 from scalerl_jax.config.devices import check_devices
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.relevance import answer_style_warnings, check_irrelevant
@@ -72,6 +72,7 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
         if key.name in flat:
             problems += check_type(key, get_key(config, key.name))
     problems += check_answer_extraction(config.data)
+    problems += check_ladder(config)
     if problems:  # the relations below assume well-typed values
         return problems
     s, b, rl = config.sampler, config.batch, config.rl
@@ -137,6 +138,23 @@ def check_answer_extraction(data: ml_collections.ConfigDict) -> list[str]:
                 f"from {allowed}" + (", or '' for the answer field as is" if empty_ok else "")
             )
     return problems
+
+
+def check_ladder(config: ml_collections.ConfigDict) -> list[str]:
+    """`data.dataset` = 'ladder' needs a `ladder` section, whose levels are the ladder's rungs
+    and whose held-out size leaves every rung problems to train on (`ladder.LadderConfig`)."""
+    if config.data.dataset != "ladder":
+        return []
+    if "ladder" not in config:
+        return [
+            "config key `data.dataset` = 'ladder' needs a `ladder` section (configs/smollm2_arith.py has one: "
+            "`c.ladder = schema.section_config('ladder')`)"
+        ]
+    try:
+        ladder_config(config)
+    except ValueError as e:
+        return [f"config key {e}"]
+    return []
 
 
 def check_paths(config: ml_collections.ConfigDict) -> list[str]:

@@ -3,8 +3,16 @@
 Works on strings and token ids only; imports nothing from models, sampler or pipeline.
 """
 
-from scalerl_jax.data.builders import POLARIS_FILENAME, build_local_file, build_polaris, build_synthetic, read_split
+from scalerl_jax.data.builders import (
+    POLARIS_FILENAME,
+    build_ladder,
+    build_local_file,
+    build_polaris,
+    build_synthetic,
+    read_split,
+)
 from scalerl_jax.data.evaluation import EvalResult, evaluate, pass_at_k
+from scalerl_jax.data.ladder import LadderConfig
 from scalerl_jax.data.pool import PoolExhaustedError, PromptPool
 from scalerl_jax.data.prompts import (
     DEFAULT_TEMPLATE,
@@ -62,7 +70,9 @@ __all__ = [
     "ScoredBatch",
     "SyntheticTaskConfig",
     "ItemResult",
+    "LadderConfig",
     "VerifyPool",
+    "build_ladder",
     "build_local_file",
     "build_polaris",
     "build_prompt_set",

@@ -1,10 +1,12 @@
-"""TFDS builders: synthetic arithmetic, Polaris-53K from a local file, any local jsonl/parquet.
+"""TFDS builders: synthetic arithmetic, the arithmetic ladder, Polaris-53K from a local file, any
+local jsonl/parquet.
 
 All write ``array_record`` files into a caller-given ``data_dir`` and are read back with
 ``builder.as_data_source(split)`` (random access, no TensorFlow anywhere). Config names carry a
 digest of everything that determines the data (for local files: the file's SHA-256), so a
 changed seed, size or file never silently reuses an old build. Splits: ``train`` and
-``heldout`` (plus ``sft`` for the synthetic task: worked traces for the supervised warm start).
+``heldout`` (plus ``sft`` for the synthetic task: worked traces for the supervised warm start;
+``transfer`` for the ladder: rungs evaluated and never trained).
 Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_dropped']``, rows
 without a gold answer by ``gold_extraction`` in ``builder.info.metadata['golds_not_found']``.
 """
@@ -21,12 +23,13 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
+from scalerl_jax.data import ladder, synthetic
 from scalerl_jax.data import rows as rows_lib
-from scalerl_jax.data import synthetic
 
 FILE_FORMAT = "array_record"
 POLARIS_FILENAME = "polaris-data-53K.jsonl"
-DATASETS = ("polaris_53k", "synthetic", "jsonl")  # `data.dataset`: build_polaris, build_synthetic, build_local_file
+# `data.dataset`: build_polaris, build_synthetic, build_ladder, build_local_file
+DATASETS = ("polaris_53k", "synthetic", "ladder", "jsonl")
 FROM_PATH = ""  # `data.dataset` = '': the builder follows `data.path` (`dataset_kind`)
 DATASET_CHOICES = (FROM_PATH, *DATASETS)
 _VERSION = tfds.core.Version("1.0.0")
@@ -128,6 +131,52 @@ def build_synthetic(data_dir: str, task: synthetic.SyntheticTaskConfig) -> Synth
     """Builds (or reuses an identical earlier build of) the synthetic task under ``data_dir``."""
     config = SyntheticArithmeticConfig(name=f"task_{task.digest()}", version=_VERSION, task=task)
     builder = SyntheticArithmetic(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    _prepare(builder)
+    return builder
+
+
+# --- the arithmetic ladder ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class LadderArithmeticConfig(tfds.core.BuilderConfig):
+    """Builder config wrapping the ladder's definition."""
+
+    task: ladder.LadderConfig = ladder.LadderConfig()
+
+
+class LadderArithmetic(tfds.core.GeneratorBasedBuilder):
+    """``ladder.generate_splits(config.task)`` as a dataset with features problem, answer and level
+    (the rung's name)."""
+
+    name = "scalerl_arithmetic_ladder"
+    VERSION = _VERSION
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Arithmetic questions for instruct models, in named rungs of difficulty.",
+            features=tfds.features.FeaturesDict(
+                {"problem": tfds.features.Text(), "answer": tfds.features.Text(), "level": tfds.features.Text()}
+            ),
+        )
+
+    def _split_generators(self, dl_manager):
+        config = self.builder_config
+        assert isinstance(config, LadderArithmeticConfig), config
+        splits = ladder.generate_splits(config.task)
+        # TFDS refuses a split without examples: no transfer levels, no `transfer` split.
+        return {name: self._generate_examples(problems) for name, problems in splits.items() if problems}
+
+    def _generate_examples(self, problems):
+        for index, problem in enumerate(problems):
+            yield index, {"problem": problem.text, "answer": str(problem.answer), "level": problem.level}
+
+
+def build_ladder(data_dir: str, task: ladder.LadderConfig) -> LadderArithmetic:
+    """Builds (or reuses an identical earlier build of) the arithmetic ladder under ``data_dir``."""
+    config = LadderArithmeticConfig(name=f"ladder_{task.digest()}", version=_VERSION, task=task)
+    builder = LadderArithmetic(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
     _prepare(builder)
     return builder
 

@@ -28,6 +28,7 @@ from flax import nnx
 from scalerl_jax import data as data_lib
 from scalerl_jax.config.adapters import (
     engine_config_of,
+    ladder_config,
     max_sequence_length,
     optimizer_config_of,
     pipeline_config_of,
@@ -125,12 +126,17 @@ def _encode_rows(
     return EvalSet(name, problems, prompt_set.tokens, prompt_set.answers, labels), prompt_set.num_too_long
 
 
+TRANSFER_SPLIT = "transfer"  # the ladder's rungs that are evaluated and never trained
+
+
 def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[Any, str]:
     """The configured TFDS builder (prepared) and the label field of its held-out rows."""
     data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
     kind = dataset_kind(config.data.dataset, config.data.path)
     if kind == "synthetic":
         return data_lib.build_synthetic(data_dir, synthetic_task(config)), "level"
+    if kind == "ladder":
+        return data_lib.build_ladder(data_dir, ladder_config(config)), "level"
     if kind == "polaris_53k":
         return data_lib.build_polaris(
             data_dir,
@@ -152,7 +158,8 @@ def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[An
 
 
 def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
-    """Builds the configured TFDS dataset, encodes train / held-out splits and the extra eval sets."""
+    """Builds the configured TFDS dataset, encodes train / held-out splits and the extra eval sets:
+    the ladder's `transfer` split (rungs never trained, `eval_transfer`) and `eval.extra`'s files."""
     builder, label = dataset_builder(config, workdir)
     train_rows = data_lib.read_split(builder, "train")
     heldout_rows = data_lib.read_split(builder, "heldout")[: config.eval.num_prompts]
@@ -165,6 +172,11 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
             "training prompts are longer (after the prompt template); raise it or shorten the template"
         )
     extra_sets, extra_too_long = [], 0
+    if TRANSFER_SPLIT in builder.info.splits:
+        transfer, extra_too_long = _encode_rows(
+            data_lib.read_split(builder, TRANSFER_SPLIT), encoder, "eval_transfer", label
+        )
+        extra_sets.append(transfer)
     for name, path in sorted(config.eval.extra.items()):
         fields = {"problem": config.data.problem_field, "answer": config.data.answer_field}
         gold_rows = with_extracted_golds(

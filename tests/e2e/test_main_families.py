@@ -141,3 +141,26 @@ def test_extra_eval_sets_are_loaded_under_their_names(tmp_path):
     extra = task.eval_sets[1]
     assert extra.golds == [a for _, a in PROBLEMS[:3]] and extra.problems == [p for p, _ in PROBLEMS[:3]]
     assert len(task.eval_sets[0].prompts) == 4 and len(task.train_prompts) == 4  # heldout_size 4 of 8
+
+
+def test_the_ladders_transfer_rungs_are_a_second_evaluation_set_labelled_by_level(tmp_path):
+    from scalerl_jax.config import recipes
+    from scalerl_jax.config.adapters import ladder_config
+    from scalerl_jax.data.ladder import generate_splits
+    from scalerl_jax.models import load_checkpoint_tokenizer
+    from scalerl_jax.run import sampling_setup
+    from scalerl_jax.run.build import load_task
+
+    checkpoint = make_family_checkpoint("qwen2.5", str(tmp_path / "model"))
+    config = recipes.smollm2_arith()
+    config.model.checkpoint = checkpoint
+    config.ladder.heldout_per_level = 4
+    tokens = load_checkpoint_tokenizer(checkpoint)
+    task = load_task(config, str(tmp_path / "run"), sampling_setup.make_prompt_encoder(config, tokens, checkpoint))
+    assert [s.name for s in task.eval_sets] == ["eval", "eval_transfer"]
+    heldout, transfer = task.eval_sets
+    assert sorted(heldout.labels or []) == sorted(["add_1d", "sub_1d", "mul_1d", "add_teen"] * 4)
+    assert sorted(transfer.labels or []) == sorted(["add_2d", "mul_add"] * 4)
+    splits = generate_splits(ladder_config(config))
+    assert sorted(task.train_problems) == sorted(p.text for p in splits["train"])
+    assert not set(task.train_problems) & set(heldout.problems)

@@ -144,7 +144,7 @@ BAD_CHOICES = {
     "rl.advantage_normalization": ("group", ("batch", "prompt", "none")),
     "rl.length_control": ("truncate", ("interruption", "length_penalty", "none")),
     "schedule.kind": ("sync", ("pipeline", "ppo_off_policy")),
-    "data.dataset": ("gsm8k", ("", "polaris_53k", "synthetic", "jsonl")),
+    "data.dataset": ("gsm8k", ("", "polaris_53k", "synthetic", "ladder", "jsonl")),
     "data.answer_format": ("xml", ("think", "plain")),
     "model.dtype": ("float16", ("float32", "bfloat16")),
     "model.remat_policy": ("everything", ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")),
@@ -376,3 +376,21 @@ def format_problem_of(config, problem: str) -> str:
     from scalerl_jax.data import format_problem
 
     return format_problem(problem, config.data.prompt_template)
+
+
+def test_smollm2_arith_config_validates_without_warnings_and_names_a_bad_ladder():
+    config = load_config_file("smollm2_arith.py", None)
+    config.model.checkpoint = "/models/smollm2"
+    assert validate(config, check_files=False) == []
+    assert format_problem_of(config, "What is 6 + 3?") == "What is 6 + 3? Put the final answer after '####'."
+    config.ladder.levels = ("add_1d", "add_9d")
+    with pytest.raises(ConfigError, match=r"config key `ladder.levels` = \('add_1d', 'add_9d'\): unknown level"):
+        validate(config, check_files=False)
+    config = load_config_file("smollm2_arith.py", None)
+    config.data.path = "/data/gsm8k/train.jsonl"  # the ladder is generated: a file would be ignored
+    with pytest.raises(ConfigError, match="config key `data.path` = '/data/gsm8k/train.jsonl' is not used"):
+        validate(config, check_files=False)
+    config = recipes.scalerl_8b()
+    config.data.dataset = "ladder"
+    with pytest.raises(ConfigError, match="`data.dataset` = 'ladder' needs a `ladder` section"):
+        validate(config, check_files=False)
