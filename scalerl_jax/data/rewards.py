@@ -245,6 +245,7 @@ ITEMS_METRIC = "reward_items"
 FOUND_METRIC = "answers_found"
 FOUND_FRAC_METRIC = "answer_found_frac"
 STEP_FOUND_FRAC_METRIC = "step_answer_found_frac"
+STEPS_WITHOUT_ANSWERS_METRIC = "steps_without_answers"
 
 
 def _failure_reason(outcome: str, detail: str, prediction: str | None, gold: str) -> str:
@@ -259,7 +260,8 @@ class RewardTally:
     those the reward failed on (``FAILURE_METRICS``); the first item of each failure kind is
     logged once (a warning naming the item's problem prefix, its gold and the reason). It also
     counts the items and answers found since ``take_step`` was last called (not saved with the
-    run state: a resumed run's first window starts at its start). Thread safe."""
+    run state: a resumed run's first window starts at its start), and the windows with items in
+    which no answer was found at all (saved). Thread safe."""
 
     def __init__(self, prefix: str, what: str):
         self.prefix, self._what = prefix, what
@@ -268,6 +270,7 @@ class RewardTally:
         self._found = 0
         self._step_items = 0
         self._step_found = 0
+        self._steps_without_answers = 0
         self._failures = dict.fromkeys(FAILURE_METRICS, 0)
         self._logged: set[str] = set()
 
@@ -303,35 +306,47 @@ class RewardTally:
     def metrics(self) -> dict[str, float]:
         """``{prefix}/reward_items``, ``{prefix}/answers_found``, one ``{prefix}/<FAILURE_METRICS
         name>`` per failure kind, and for the training scope (prefix ``data``) ``data/
-        answer_found_frac`` = answers found / items (once there are items). An evaluation set's
-        fraction is its evaluation's own (``evaluation.evaluate``), not this running one."""
+        answer_found_frac`` = answers found / items (once there are items) and ``data/
+        steps_without_answers`` (``take_step``). An evaluation set's fraction is its evaluation's
+        own (``evaluation.evaluate``), not this running one."""
         with self._lock:
             counts: dict[str, float] = {
                 f"{self.prefix}/{ITEMS_METRIC}": self._items,
                 f"{self.prefix}/{FOUND_METRIC}": self._found,
             }
             counts.update({f"{self.prefix}/{name}": self._failures[o] for o, name in FAILURE_METRICS.items()})
-            if self.prefix == RewardTallies.TRAINING and self._items:
-                counts[f"{self.prefix}/{FOUND_FRAC_METRIC}"] = self._found / self._items
+            if self.prefix == RewardTallies.TRAINING:
+                counts[f"{self.prefix}/{STEPS_WITHOUT_ANSWERS_METRIC}"] = self._steps_without_answers
+                if self._items:
+                    counts[f"{self.prefix}/{FOUND_FRAC_METRIC}"] = self._found / self._items
             return counts
 
     def take_step(self) -> dict[str, float]:
         """``{prefix}/step_answer_found_frac`` = answers found / items scored since the previous
         call (or since this tally was made), empty when no item was scored meanwhile; starts the
-        next window. Called once per training step's row, so each item counts in one step."""
+        next window, and counts the window in ``{prefix}/steps_without_answers`` when it had items
+        and no answer. Called once per training step's row, so each item counts in one step."""
         with self._lock:
             items, found = self._step_items, self._step_found
             self._step_items = self._step_found = 0
+            if items and not found:
+                self._steps_without_answers += 1
         return {f"{self.prefix}/{STEP_FOUND_FRAC_METRIC}": found / items} if items else {}
 
     def state_dict(self) -> dict[str, int]:
         with self._lock:
-            return {"items": self._items, "found": self._found, **self._failures}
+            return {
+                "items": self._items,
+                "found": self._found,
+                "steps_without_answers": self._steps_without_answers,
+                **self._failures,
+            }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         with self._lock:
             self._items = int(state.get("items", 0))
             self._found = int(state.get("found", 0))
+            self._steps_without_answers = int(state.get("steps_without_answers", 0))
             for outcome in self._failures:
                 self._failures[outcome] = int(state.get(outcome, 0))
 

@@ -225,6 +225,7 @@ class StepReporter:
             trained=int(metrics.get("train/num_loss_tokens", 0)),
         )
         compute = {**rs.meter.metrics(), "compute/unit": "device_hours"}  # this step's, in its rows
+        step_answers = rs.rewards.training.take_step()  # before the counts, which include this step
         metrics.update(
             {
                 "train/reward_mean": float(rewards.mean()),
@@ -233,7 +234,7 @@ class StepReporter:
                 "data/prompts_too_long": self._task.num_too_long,
                 **rs.pool.metrics(),
                 **rs.rewards.metrics(),
-                **rs.rewards.training.take_step(),
+                **step_answers,
                 **compute,
             }
         )

@@ -223,7 +223,9 @@ def format_progress(
     """The per-step progress line: step, pass rate, reward, loss and policy entropy, response length
     (mean/max completion tokens), tokens/s, lag, length control, compute, ETA; '-' for a missing
     number. Once the reward has failed on a training item (`data/reward_*` of `REWARD_FAILURE_KEYS`
-    above 0), the run's count of those items ends the line.
+    above 0), the run's count of those items ends the line; a step in whose completions no answer
+    style found an answer (`data/step_answer_found_frac` = 0) says so, with the run's count of such
+    steps (`data/steps_without_answers`).
 
     The pass rate is this step's held-out evaluation, else `last_eval` = (its step, its pass rate).
     """
@@ -239,18 +241,32 @@ def format_progress(
     if pass_rate == "-" and last_eval is not None:
         pass_rate = f"{last_eval[1]:.3f}@{last_eval[0]}"
     return (
-        f"step {step}/{num_steps} | pass {pass_rate} | reward {get('train/reward_mean', '+.3f')}"
-        f" | loss {get('train/loss', '+.4f')} ent {get('train/entropy', '.3f')}"
-        f" | len {get('train/completion_len_mean', '.0f')}/{get('train/completion_len_max', '.0f')}"
-        f" | tok/s {get('sampler/tokens_per_s', '.0f')}"
-        f" | lag {get('pipeline/lag_mean', '.2f')}/{get('pipeline/lag_max', '.0f')}"
-        f" | interrupted {get('sampler/interrupted_frac', '.2f')} truncated {get('sampler/truncated_frac', '.2f')}"
-        f" | zv-dropped {get('data/zero_variance_dropped', '.0f')} | dev-h {get('compute/device_hours', '.4f')} | eta {eta}"
-    ) + _reward_failures(metrics)
+        (
+            f"step {step}/{num_steps} | pass {pass_rate} | reward {get('train/reward_mean', '+.3f')}"
+            f" | loss {get('train/loss', '+.4f')} ent {get('train/entropy', '.3f')}"
+            f" | len {get('train/completion_len_mean', '.0f')}/{get('train/completion_len_max', '.0f')}"
+            f" | tok/s {get('sampler/tokens_per_s', '.0f')}"
+            f" | lag {get('pipeline/lag_mean', '.2f')}/{get('pipeline/lag_max', '.0f')}"
+            f" | interrupted {get('sampler/interrupted_frac', '.2f')} truncated {get('sampler/truncated_frac', '.2f')}"
+            f" | zv-dropped {get('data/zero_variance_dropped', '.0f')} | dev-h {get('compute/device_hours', '.4f')} | eta {eta}"
+        )
+        + _reward_failures(metrics)
+        + _no_answers(metrics)
+    )
 
 
 # The training items the reward failed on (scalerl_jax.data.rewards.FAILURE_METRICS under `data/`).
 REWARD_FAILURE_KEYS = ("data/reward_errors", "data/reward_timeouts", "data/reward_crashes", "data/reward_unparsable")
+
+
+def _no_answers(metrics: Mapping[str, Any]) -> str:
+    if metrics.get("data/step_answer_found_frac") != 0:
+        return ""
+    steps = int(metrics.get("data/steps_without_answers") or 0)
+    return (
+        " | no answer found in any completion of this step by data.answer_extraction's styles"
+        f" ({steps} such step{'s' if steps != 1 else ''} so far)"
+    )
 
 
 def _reward_failures(metrics: Mapping[str, Any]) -> str:

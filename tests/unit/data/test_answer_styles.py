@@ -323,6 +323,22 @@ def test_training_tally_reports_each_steps_found_fraction_beside_the_cumulative_
     assert tally.take_step() == {}  # no item since the last step's row
 
 
+def test_a_step_without_any_answer_is_counted_and_the_count_survives_a_resume(pool):
+    """Hand count: steps 1 and 3 find no answer in any of their items, step 2 finds one, step 4
+    scores nothing (not counted: it has no completions to find an answer in)."""
+    config = RewardConfig(kind="math", answer_format="plain", answer_styles=("hashes",))
+    tally = RewardTally("data", "a training item")
+    for texts in (["none", "no"], ["#### 1", "none"], ["nothing"], []):
+        if texts:
+            scored = score_completions(texts, ["1"] * len(texts), config, pool=pool)
+            tally.add(scored, [""] * len(texts), ["1"] * len(texts))
+        tally.take_step()
+    assert tally.metrics()["data/steps_without_answers"] == 2
+    restored = RewardTally("data", "a training item")
+    restored.load_state_dict(tally.state_dict())
+    assert restored.metrics()["data/steps_without_answers"] == 2
+
+
 # ------------------------------------------------------------------ gold extraction when reading
 
 

@@ -29,3 +29,12 @@ def test_progress_line_has_entropy_and_response_length():
 def test_missing_entropy_and_length_show_a_dash():
     line = format_progress(1, 2, {}, None)
     assert " ent - | len -/- | " in line
+
+
+def test_a_step_without_any_answer_says_so_with_the_runs_count():
+    line = format_progress(3, 10, {"data/step_answer_found_frac": 0.0, "data/steps_without_answers": 2}, None)
+    assert line.endswith(
+        " | no answer found in any completion of this step by data.answer_extraction's styles (2 such steps so far)"
+    )
+    assert "no answer found" not in format_progress(3, 10, {"data/step_answer_found_frac": 0.02}, None)
+    assert "no answer found" not in format_progress(3, 10, {}, None)
