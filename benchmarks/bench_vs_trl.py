@@ -98,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (ours: at least k + 1)")
     p.add_argument("--steps", type=int, default=4, help="timed steps per side")
     p.add_argument("--k", type=int, default=1, help="ours: PipelineRL-k")
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="ours: gradient-accumulation microbatches of the step's rows (the same update; less memory)",
+    )
     p.add_argument("--length_buckets_per_octave", type=int, default=2, help="ours: train step shapes per octave")
     p.add_argument("--no_remat", action="store_true", help="keep activations (both sides) instead of recomputing")
     p.add_argument("--on_policy", action="store_true", help="also run ours as PPO-off-policy-1 (TRL's order)")
@@ -114,7 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default="", help="where run directories and logs go (default: a new temp dir)")
     args = p.parse_args(argv)
-    for name in ("rows", "prompts", "generations", "max_new_tokens", "max_prompt_tokens", "steps", "k"):
+    for name in ("rows", "prompts", "generations", "max_new_tokens", "max_prompt_tokens", "steps", "k", "microbatches"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
@@ -326,7 +332,7 @@ def ours_overrides(args: argparse.Namespace, checkpoint: str, data_path: str, *,
         "checkpoint.every": 1_000_000,
         "batch.prompts_per_step": args.prompts,
         "batch.generations_per_prompt": args.generations,
-        "batch.microbatches": 1,
+        "batch.microbatches": args.microbatches,
         "batch.length_buckets_per_octave": args.length_buckets_per_octave,
         "rl.objective": "cispo",
         "rl.eps_max": CISPO_EPS_MAX,
