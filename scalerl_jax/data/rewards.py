@@ -259,7 +259,8 @@ class RewardTally:
     """Cumulative counts of one scope's scored items, of those whose answer a style found, and of
     those the reward failed on (``FAILURE_METRICS``); the first item of each failure kind is
     logged once (a warning naming the item's problem prefix, its gold and the reason). It also
-    counts the items and answers found since ``take_step`` was last called (not saved with the
+    counts the items read by answer styles (not by a custom reward) and the answers found since
+    ``take_step`` was last called (not saved with the
     run state: a resumed run's first window starts at its start), and the windows with items in
     which no answer was found at all (saved). Thread safe."""
 
@@ -280,7 +281,8 @@ class RewardTally:
         with self._lock:
             self._items += len(scored.outcomes)
             self._found += int(scored.answer_found.sum())
-            self._step_items += len(scored.outcomes)
+            # A custom reward reads the whole completion, not an answer the styles found.
+            self._step_items += sum(outcome != CUSTOM for outcome in scored.outcomes)
             self._step_found += int(scored.answer_found.sum())
             for index, outcome in enumerate(scored.outcomes):
                 if outcome in self._failures:

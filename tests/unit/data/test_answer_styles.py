@@ -13,6 +13,7 @@ import os
 from fractions import Fraction
 
 import ml_collections
+import numpy as np
 import pytest
 from repo_paths import GSM8K_DIR
 
@@ -21,7 +22,7 @@ from scalerl_jax.config import validation as config_validation
 from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.data import answers, builders, rows
 from scalerl_jax.data.evaluation import evaluate
-from scalerl_jax.data.rewards import RewardConfig, RewardTally, score_completions
+from scalerl_jax.data.rewards import RewardConfig, RewardTally, ScoredBatch, score_completions
 from scalerl_jax.data.verify_pool import VerifyPool
 
 GSM8K_TEST = os.path.join(GSM8K_DIR, "test.jsonl")
@@ -337,6 +338,21 @@ def test_a_step_without_any_answer_is_counted_and_the_count_survives_a_resume(po
     restored = RewardTally("data", "a training item")
     restored.load_state_dict(tally.state_dict())
     assert restored.metrics()["data/steps_without_answers"] == 2
+
+
+def test_a_custom_rewards_items_are_not_a_step_without_answers():
+    """A custom reward reads the whole completion: no answer style ran, so nothing is missing."""
+    tally = RewardTally("data", "a training item")
+    custom = ScoredBatch(
+        rewards=np.array([1.0, -1.0], np.float32),
+        correct=np.array([True, False]),
+        outcomes=["custom", "custom"],
+        counts={},
+        predictions=[None, None],
+    )
+    tally.add(custom, ["", ""], ["1", "1"])
+    assert tally.take_step() == {}
+    assert tally.metrics()["data/steps_without_answers"] == 0
 
 
 # ------------------------------------------------------------------ gold extraction when reading
