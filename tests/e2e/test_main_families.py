@@ -155,6 +155,7 @@ def test_the_ladders_transfer_rungs_are_a_second_evaluation_set_labelled_by_leve
     config = recipes.smollm2_arith()
     config.model.checkpoint = checkpoint
     config.ladder.heldout_per_level = 4
+    config.data.max_prompt_tokens = 1024  # the test checkpoint's tokenizer makes every prompt longer than 96
     tokens = load_checkpoint_tokenizer(checkpoint)
     task = load_task(config, str(tmp_path / "run"), sampling_setup.make_prompt_encoder(config, tokens, checkpoint))
     assert [s.name for s in task.eval_sets] == ["eval", "eval_transfer"]
