@@ -67,7 +67,7 @@ def check_irrelevant(config: ml_collections.ConfigDict) -> tuple[list[str], list
         )
     if d.dataset in ("synthetic", "ladder") and d.path:
         problems.append(
-            f"config key `data.path` = {d.path!r} is not used: `data.dataset` = {d.dataset!r} trains on a "
+            f"config key `data.path` = {d.path!r} is not used: `data.dataset` = {d.dataset!r} trains on the "
             "generated arithmetic task; set `data.dataset` to 'jsonl' or 'polaris_53k' to train on the file"
         )
     if d.max_solution_steps and dataset_kind(d.dataset, d.path) != "jsonl":

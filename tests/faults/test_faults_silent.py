@@ -227,8 +227,11 @@ def score_twice(reward_fn, text: str) -> list[list[float]]:
 
 
 def counts(errors=0, timeouts=0, crashes=0, unparsable=0, items=4, found=0, prefix="data") -> dict[str, float]:
-    """A tally's metrics; the training scope also reports the fraction of items whose answer was found."""
+    """A tally's metrics; the training scope also reports the fraction of items whose answer was
+    found and its count of steps without answers (none here: no step is taken)."""
     fraction = {f"{prefix}/answer_found_frac": found / items} if prefix == "data" and items else {}
+    if prefix == "data":
+        fraction[f"{prefix}/steps_without_answers"] = 0
     return {
         f"{prefix}/reward_items": items,
         f"{prefix}/answers_found": found,
