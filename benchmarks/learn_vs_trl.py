@@ -72,7 +72,7 @@ def ladder_rows(config, split: str) -> list[dict[str, str]]:
     from scalerl_jax.data import ladder
 
     problems = ladder.generate_splits(ladder_config(config))[split]
-    return [{"problem": p.text, "answer": str(p.answer), "level": p.level} for p in problems]
+    return [problem.row() for problem in problems]
 
 
 # ------------------------------------------------------------------------------------------- trl

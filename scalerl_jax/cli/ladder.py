@@ -42,8 +42,7 @@ def write_splits(task: ladder.LadderConfig, out: str) -> dict[str, int]:
             continue
         with open(os.path.join(out, f"{split}.jsonl"), "w", encoding="utf-8") as f:
             for problem in problems:
-                row = {"problem": problem.text, "answer": str(problem.answer), "level": problem.level}
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(problem.row()) + "\n")
         counts[split] = len(problems)
     return counts
 

@@ -170,7 +170,7 @@ class LadderArithmetic(tfds.core.GeneratorBasedBuilder):
 
     def _generate_examples(self, problems):
         for index, problem in enumerate(problems):
-            yield index, {"problem": problem.text, "answer": str(problem.answer), "level": problem.level}
+            yield index, problem.row()
 
 
 def build_ladder(data_dir: str, task: ladder.LadderConfig) -> LadderArithmetic:

@@ -103,6 +103,10 @@ class LadderProblem:
     text: str
     answer: int
 
+    def row(self) -> dict[str, str]:
+        """The problem as a data row: ``problem`` (the text), ``answer`` (a string), ``level``."""
+        return {"problem": self.text, "answer": str(self.answer), "level": self.level}
+
 
 @dataclasses.dataclass(frozen=True)
 class LadderConfig:
