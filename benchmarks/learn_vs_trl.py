@@ -1,6 +1,8 @@
 """Learning side by side with TRL: the same model, task, prompts and budget, one evaluator.
 
-Three commands, run one after the other on an otherwise idle machine:
+Ours is a run of --config whose evaluations are off its clock, as TRL's are off TRL's: only the
+start is evaluated in the run (8 prompts), and its checkpoints are what `evaluate` scores. Then
+three commands, run one after the other on an otherwise idle machine:
 
   trl       TRL's GRPOTrainer on the arithmetic ladder of --config (the problems a run of that
             config trains on, phrased by its prompt template inside the checkpoint's chat
@@ -28,10 +30,13 @@ grader (`reward_config_of`, answer styles hashes / answer_is / last_number, exac
 stays ours alone is the rest of the recipe: PipelineRL-k, prompt-level aggregation,
 zero-variance filtering and No-Positive-Resampling.
 
-  PYTHONPATH=. .venv/bin/python benchmarks/learn_vs_trl.py trl --checkpoint $SMOLLM --out runs/trl_arith \
-      [--budget_min 60] [--config.KEY=VALUE ...]
+  .venv/bin/python -m scalerl_jax.main --config=configs/smollm2_arith.py --config.model.checkpoint=$SMOLLM \\
+      --workdir=runs/smollm2_arith_vs_trl --config.num_steps=30 --config.eval.every=1000 \\
+      --config.eval.num_prompts=8 --config.checkpoint.every=3 --config.checkpoint.keep=20
+  PYTHONPATH=. .venv/bin/python benchmarks/learn_vs_trl.py trl --checkpoint $SMOLLM --out runs/trl_arith \\
+      --budget_min 30 --save_every_min 4 [--config.KEY=VALUE ...]
   PYTHONPATH=. .venv/bin/python benchmarks/learn_vs_trl.py evaluate --checkpoint $SMOLLM \\
-      --ours runs/smollm2_arith --trl runs/trl_arith --out runs/vs_trl.json
+      --ours runs/smollm2_arith_vs_trl --trl runs/trl_arith --budget_min 30 --out runs/vs_trl.json
   PYTHONPATH=. .venv/bin/python benchmarks/learn_vs_trl.py report --results runs/vs_trl.json --out docs/results/smollm2_arith
 
 Needs the `bench` extra (trl, datasets).
