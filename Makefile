@@ -13,15 +13,22 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m pip install -c $(LOCK) -e '.[test,lint]'
 	touch $@
 
-.PHONY: demo test test-e2e lint lock upgrade numerics
+.PHONY: demo test test-e2e lint lock upgrade numerics sandbox-tools
 # The tiny config splits the CPU into two devices itself (mesh.cpu_devices): one generates, one trains.
 demo: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m scalerl_jax.main --config=configs/tiny.py --workdir=runs/tiny
 
 # Style (ruff format and lint) and types (pyright, basic) first: they take seconds, the tests minutes.
 # The fast suite: tests/unit (pyproject's addopts leave out `slow` and `e2e`).
-test: lint
+test: lint sandbox-tools
 	$(PY) -m pytest -q
+
+# The code verifier's sandbox (scalerl_jax/sandbox) is bubblewrap, from the system's packages:
+# installed with apt-get where it is missing (root, Debian or Ubuntu), else named for you to install.
+sandbox-tools:
+	@command -v bwrap >/dev/null || apt-get install -y -q --no-install-recommends bubblewrap \
+	  || { apt-get update -q && apt-get install -y -q --no-install-recommends bubblewrap; } \
+	  || { echo "the code sandbox needs bubblewrap (bwrap): install it with the system's package manager" >&2; exit 1; }
 
 # The end-to-end and fault suites (tests/e2e, tests/faults): the main job and the commands run as a
 # person runs them, real models, several processes. CI runs them after `make test`.

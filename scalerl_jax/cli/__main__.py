@@ -17,6 +17,7 @@ COMMANDS = {
     "export": ("export", "a run's policy as a Hugging Face checkpoint directory"),
     "fit": ("fit", "sigmoid and power-law fits of runs' pass rate against compute"),
     "study": ("study", "recipe variants x seeds as runs, and their analysis"),
+    "verify-code": ("verify_code", "one program against its tests in the code sandbox, as a JSON line"),
     "eval-noise": ("eval_noise", "how much of a study's scatter is evaluation noise"),
     "compile-check": ("compile_check", "compile every program of a run for GPU or TPU topologies"),
     "plan-memory": ("plan_memory", "per-device memory of the train step and the KV cache"),

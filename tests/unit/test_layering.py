@@ -12,13 +12,26 @@ PACKAGE = pathlib.Path(scalerl_jax.__file__).parent
 # `rl/` and `scaling/` are pure math; `models/` knows nothing of RL; `sampler/` nothing of
 # processes; `config/` reads the run's configs and knows the libraries only for their choice lists
 # and dataclasses; only the composition root (`run/`) and the entry points (`cli/`) see everything.
-LIBRARIES = {"contracts", "rl", "scaling", "hardware", "telemetry", "models", "sampler", "train", "data", "pipeline"}
+LIBRARIES = {
+    "contracts",
+    "rl",
+    "scaling",
+    "hardware",
+    "telemetry",
+    "models",
+    "sampler",
+    "train",
+    "data",
+    "pipeline",
+    "sandbox",
+}
 ALLOWED = {
     "contracts": set(),  # the train batch's layout, the first failure among threads, a workdir's lock
     "rl": set(),
     "scaling": set(),
     "hardware": set(),  # published accelerator facts: the bottom layer
     "telemetry": set(),  # metrics rows, W&B, compile events, the console
+    "sandbox": set(),  # untrusted code contained by bubblewrap, and the code verifier on it
     "models": {"hardware"},
     "sampler": {"models"},
     "train": {"contracts", "hardware", "models", "rl"},
