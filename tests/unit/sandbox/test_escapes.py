@@ -188,6 +188,7 @@ EXPECTED_KIND = {
 @pytest.fixture(scope="module")
 def verdicts(outside) -> dict[str, Verdict]:
     assert not sandbox_processes(), "sandbox processes were running before the attacks"
+    outside["open_fds"] = len(os.listdir("/proc/self/fd"))
     verifier = CodeVerifier(LIMITS)
     cases = attacks(outside)
     results = dict(zip(cases, verifier.check_many(list(cases.values()))))
@@ -217,6 +218,7 @@ def test_what_the_attacks_met(verdicts):
 def test_nothing_is_left_behind_and_the_host_is_untouched(verdicts, outside):
     assert verdicts["honest_after_attacks"].passed
     assert not sandbox_processes()
+    assert len(os.listdir("/proc/self/fd")) == outside["open_fds"]  # every pipe and output file closed
     assert os.listdir(outside["dir"]) == []
     assert not os.path.exists(os.path.join(os.getcwd(), "escaped"))
     assert outside["bystander"].poll() is None  # the process a program tried to kill still runs
