@@ -17,6 +17,13 @@ the device's or host's memory) are refused before anything compiles, naming thei
 `data.gold_extraction` finds the gold inside worked solutions such as GSM8K's ``#### 72``) and,
 with ``--group-field``, that field.
 
+A code file (MBPP's ``mbpp.jsonl``, HumanEval's ``HumanEval.jsonl.gz``: `data.code_rows`, told apart
+by their fields) is prompted with its layout's template (`code_rows.TEMPLATES`, in place of
+`data.prompt_template`) and scored by running each completion's program against the problem's
+tests in the code sandbox (`scalerl_jax.sandbox`, `data.verify_workers` at once); ``--split``
+takes MBPP's split by task id (``test``: 11-510). The report adds the share of samples of each
+verdict kind (``code_passed_frac``, ``code_failed_frac``, ... ``code_unparsable_frac``).
+
 Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
   mean@K = (1/N) sum_i c_i / K   (the paper's metric: mean over prompts of the pass rate)
   pass@k = (1/N) sum_i [1 - C(K - c_i, k) / C(K, k)]   (unbiased estimator, Chen et al. 2021)
@@ -47,7 +54,16 @@ from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.data.rows import DataFileError
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError
 from scalerl_jax.run import policy_source
-from scalerl_jax.run.benchmark import EvaluateError, evaluate_policy, format_table, load_policy, read_benchmark
+from scalerl_jax.run.benchmark import (
+    EvaluateError,
+    evaluate_policy,
+    format_table,
+    is_code_file,
+    load_policy,
+    read_benchmark,
+    read_code_benchmark,
+)
+from scalerl_jax.sandbox import SandboxUnavailable
 from scalerl_jax.telemetry.console import quiet_library_logs
 
 # Bad input, each ending the command with one line naming the file, row, field or flag (status 2).
@@ -58,6 +74,7 @@ INPUT_ERRORS = (
     CheckpointFileError,
     policy_source.PolicySourceError,
     FileNotFoundError,
+    SandboxUnavailable,
 )
 
 
@@ -97,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Hugging Face directory (default configs/scalerl_8b.py)",
     )
     parser.add_argument("--checkpoint", required=True, help="run directory or Hugging Face directory")
-    parser.add_argument("--data", required=True, help="benchmark file (.jsonl or .parquet)")
+    parser.add_argument(
+        "--data", required=True, help="benchmark file (.jsonl or .parquet; code: MBPP .jsonl, HumanEval .jsonl.gz)"
+    )
+    parser.add_argument(
+        "--split", default="", help="MBPP's split by task id: prompt, test or train (default: every row)"
+    )
     parser.add_argument("--samples", type=int, default=16, help="samples per problem, K of mean@K")
     parser.add_argument("--k", default="1", help="comma-separated k values of pass@k (each <= --samples)")
     parser.add_argument("--problem-field", help="the problem's row field (default: the config's data.problem_field)")
@@ -157,14 +179,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
             raise EvaluateError(f"--out {args.out!r}: the directory {os.path.dirname(args.out)!r} does not exist")
         is_run, config = load_config(args.checkpoint, extra)
-        benchmark = read_benchmark(
-            args.data,
-            problem_field=args.problem_field or config.data.problem_field,
-            answer_field=args.answer_field or config.data.answer_field,
-            group_field=args.group_field,
-            gold_extraction=config.data.gold_extraction,
-            max_solution_steps=config.data.max_solution_steps,
-        )
+        if is_code_file(args.data):
+            if args.group_field:
+                raise EvaluateError("--group-field is for math files; a code file's metrics are per file")
+            benchmark = read_code_benchmark(args.data, split=args.split)
+        elif args.split:
+            raise EvaluateError(f"--split {args.split!r}: splits are MBPP's; {args.data} is not a code file")
+        else:
+            benchmark = read_benchmark(
+                args.data,
+                problem_field=args.problem_field or config.data.problem_field,
+                answer_field=args.answer_field or config.data.answer_field,
+                group_field=args.group_field,
+                gold_extraction=config.data.gold_extraction,
+                max_solution_steps=config.data.max_solution_steps,
+            )
         policy = load_policy(args.checkpoint, is_run, config, step=args.step)
         report = evaluate_policy(
             policy,

@@ -40,8 +40,10 @@ TEMPLATES = {
 
 @dataclasses.dataclass(frozen=True)
 class CodeProblem:
-    """One code problem (the module docstring); `source_index` is its 0-based row in the file."""
+    """One code problem (the module docstring); `code_format` its file's layout (`FORMATS`),
+    `source_index` its 0-based row in the file."""
 
+    code_format: str
     task_id: str
     problem: str
     tests: str
@@ -94,6 +96,7 @@ def mbpp_problem(record: Mapping, index: int, where: str) -> CodeProblem:
     setup = _text(record, "test_setup_code", where, may_be_empty=True).strip()
     text = _text(record, "text", where)
     return CodeProblem(
+        code_format=MBPP,
         task_id=str(record.get("task_id", index)),
         problem=f"{text.strip()}\nYour code should pass these tests:\n\n{asserts}",
         tests=_compiled((setup + "\n" if setup else "") + asserts, "test_list", where),
@@ -110,6 +113,7 @@ def humaneval_problem(record: Mapping, index: int, where: str) -> CodeProblem:
     if not entry_point.isidentifier():
         raise DataFileError(f"{where} field 'entry_point': {entry_point!r} is not a Python name")
     return CodeProblem(
+        code_format=HUMANEVAL,
         task_id=str(record.get("task_id", index)),
         problem=prompt,
         tests=_compiled(_text(record, "test", where) + f"\ncheck({entry_point})\n", "test", where),

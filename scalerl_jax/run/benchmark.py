@@ -24,6 +24,8 @@ from absl import logging
 from scalerl_jax import data as data_lib
 from scalerl_jax.config.adapters import engine_config_of, reward_config_of
 from scalerl_jax.config.memory_fit import check_run_memory
+from scalerl_jax.data.code_reward import CODE_KINDS, score_code_completions
+from scalerl_jax.data.code_rows import MBPP, TEMPLATES, CodeProblem, mbpp_split, read_code_problems
 from scalerl_jax.data.rows import extract_golds, indices_with_solution_steps_at_most, read_records
 from scalerl_jax.models import load_checkpoint_tokenizer, make_mesh, param_shardings
 from scalerl_jax.run import policy_source
@@ -34,6 +36,7 @@ from scalerl_jax.run.sampling_setup import (
     make_sample_fn,
 )
 from scalerl_jax.sampler import Completion, ContinuousBatcher, Engine
+from scalerl_jax.sandbox import CodeVerifier, SandboxLimits
 from scalerl_jax.telemetry.compile_events import compile_log
 
 
@@ -43,13 +46,52 @@ class EvaluateError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
-    """Problems and gold answers of a file (`groups[i]` the group field's value, or None)."""
+    """Problems and gold answers of a file (`groups[i]` the group field's value, or None). A code
+    file (MBPP, HumanEval) also has its `code` problems (answers: their tests) and `code_format`."""
 
     path: str
     problems: list[str]
     answers: list[str]
     groups: list[str] | None
     rows: list[int]
+    code: list[CodeProblem] | None = None
+    code_format: str = ""
+
+
+def is_code_file(path: str) -> bool:
+    """Whether `path` holds code problems: a gzipped jsonl (HumanEval as published) or a file whose
+    first row has MBPP's `test_list` or HumanEval's `entry_point`."""
+    if path.endswith(".jsonl.gz"):
+        return True
+    if not path.endswith(".jsonl") or not os.path.isfile(path):
+        return False
+    for _, record in read_records(path):
+        return "test_list" in record or "entry_point" in record
+    return False
+
+
+def read_code_benchmark(path: str, *, split: str = "") -> Benchmark:
+    """The code problems of `path` (`data.code_rows`), MBPP's `split` of them when given (its
+    authors' task id ranges); EvaluateError for a split of another file or an unknown one."""
+    problems = read_code_problems(path)
+    with_split = problems
+    code_format = problems[0].code_format
+    if split:
+        if code_format != MBPP:
+            raise EvaluateError(f"--split {split!r}: splits are MBPP's; {path} is not MBPP")
+        try:
+            with_split = mbpp_split(problems, split)
+        except ValueError as e:
+            raise EvaluateError(f"--split: {e}") from None
+    return Benchmark(
+        path=path,
+        problems=[p.problem for p in with_split],
+        answers=[p.tests for p in with_split],
+        groups=None,
+        rows=[p.source_index for p in with_split],
+        code=with_split,
+        code_format=code_format,
+    )
 
 
 def _records(path: str) -> list[dict]:
@@ -217,6 +259,9 @@ def evaluate_policy(
     (`config.mesh.generator_shape`), scores them with the run's verifier, and returns the report
     (metrics, per-group metrics, per-prompt correctness; completion texts when `keep_texts`),
     logging progress every `progress_every_s` seconds (the engine logs each program it compiles)."""
+    if benchmark.code is not None:  # the code layout's own user turn (`code_rows.TEMPLATES`)
+        config = config.copy_and_resolve_references()
+        config.data.prompt_template = TEMPLATES[benchmark.code_format]
     tok = load_checkpoint_tokenizer(policy.checkpoint_dir)
     check_think_end(config, tok, policy.checkpoint_dir)
     check_token_ids(config, tok, policy.checkpoint_dir)
@@ -226,17 +271,38 @@ def evaluate_policy(
             f"{benchmark.path}: every problem is longer than data.max_prompt_tokens={config.data.max_prompt_tokens}"
         )
     kept = encoded.source_indices
+    reward_config = reward_config_of(config)
+    code_outcomes: list[str] = []
+    if benchmark.code is not None:
+        code_problems = [benchmark.code[i] for i in kept for _ in range(num_samples)]
+        verifier = CodeVerifier(SandboxLimits(workers=config.data.verify_workers))  # before any compile
+        verify_pool = None
+
+        def reward_fn(texts: Sequence[str], golds: Sequence[str]) -> data_lib.ScoredBatch:
+            scored = score_code_completions(
+                texts,
+                code_problems,
+                verifier,
+                correct_reward=reward_config.correct_reward,
+                incorrect_reward=reward_config.incorrect_reward,
+            )
+            code_outcomes.extend(scored.outcomes)
+            return scored
+    else:
+        verify_pool = data_lib.VerifyPool(
+            config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
+        )
+        problems = [benchmark.problems[i] for i in kept for _ in range(num_samples)]
+
+        def reward_fn(texts: Sequence[str], golds: Sequence[str]) -> data_lib.ScoredBatch:
+            return data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
+
     mesh = make_mesh(config.mesh.generator_shape)
     params = jax.device_put(policy.params, param_shardings(policy.params, mesh), may_alias=False)
     engine = Engine(policy.graphdef, policy.model_config, engine_config_of(config, tok), mesh=mesh)
     progress = Progress(len(kept) * num_samples, num_samples, progress_every_s)
     batcher = ProgressBatcher(engine, params, version=policy.step or 0, seed=seed, progress=progress)
-    reward_config = reward_config_of(config)
-    verify_pool = data_lib.VerifyPool(
-        config.data.verify_workers, time_limit_s=config.data.verify_timeout_s, reward_fn=reward_config.reward_fn
-    )
     texts: list[str] = []
-    problems = [benchmark.problems[i] for i in kept for _ in range(num_samples)]
 
     def decode(tokens: list[int]) -> str:
         texts.append(tok.tokenizer.decode(tokens))
@@ -250,11 +316,12 @@ def evaluate_policy(
             num_samples=num_samples,
             decode=decode,
             pass_at=ks,
-            reward_fn=lambda t, g: data_lib.score_completions(t, g, reward_config, pool=verify_pool, problems=problems),
+            reward_fn=reward_fn,
         )
     finally:
         sampling_s = progress.close()
-        verify_pool.close()
+        if verify_pool is not None:
+            verify_pool.close()
     correct = result.correct
     per_prompt = []
     for n, row in enumerate(kept):
@@ -267,6 +334,8 @@ def evaluate_policy(
     # Every metric the evaluation returns (answer-found and format fractions, truncation, lengths,
     # timeouts); the table's mean@K / pass@k / prompt count are `summarize`'s.
     extra = {key.split("/", 1)[1]: value for key, value in result.metrics.items()}
+    if code_outcomes:  # the code verifier's verdicts: the share of samples of each kind
+        extra.update({f"code_{kind}_frac": code_outcomes.count(kind) / len(code_outcomes) for kind in CODE_KINDS})
     summary = summarize(correct, ks)
     tokens = extra.get("mean_completion_tokens", 0.0) * len(kept) * num_samples
     report = {
@@ -281,7 +350,7 @@ def evaluate_policy(
             "top_k": config.sampler.top_k,
             "max_new_tokens": config.sampler.max_new_tokens,
             "length_control": config.rl.length_control,
-            "reward_kind": reward_config.kind,
+            "reward_kind": "code" if benchmark.code is not None else reward_config.kind,
             "prompt_template": config.data.prompt_template,
             "use_chat_template": config.data.use_chat_template,
             "seed": seed,

@@ -35,7 +35,7 @@ ALLOWED = {
     "models": {"hardware"},
     "sampler": {"models"},
     "train": {"contracts", "hardware", "models", "rl"},
-    "data": {"rl"},
+    "data": {"rl", "sandbox"},
     "pipeline": {"contracts", "data", "rl", "sampler"},
     "distributed": {"models", "pipeline", "sampler"},
     "config": {"data", "models", "pipeline", "rl", "sampler", "telemetry", "train"},
