@@ -1,12 +1,13 @@
 """TFDS builders: synthetic arithmetic, the arithmetic ladder, Polaris-53K from a local file, any
-local jsonl/parquet.
+local jsonl/parquet, and code problems (MBPP, HumanEval) as published.
 
 All write ``array_record`` files into a caller-given ``data_dir`` and are read back with
 ``builder.as_data_source(split)`` (random access, no TensorFlow anywhere). Config names carry a
 digest of everything that determines the data (for local files: the file's SHA-256), so a
 changed seed, size or file never silently reuses an old build. Splits: ``train`` and
 ``heldout`` (plus ``sft`` for the synthetic task: worked traces for the supervised warm start;
-``transfer`` for the ladder: rungs evaluated and never trained).
+``transfer`` for the ladder: rungs evaluated and never trained; for code files, MBPP's authors'
+split by task id, and HumanEval's problems as ``heldout`` alone).
 Dropped duplicate rows are counted in ``builder.info.metadata['duplicates_dropped']``, rows
 without a gold answer by ``gold_extraction`` in ``builder.info.metadata['golds_not_found']``.
 """
@@ -23,7 +24,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from absl import logging
 
-from scalerl_jax.data import ladder, synthetic
+from scalerl_jax.data import code_rows, ladder, synthetic
 from scalerl_jax.data import rows as rows_lib
 
 FILE_FORMAT = "array_record"
@@ -383,6 +384,71 @@ def build_polaris(
     if not builder.is_prepared():
         check_heldout_size(path, {"problem": "problem", "answer": "answer", "difficulty": "difficulty"}, heldout_size)
     _prepare(builder, manual_dir=manual_dir)
+    return builder
+
+
+# --- code problems (MBPP, HumanEval) -----------------------------------------------------------
+
+
+_CODE_FEATURES = {
+    "problem": tfds.features.Text(),
+    "tests": tfds.features.Text(),
+    "program_prefix": tfds.features.Text(),
+    "task_id": tfds.features.Text(),
+    "code_format": tfds.features.Text(),
+    "source_index": tfds.features.Scalar(dtype=np.int64),
+}
+# The builder's splits from MBPP's (code_rows.MBPP_SPLITS): train trains, test is held out,
+# prompt holds the authors' few-shot examples. HumanEval is an evaluation set: held out whole.
+MBPP_BUILDER_SPLITS = {"train": "train", "heldout": "test", "prompt": "prompt"}
+
+
+@dataclasses.dataclass(eq=False)
+class LocalCodeFileConfig(tfds.core.BuilderConfig):
+    """A local MBPP or HumanEval file (`code_rows.read_code_problems`)."""
+
+    path: str = ""
+
+
+class LocalCodeFile(tfds.core.GeneratorBasedBuilder):
+    """The code problems of ``config.path`` with features problem, tests, program_prefix, task_id,
+    code_format and source_index (`code_rows.CodeProblem`); splits per `MBPP_BUILDER_SPLITS`, or
+    ``heldout`` for HumanEval."""
+
+    name = "scalerl_local_code_file"
+    VERSION = _VERSION
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="Local code problems with their tests (MBPP, HumanEval).",
+            features=tfds.features.FeaturesDict(dict(_CODE_FEATURES)),
+        )
+
+    def _split_generators(self, dl_manager):
+        config = self.builder_config
+        assert isinstance(config, LocalCodeFileConfig), config
+        problems = code_rows.read_code_problems(config.path)
+        if problems[0].code_format != code_rows.MBPP:
+            return {"heldout": self._generate_examples(problems)}
+        return {
+            split: self._generate_examples(code_rows.mbpp_split(problems, mbpp_split))
+            for split, mbpp_split in MBPP_BUILDER_SPLITS.items()
+        }
+
+    def _generate_examples(self, problems):
+        for problem in problems:  # the reference solution stays out: a run never shows it
+            yield problem.source_index, {name: getattr(problem, name) for name in _CODE_FEATURES}
+
+
+def build_code_file(data_dir: str, path: str) -> LocalCodeFile:
+    """Builds (or reuses an identical earlier build of) a local MBPP or HumanEval file into
+    ``data_dir`` (DataFileError naming a bad row)."""
+    path = os.path.abspath(path)
+    rows_lib.check_data_file(path)
+    config = LocalCodeFileConfig(name=f"code_{_short_digest(_sha256_of_file(path))}", version=_VERSION, path=path)
+    builder = LocalCodeFile(config=config, data_dir=data_dir, file_format=FILE_FORMAT)
+    _prepare(builder)
     return builder
 
 
