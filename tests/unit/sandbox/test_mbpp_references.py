@@ -5,12 +5,10 @@ Run as `code_rows` lays a row out (the solution, then the setup code and the tes
 
 from __future__ import annotations
 
-import os
+from repo_paths import MBPP_PATH
 
 from scalerl_jax.data.code_rows import read_code_problems
 from scalerl_jax.sandbox.verifier import CodeVerifier, SandboxLimits
-
-MBPP_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "shared", "data", "mbpp", "mbpp.jsonl")
 
 
 def test_every_reference_solution_passes_and_the_card_order_fails_exactly_two():
