@@ -56,6 +56,20 @@ class CodeProblem:
         return self.program_prefix + code
 
 
+def code_problem_of_row(row: Mapping) -> CodeProblem:
+    """A CodeProblem from a row of the code TFDS builder (`builders.build_code_file`), which keeps
+    every field but the reference solution."""
+    return CodeProblem(
+        code_format=row["code_format"],
+        task_id=row["task_id"],
+        problem=row["problem"],
+        tests=row["tests"],
+        program_prefix=row["program_prefix"],
+        reference="",
+        source_index=int(row["source_index"]),
+    )
+
+
 def format_of(record: Mapping) -> str:
     """The layout of a row: `mbpp` when it has `test_list`, `humaneval` when it has `entry_point`."""
     if "test_list" in record:
