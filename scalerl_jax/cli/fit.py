@@ -109,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--allow-partial-last-line", action="store_true", help="skip a half-written last line (live runs)"
     )
+    parser.add_argument(
+        "--metric",
+        default=DEFAULTS.metric,
+        help="the pass-rate curve to fit: eval/pass_rate, or one domain's of a math+code run (eval/code/pass_rate)",
+    )
     return parser
 
 

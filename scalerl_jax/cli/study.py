@@ -30,6 +30,7 @@ from pathlib import Path
 from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.config.argv import line_in_file
 from scalerl_jax.config.variants import expand_variants
+from scalerl_jax.scaling.runs import PASS_RATE_KEY
 from scalerl_jax.study import driver, report
 from scalerl_jax.study.analysis import (
     DEFAULT_CUT_FRACTION,
@@ -68,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--bootstrap", type=int, default=200, help="bootstrap resamples per variant fit (0: none)")
     parser.add_argument("--a-range", help="A grid LO,HI (default: the runs' eval.fit_a_range)")
+    parser.add_argument(
+        "--metric",
+        default=PASS_RATE_KEY,
+        help="the curve to fit: eval/pass_rate, or one domain's of a math+code study (eval/code/pass_rate: "
+        "its report goes to DIR/eval_code_pass_rate/)",
+    )
     return parser
 
 
@@ -79,10 +86,13 @@ def analyze(
     fit_start_fraction: float | None = None,
     bootstrap: int,
     a_range: tuple[float, float] | None,
+    metric: str = PASS_RATE_KEY,
 ) -> int:
-    """Fits, prints and writes the study's report; 1 when some variant curve could not be fitted
-    (at the cut or at a fit end)."""
-    runs = report.read_study(study_dir)
+    """Fits, prints and writes the study's report (of `metric`'s curves: the default's into
+    `study_dir`, another's into a directory named after it there); 1 when some variant curve
+    could not be fitted (at the cut or at a fit end)."""
+    runs = report.read_study(study_dir, metric=metric)
+    out_dir = study_dir if metric == PASS_RATE_KEY else study_dir / metric.replace("/", "_")
     a_range = a_range or report.study_a_range(study_dir, runs)
 
     def analyze_at(fit_end: float, bootstrap: int) -> list[VariantResult]:
@@ -113,10 +123,11 @@ def analyze(
         fit_start_fraction=fit_start_fraction,
         a_range=a_range,
         bootstrap=bootstrap,
+        out_dir=out_dir,
     )
     print(text)
     figures = (report.CURVES_FIGURE, report.PARAMS_FIGURE, report.EXTRAPOLATION_FIGURE)
-    print(f"wrote {study_dir / report.REPORT_FILE}, " + ", ".join(str(study_dir / f) for f in figures))
+    print(f"wrote {out_dir / report.REPORT_FILE}, " + ", ".join(str(out_dir / f) for f in figures))
     fitted = all(v.mean_fit.fit is not None for end in sweep for v in end.variants)
     return 0 if fitted and all(r.mean_fit.fit is not None for r in results) else 1
 
@@ -176,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fit_start_fraction=args.fit_start_fraction,
             bootstrap=args.bootstrap,
             a_range=a_range,
+            metric=args.metric,
         )
     except ValueError as error:
         return report_error(f"error: {error}", EXIT_INPUT_ERROR)

@@ -34,7 +34,7 @@ from scalerl_jax.scaling import (
 )
 from scalerl_jax.scaling.fitting import PAPER_A_RANGE
 from scalerl_jax.scaling.plot import DEFAULT_EXTEND, format_compute, unit_label
-from scalerl_jax.scaling.runs import METRICS_FILENAME
+from scalerl_jax.scaling.runs import METRICS_FILENAME, PASS_RATE_KEY
 
 
 class FitInputError(ValueError):
@@ -79,6 +79,7 @@ class FitOptions:
     title: str | None = None
     extend: float = DEFAULT_EXTEND
     allow_partial_last_line: bool = False
+    metric: str = PASS_RATE_KEY  # the curve: eval/pass_rate, or a domain's (eval/code/pass_rate)
 
 
 DEFAULTS = FitOptions()
@@ -280,6 +281,7 @@ def report(paths: Sequence[str], options: FitOptions) -> int:
             names=list(options.names) if options.names else None,
             unit=options.unit,
             allow_partial_last_line=options.allow_partial_last_line,
+            pass_rate_key=options.metric,
         )
     except UnicodeDecodeError as error:  # names neither file nor line: find them
         raise FitInputError(undecodable_metrics(paths) or str(error)) from error

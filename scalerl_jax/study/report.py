@@ -45,9 +45,9 @@ MODELS = (("sigmoid", "late_rmse", "final_error"), ("power law", "power_law_late
 CURVE_EXTEND = 1.5  # fitted curves drawn up to this factor x the last compute
 
 
-def has_evaluation(run_dir: Path) -> bool:
+def has_evaluation(run_dir: Path, metric: str = driver.PASS_RATE_KEY) -> bool:
     path = run_dir / driver.METRICS_FILE
-    return path.is_file() and any(driver.PASS_RATE_KEY in r for r in driver.read_jsonl(path))
+    return path.is_file() and any(metric in r for r in driver.read_jsonl(path))
 
 
 def _seed_number(path: Path) -> int | None:
@@ -68,8 +68,9 @@ def study_variants(study_dir: Path) -> list[str]:
     return sorted(found, key=lambda v: (v != BASELINE, v))
 
 
-def read_study(study_dir: Path) -> dict[str, list[RunCurve]]:
-    """Each variant's runs that have logged an evaluation, by seed (runs without one are left out)."""
+def read_study(study_dir: Path, *, metric: str = driver.PASS_RATE_KEY) -> dict[str, list[RunCurve]]:
+    """Each variant's runs that have logged an evaluation of `metric` (a domain's:
+    `eval/code/pass_rate`), by seed, as curves of it (runs without one are left out)."""
     if not study_dir.is_dir():
         raise ValueError(f"{study_dir}: no such study directory")
     runs = {}
@@ -77,7 +78,9 @@ def read_study(study_dir: Path) -> dict[str, list[RunCurve]]:
         numbered = [(n, s) for s in (study_dir / variant).iterdir() if (n := _seed_number(s)) is not None]
         seeds = [s for _, s in sorted(numbered, key=lambda pair: pair[0])]
         curves = [
-            read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True) for s in seeds if has_evaluation(s)
+            read_run(s, name=f"{variant}/{s.name}", allow_partial_last_line=True, pass_rate_key=metric)
+            for s in seeds
+            if has_evaluation(s, metric)
         ]
         if curves:
             runs[variant] = curves
@@ -525,11 +528,15 @@ def write_report(
     fit_start_fraction: float | None,
     a_range: tuple[float, float],
     bootstrap: int,
+    out_dir: Path | None = None,
 ) -> str:
-    """Writes study.md, curves.png, params.png and extrapolation.png into `study_dir`; returns the report text."""
+    """Writes study.md, curves.png, params.png and extrapolation.png into `out_dir` (default
+    `study_dir`); returns the report text."""
     text = report_text(study_dir, results, orders, sweep, cut_fraction, fit_start_fraction, a_range, bootstrap)
-    (study_dir / REPORT_FILE).write_text(text, encoding="utf-8")
-    plot_curves(results, study_dir / CURVES_FIGURE)
-    plot_params(results, study_dir / PARAMS_FIGURE)
-    plot_extrapolation(sweep, study_dir / EXTRAPOLATION_FIGURE)
+    out_dir = out_dir or study_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / REPORT_FILE).write_text(text, encoding="utf-8")
+    plot_curves(results, out_dir / CURVES_FIGURE)
+    plot_params(results, out_dir / PARAMS_FIGURE)
+    plot_extrapolation(sweep, out_dir / EXTRAPOLATION_FIGURE)
     return text

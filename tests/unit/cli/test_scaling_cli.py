@@ -120,3 +120,31 @@ def test_fit_names_a_bad_range_in_the_run_config(tmp_path, capsys):
     assert fit_cli.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert str(run / "config.json") in err and "eval.fit_a_range" in err
+
+
+def test_fit_reads_one_domain_of_a_math_code_run(tmp_path, capsys):
+    # A math+code run's rows carry eval/<domain>/pass_rate: --metric fits the code curve
+    # (A 0.5, C_mid 5,000), which differs from the math curve (A 0.7) in the same rows.
+    code = write_run(tmp_path / "code", a=0.50, c_mid=5_000.0, seed=2)
+    math_run = write_run(tmp_path / "math", a=0.70, c_mid=5_000.0, seed=3)
+    rows = [json.loads(line) for line in (code / "metrics.jsonl").read_text().splitlines()]
+    math_rows = [json.loads(line) for line in (math_run / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "mixed"
+    run.mkdir()
+    with open(run / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for row, math_row in zip(rows, math_rows):
+            if "eval/pass_rate" in row:
+                row["eval/code/pass_rate"] = row.pop("eval/pass_rate")
+                row["eval/math/pass_rate"] = math_row["eval/pass_rate"]
+            f.write(json.dumps(row) + "\n")
+    fitted = {}
+    for metric in ("eval/code/pass_rate", "eval/math/pass_rate"):
+        status = fit_cli.main([str(run), "--metric", metric, "--fit-end", "20000", "--bootstrap", "0"])
+        out = capsys.readouterr().out
+        assert status == 0, out
+        header = re.split(r"\s{2,}", out.splitlines()[0].strip())
+        fitted[metric] = float(dict(zip(header, table_row(out, "mixed"), strict=True))["A"])
+    assert abs(fitted["eval/code/pass_rate"] - 0.50) < 0.02 and abs(fitted["eval/math/pass_rate"] - 0.70) < 0.02
+    status = fit_cli.main([str(run), "--metric", "eval/pass_rate"])
+    assert status == 2
+    assert "no line has 'eval/pass_rate'" in capsys.readouterr().err

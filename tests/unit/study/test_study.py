@@ -477,3 +477,22 @@ def test_micro_study_killed_and_resumed(tmp_path):
     assert (
         (workdir / "study.md").is_file() and (workdir / "curves.png").is_file() and (workdir / "params.png").is_file()
     )
+
+
+def test_analyze_one_domain_of_a_math_code_study(synthetic_study, capsys):
+    # Each run also logs a code curve: the fast variant's true sigmoid lowered by 0.1 (A 0.60).
+    for seed in range(3):
+        path = synthetic_study / "fast" / f"seed{seed}" / driver.METRICS_FILE
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            if "eval/pass_rate" in row:
+                row["eval/code/pass_rate"] = row["eval/pass_rate"] - 0.1
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    runs = report.read_study(synthetic_study, metric="eval/code/pass_rate")
+    assert sorted(runs) == ["fast"]  # the other variants log no code curve
+    code = analyze_variant("fast", runs["fast"], a_range=(0.3, 1.0), bootstrap=0)
+    assert code.mean_fit.fit is not None and code.mean_fit.fit.a == pytest.approx(0.60, abs=0.02)
+    assert study_main(["--analyze", str(synthetic_study), "--bootstrap", "0", "--metric", "eval/code/pass_rate"]) == 0
+    capsys.readouterr()
+    assert (synthetic_study / "eval_code_pass_rate" / report.REPORT_FILE).is_file()
+    assert not (synthetic_study / report.REPORT_FILE).exists()  # the default curve's report is not touched
