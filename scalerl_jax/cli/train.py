@@ -125,13 +125,15 @@ def main(argv):
     from scalerl_jax.models.hf_tokenizer import CheckpointFileError
     from scalerl_jax.run import RUN_ERRORS, run  # heavy imports after the config is known to be good
     from scalerl_jax.run.signals import EXIT_INTERRUPTED, exit_now
+    from scalerl_jax.sandbox import SandboxUnavailable
 
     started = time.time()
     try:
         summary = run(config, workdir)
     except ConfigError as e:  # found once the checkpoint, tokenizer or data are read
         stop(f"config error: {e}", EXIT_CONFIG_ERROR)
-    except (DataFileError, CheckpointFileError) as e:  # a data row or a checkpoint file that cannot be used
+    except (DataFileError, CheckpointFileError, SandboxUnavailable) as e:
+        # a data row or a checkpoint file that cannot be used, a machine that cannot run the code sandbox
         stop(f"error: {e}", EXIT_CONFIG_ERROR)
     except (*RUN_ERRORS, OSError) as e:  # OSError: a file or directory that cannot be read or written
         logging.debug("run stopped", exc_info=True)  # the traceback, with --verbosity=1

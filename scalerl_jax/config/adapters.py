@@ -11,7 +11,9 @@ from collections.abc import Callable, Sequence
 import ml_collections
 
 from scalerl_jax.data import answers
+from scalerl_jax.data.code_puzzles import PuzzleConfig
 from scalerl_jax.data.ladder import LadderConfig
+from scalerl_jax.data.mixture import MATH
 from scalerl_jax.data.rewards import RewardConfig
 from scalerl_jax.models.hf_tokenizer import CheckpointTokenizer
 from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET
@@ -42,6 +44,22 @@ def ladder_config(config: ml_collections.ConfigDict) -> LadderConfig:
         heldout_per_level=s.heldout_per_level,
         transfer_levels=tuple(s.transfer_levels),
         word_problem_fraction=s.word_problem_fraction,
+    )
+
+
+def domain_weights(config: ml_collections.ConfigDict) -> dict[str, float]:
+    """The training prompts' domains and weights: `data.mixture`, or math alone when it is empty."""
+    return {name: float(weight) for name, weight in config.data.mixture.items()} or {MATH: 1.0}
+
+
+def puzzle_config(config: ml_collections.ConfigDict) -> PuzzleConfig:
+    """The generated code puzzles of `config.code` (ValueError when its levels are invalid)."""
+    c = config.code
+    return PuzzleConfig(
+        seed=c.seed,
+        split_sizes=(("heldout", c.heldout_size), ("sft", c.sft_size), ("train", c.train_size)),
+        levels=tuple((int(names), int(largest)) for names, largest in c.levels),
+        operators=tuple(c.operators),
     )
 
 

@@ -372,3 +372,31 @@ def tiny() -> ml_collections.ConfigDict:
     c.synthetic = schema.section_config("synthetic")
     c.warm_start = schema.section_config("warm_start")
     return c
+
+
+def tiny_math_code() -> ml_collections.ConfigDict:
+    """The tiny run with a second, code-executing domain: half of each step's prompts are code
+    puzzles (write a Python expression over given numbers that equals a target), whose programs
+    run in the code sandbox; both domains are warm started and evaluated (eval/math, eval/code)."""
+    c = tiny()
+    c.data.mixture = ml_collections.ConfigDict({"math": 1.0, "code": 1.0})
+    c.code = schema.section_config("code")
+    c.code.task = "puzzles"
+    c.code.sft_size = 1024  # fewer demonstrations leave the tiny policy unsure of the form (names once each)
+    c.code.workers = 2
+    c.code.wall_s = 5.0
+    c.code.cpu_s = 2
+    c.code.memory_mb = 512
+    return c
+
+
+def scalerl_8b_math_code() -> ml_collections.ConfigDict:
+    """The paper's multi-task run: the 8B recipe on math (Polaris-53K, `data.path`) and code
+    (`code.path`: a local MBPP file here, whose train split trains and test split is held out)
+    in equal shares, each scored by its own verifier and evaluated and fitted per domain."""
+    c = scalerl_8b()
+    c.data.mixture = ml_collections.ConfigDict({"math": 1.0, "code": 1.0})
+    c.code = schema.section_config("code")
+    c.code.task = "file"
+    c.code.workers = 32
+    return c

@@ -20,6 +20,9 @@ import ml_collections
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.data.answers import ANSWER_FORMATS
 from scalerl_jax.data.builders import DATASET_CHOICES
+from scalerl_jax.data.code_puzzles import DEFAULT_LEVELS as DEFAULT_PUZZLE_LEVELS
+from scalerl_jax.data.code_puzzles import DEFAULT_OPERATORS as DEFAULT_PUZZLE_OPERATORS
+from scalerl_jax.data.code_puzzles import PUZZLES
 from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
 from scalerl_jax.pipeline.lag import SCHEDULES
@@ -85,9 +88,10 @@ PREFILL = "generator/prefill_insert"
 GENERATOR_ANY = "generator/"
 PUSH_ANY = "push/"
 
+CODE_TASKS = ("file", PUZZLES)
 # Sections only some configs carry (the tiny run's synthetic task and warm start, the arithmetic
 # ladder of real instruct models); `default_config` leaves them out and `section_config` builds one.
-OPTIONAL_SECTIONS = ("synthetic", "warm_start", "ladder")
+OPTIONAL_SECTIONS = ("synthetic", "warm_start", "ladder", "code")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +227,12 @@ KEYS: tuple[Key, ...] = (
     number("data.reward_incorrect", -1.0, FINITE, "Reward of a wrong or missing answer."),
     number("data.verify_timeout_s", 5.0, POSITIVE, "Time limit of one answer's verification."),
     number("data.verify_workers", 4, COUNT, "Verifier worker processes."),
+    mapping(
+        "data.mixture",
+        {},
+        "Domains and weights of the training prompts, e.g. {'math': 1, 'code': 1} (code: section code); "
+        "{}: data.* alone.",
+    ),
     # ------------------------------------------------------------------ batch
     number("batch.prompts_per_step", 48, COUNT, "Prompts per train step.", sizes=TRAIN_STEP),
     number("batch.generations_per_prompt", 16, Bound(2, integer=True), "Completions per prompt.", sizes=TRAIN_STEP),
@@ -415,6 +425,31 @@ KEYS: tuple[Key, ...] = (
     number("ladder.heldout_per_level", 32, COUNT, "Held-out problems per rung (never trained, any phrasing)."),
     sequence("ladder.transfer_levels", (), "Rungs only evaluated (eval_transfer/...), never trained."),
     number("ladder.word_problem_fraction", 0.25, PROBABILITY, "Problems phrased as short word problems."),
+    # ------------------------------------------------------------------ code (optional)
+    choice(
+        "code.task",
+        "file",
+        CODE_TASKS,
+        "'file': code.path (MBPP: train on its train split, evaluate on test); 'puzzles': generated expressions.",
+    ),
+    text("code.path", "", "A local MBPP .jsonl (or HumanEval .jsonl.gz, evaluation only) for code.task='file'."),
+    text("code.prompt_template", "", "'': the layout's own user turn (code_rows.TEMPLATES, code_puzzles.TEMPLATE)."),
+    flag("code.fenced_only", False, "Only a fenced code block is a program; else the whole text when it has none."),
+    number("code.workers", 4, Bound(1, 100, integer=True), "Code sandboxes run at once (the verifier's pool)."),
+    number("code.wall_s", 10.0, POSITIVE, "Wall-clock deadline of one program, sandbox start-up included."),
+    number("code.cpu_s", 10, COUNT, "CPU seconds of one program."),
+    number("code.memory_mb", 1024, COUNT, "Address space of one program, in MiB."),
+    flag(
+        "code.require_network_isolation",
+        True,
+        "Refuse to start when the kernel gives the sandbox no network namespace of its own.",
+    ),
+    number("code.seed", 0, NON_NEGATIVE_INT, "Seed of the generated puzzles."),
+    number("code.heldout_size", 128, COUNT, "Held-out puzzles."),
+    number("code.sft_size", 256, NON_NEGATIVE_INT, "Puzzles among the warm start's demonstrations."),
+    number("code.train_size", 512, COUNT, "RL training puzzles."),
+    sequence("code.levels", DEFAULT_PUZZLE_LEVELS, "(names, largest value) of each puzzle level."),
+    sequence("code.operators", DEFAULT_PUZZLE_OPERATORS, "Operators the puzzles' targets are made with (of + - *)."),
     # ------------------------------------------------------------------ warm_start (optional)
     number("warm_start.seed", 0, NON_NEGATIVE_INT, "Seed of the warm start's init and batches."),
     number("warm_start.steps", 400, COUNT, "Supervised steps of the warm start."),

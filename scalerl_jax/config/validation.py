@@ -16,13 +16,14 @@ import ml_collections
 from absl import logging
 
 from scalerl_jax.config import schema
-from scalerl_jax.config.adapters import interrupts, ladder_config
+from scalerl_jax.config.adapters import domain_weights, interrupts, ladder_config, puzzle_config
 from scalerl_jax.config.devices import check_devices
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.config.relevance import answer_style_warnings, check_irrelevant
 from scalerl_jax.config.schema import AUTO_SPLIT, OPEN_UNIT, PROBABILITY, flat_keys, get_key
 from scalerl_jax.data.answers import ANSWER_STYLES, parse_styles
 from scalerl_jax.data.builders import POLARIS_FILENAME, dataset_kind
+from scalerl_jax.data.mixture import CODE, DOMAINS, MATH
 
 GENERATOR_FRACTION = OPEN_UNIT  # `mesh.generator_fraction` when a number
 
@@ -73,6 +74,7 @@ def check_values(config: ml_collections.ConfigDict) -> list[str]:
             problems += check_type(key, get_key(config, key.name))
     problems += check_answer_extraction(config.data)
     problems += check_ladder(config)
+    problems += check_mixture(config)
     if problems:  # the relations below assume well-typed values
         return problems
     s, b, rl = config.sampler, config.batch, config.rl
@@ -157,11 +159,44 @@ def check_ladder(config: ml_collections.ConfigDict) -> list[str]:
     return []
 
 
+def check_mixture(config: ml_collections.ConfigDict) -> list[str]:
+    """`data.mixture` names known domains with weights > 0; a `code` domain needs the `code`
+    section, and a `code` section a `code` domain; the code task's levels are well formed."""
+    problems = []
+    for name, weight in config.data.mixture.items():
+        if name not in DOMAINS:
+            problems.append(f"config key `data.mixture.{name}`: no such domain; the domains are {', '.join(DOMAINS)}")
+        elif isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            problems.append(f"config key `data.mixture.{name}` = {weight!r}; expected a weight > 0")
+    has_code_domain = CODE in config.data.mixture
+    if has_code_domain and "code" not in config:
+        problems.append(
+            "config key `data.mixture` has a 'code' weight but the config no `code` section "
+            "(configs/tiny_math_code.py has one: "
+            "`c.code = schema.section_config('code')`)"
+        )
+    if "code" in config and not has_code_domain:
+        problems.append(
+            "the `code` section is set but `data.mixture` has no `code` weight: add one, or drop the section"
+        )
+    if "code" in config:
+        try:
+            puzzle_config(config)
+        except (ValueError, TypeError) as e:
+            problems.append(f"config keys `code.levels` = {config.code.levels!r}, `code.operators`: {e}")
+    return problems
+
+
 def check_paths(config: ml_collections.ConfigDict) -> list[str]:
     """Local inputs exist (nothing is downloaded at run time)."""
     problems = []
     d = config.data
-    kind = dataset_kind(d.dataset, d.path)
+    kind = dataset_kind(d.dataset, d.path) if MATH in domain_weights(config) else None  # no math data read
+    if "code" in config and config.code.task == "file" and not os.path.isfile(config.code.path):
+        problems.append(
+            f"config key `code.path` = {config.code.path!r}: set it to a local MBPP .jsonl "
+            "(../shared/data/mbpp/mbpp.jsonl) or HumanEval .jsonl.gz file"
+        )
     if kind in ("polaris_53k", "jsonl") and not os.path.isfile(d.path):
         problems.append(
             f"config key `data.path` = {d.path!r}: set it to a local .jsonl or .parquet file "

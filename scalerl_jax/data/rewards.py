@@ -58,8 +58,10 @@ from scalerl_jax.data.answers import (
     last_boxed,
 )
 from scalerl_jax.data.synthetic import THINK_END
+from scalerl_jax.sandbox import verifier as verdicts
 
 __all__ = [
+    "CODE_FAILURE_KINDS",
     "CORRECT_OUTCOMES",
     "CUSTOM",
     "FAST_EQUAL",
@@ -241,6 +243,9 @@ FAILURE_METRICS = {
     answers.CRASH: "reward_crashes",
     answers.UNPARSABLE: "reward_unparsable",
 }
+# The code verifier's verdicts other than a pass, counted as `<prefix>/code_<kind>` in a run with a
+# code domain (a program that fails its tests, runs out of time or memory, crashes, or is no program).
+CODE_FAILURE_KINDS = (verdicts.FAILED, verdicts.TIMEOUT, verdicts.MEMORY, verdicts.CRASH, verdicts.UNPARSABLE)
 ITEMS_METRIC = "reward_items"
 FOUND_METRIC = "answers_found"
 FOUND_FRAC_METRIC = "answer_found_frac"
@@ -264,8 +269,11 @@ class RewardTally:
     run state: a resumed run's first window starts at its start), and the windows with items in
     which no answer was found at all (saved). Thread safe."""
 
-    def __init__(self, prefix: str, what: str):
+    def __init__(self, prefix: str, what: str, *, report_code: bool = False):
         self.prefix, self._what = prefix, what
+        self._report_code = report_code
+        self._code_items = 0
+        self._code = dict.fromkeys(CODE_FAILURE_KINDS, 0)
         self._lock = threading.Lock()
         self._items = 0
         self._found = 0
@@ -275,8 +283,10 @@ class RewardTally:
         self._failures = dict.fromkeys(FAILURE_METRICS, 0)
         self._logged: set[str] = set()
 
-    def add(self, scored: ScoredBatch, problems: Sequence[str], golds: Sequence[str]) -> None:
-        """Counts the items of ``scored`` (``problems[i]``, ``golds[i]`` are item i's)."""
+    def add(self, scored: ScoredBatch, problems: Sequence[str], golds: Sequence[str], *, code: bool = False) -> None:
+        """Counts the items of ``scored`` (``problems[i]``, ``golds[i]`` are item i's); ``code``:
+        they are the code verifier's verdicts (``CODE_FAILURE_KINDS`` counted, answers found are
+        programs found), else the math reward's outcomes."""
         first: list[int] = []
         with self._lock:
             self._items += len(scored.outcomes)
@@ -284,6 +294,12 @@ class RewardTally:
             # A custom reward reads the whole completion, not an answer the styles found.
             self._step_items += sum(outcome != CUSTOM for outcome in scored.outcomes)
             self._step_found += int(scored.answer_found.sum())
+            if code:
+                self._code_items += len(scored.outcomes)
+                for outcome in scored.outcomes:
+                    if outcome in self._code:
+                        self._code[outcome] += 1
+                return
             for index, outcome in enumerate(scored.outcomes):
                 if outcome in self._failures:
                     self._failures[outcome] += 1
@@ -307,7 +323,8 @@ class RewardTally:
 
     def metrics(self) -> dict[str, float]:
         """``{prefix}/reward_items``, ``{prefix}/answers_found``, one ``{prefix}/<FAILURE_METRICS
-        name>`` per failure kind, and for the training scope (prefix ``data``) ``data/
+        name>`` per failure kind, ``{prefix}/code_<kind>`` per code failure kind (see
+        ``RewardTallies``), and for the training scope (prefix ``data``) ``data/
         answer_found_frac`` = answers found / items (once there are items) and ``data/
         steps_without_answers`` (``take_step``). An evaluation set's fraction is its evaluation's
         own (``evaluation.evaluate``), not this running one."""
@@ -317,6 +334,8 @@ class RewardTally:
                 f"{self.prefix}/{FOUND_METRIC}": self._found,
             }
             counts.update({f"{self.prefix}/{name}": self._failures[o] for o, name in FAILURE_METRICS.items()})
+            if self._report_code or self._code_items:
+                counts.update({f"{self.prefix}/code_{kind}": n for kind, n in self._code.items()})
             if self.prefix == RewardTallies.TRAINING:
                 counts[f"{self.prefix}/{STEPS_WITHOUT_ANSWERS_METRIC}"] = self._steps_without_answers
                 if self._items:
@@ -342,6 +361,8 @@ class RewardTally:
                 "found": self._found,
                 "steps_without_answers": self._steps_without_answers,
                 **self._failures,
+                "code_items": self._code_items,
+                **{f"code_{kind}": n for kind, n in self._code.items()},
             }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
@@ -351,22 +372,31 @@ class RewardTally:
             self._steps_without_answers = int(state.get("steps_without_answers", 0))
             for outcome in self._failures:
                 self._failures[outcome] = int(state.get(outcome, 0))
+            self._code_items = int(state.get("code_items", 0))
+            for kind in self._code:
+                self._code[kind] = int(state.get(f"code_{kind}", 0))
 
 
 class RewardTallies:
     """The run's ``RewardTally`` per scope: ``training`` (prefix ``data``) and one per evaluation
-    set (``evaluation(name)``, prefix ``name``), created on first use. Saved with the run state."""
+    set (``evaluation(name)``, prefix ``name``), created on first use. Saved with the run state.
+    ``report_code``: the training tally reports the code verifier's failure kinds in every row
+    (zero until one); an evaluation set's reports them once it has scored code."""
 
     TRAINING = "data"
 
-    def __init__(self):
+    def __init__(self, *, report_code: bool = False):
         self._lock = threading.Lock()
         self._tallies: dict[str, RewardTally] = {}
+        self._report_code = report_code  # a run with a code domain: every row has data/code_*
 
     def _get(self, prefix: str, what: str) -> RewardTally:
         with self._lock:
             if prefix not in self._tallies:
-                self._tallies[prefix] = RewardTally(prefix, what)
+                # The training scope of a run with code reports the code kinds from its first row;
+                # an evaluation set's tally once it has scored code.
+                report_code = self._report_code and prefix == self.TRAINING
+                self._tallies[prefix] = RewardTally(prefix, what, report_code=report_code)
             return self._tallies[prefix]
 
     @property

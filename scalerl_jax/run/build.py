@@ -27,16 +27,23 @@ from flax import nnx
 
 from scalerl_jax import data as data_lib
 from scalerl_jax.config.adapters import (
+    domain_weights,
     engine_config_of,
     ladder_config,
     max_sequence_length,
     optimizer_config_of,
     pipeline_config_of,
+    puzzle_config,
     train_step_config_of,
 )
 from scalerl_jax.config.errors import ConfigError
 from scalerl_jax.contracts.threads import FirstError
-from scalerl_jax.data.builders import dataset_kind
+from scalerl_jax.data.builders import build_code_file, dataset_kind
+from scalerl_jax.data.code_puzzles import PUZZLES
+from scalerl_jax.data.code_puzzles import generate_splits as generate_puzzles
+from scalerl_jax.data.code_reward import score_code_completions
+from scalerl_jax.data.code_rows import TEMPLATES, CodeProblem, code_problem_of_row, read_code_problems
+from scalerl_jax.data.mixture import CODE, MATH, MixturePool
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.data.rows import read_rows, with_extracted_golds
 from scalerl_jax.distributed.roles import Roles
@@ -53,8 +60,9 @@ from scalerl_jax.pipeline.pipeline_rl import sampling_settings
 from scalerl_jax.rl import length_penalty
 from scalerl_jax.run.policy_source import run_model_overrides
 from scalerl_jax.run.sampling_setup import check_think_end, check_token_ids, make_prompt_encoder
-from scalerl_jax.run.warm_start import build_warm_start, synthetic_task
+from scalerl_jax.run.warm_start import build_warm_start, puzzle_template, synthetic_task
 from scalerl_jax.sampler import ContinuousBatcher, Engine
+from scalerl_jax.sandbox import CodeVerifier, SandboxLimits
 from scalerl_jax.telemetry.compile_events import CompileLog, compile_log, summary
 from scalerl_jax.train import init_train_state, make_optimizer, make_train_step
 from scalerl_jax.train.compiled import abstract_state
@@ -68,11 +76,13 @@ from scalerl_jax.train.optimizer import learning_rate_schedule
 
 @dataclasses.dataclass(frozen=True)
 class PolicySource:
-    """The Hugging Face directory the run starts from, its tokenizer and its prompt encoder."""
+    """The Hugging Face directory the run starts from, its tokenizer and its prompt encoder (and
+    the code domain's, whose user turn differs, in a run with one)."""
 
     checkpoint_dir: str
     tokens: CheckpointTokenizer
     encoder: data_lib.PromptEncoder
+    code_encoder: data_lib.PromptEncoder | None = None
 
 
 def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> PolicySource:
@@ -83,7 +93,20 @@ def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> Poli
     tokens = load_checkpoint_tokenizer(checkpoint_dir)
     check_think_end(config, tokens, checkpoint_dir)
     check_token_ids(config, tokens, checkpoint_dir)
-    return PolicySource(checkpoint_dir, tokens, make_prompt_encoder(config, tokens, checkpoint_dir))
+    code_encoder = (
+        make_prompt_encoder(config, tokens, checkpoint_dir, template=code_template(config))
+        if "code" in config
+        else None
+    )
+    return PolicySource(checkpoint_dir, tokens, make_prompt_encoder(config, tokens, checkpoint_dir), code_encoder)
+
+
+def code_template(config: ml_collections.ConfigDict) -> str:
+    """The code domain's user turn: `code.prompt_template`, else its layout's own (the puzzles',
+    or MBPP's / HumanEval's as read off `code.path`)."""
+    if config.code.task == PUZZLES:
+        return puzzle_template(config)
+    return config.code.prompt_template or TEMPLATES[read_code_problems(config.code.path)[0].code_format]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,24 +120,45 @@ class AbstractPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class EvalSet:
-    """Encoded prompts of one evaluation set, with what scoring and the samples file need."""
+    """Encoded prompts of one evaluation set, with what scoring and the samples file need; a code
+    set also has each prompt's problem as the sandbox runs it (`code`; its golds are the problems'
+    reference solutions, shown in logs only)."""
 
     name: str
     problems: list[str]
     prompts: list[list[int]]
     golds: list[str]
     labels: list[str] | None
+    code: list[CodeProblem] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskData:
-    """Encoded train prompts with their problems and gold answers, and the evaluation sets."""
+    """Encoded train prompts with their problems and gold answers, and the evaluation sets.
+
+    The train prompts are the domains' one after another (`domain_sizes`, in `weights`' order;
+    empty: math alone); `train_code` maps a code prompt's index to its problem. With a configured
+    mixture (`per_domain`) the held-out sets are `eval/<domain>` and `eval/pass_rate` is their
+    mean weighted by `weights`."""
 
     train_problems: list[str]
     train_prompts: list[list[int]]
     train_golds: list[str]
     eval_sets: list[EvalSet]
     num_too_long: int
+    domain_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    train_code: dict[int, CodeProblem] = dataclasses.field(default_factory=dict)
+    per_domain: bool = False
+
+    def domain_of(self, index: int) -> str:
+        """The domain of train prompt `index`."""
+        offset = 0
+        for domain, size in self.domain_sizes.items():
+            offset += size
+            if index < offset:
+                return domain
+        return MATH
 
 
 def _encode_rows(
@@ -124,6 +168,22 @@ def _encode_rows(
     problems = [rows[i]["problem"] for i in prompt_set.source_indices]
     labels = prompt_set.labels if label_field else None
     return EvalSet(name, problems, prompt_set.tokens, prompt_set.answers, labels), prompt_set.num_too_long
+
+
+def _encode_code(
+    problems: Sequence[CodeProblem], encoder: data_lib.PromptEncoder, name: str, labels: Sequence[str] | None
+) -> tuple[EvalSet, int]:
+    """The code problems that fit `data.max_prompt_tokens`, encoded; how many did not."""
+    encoded = encoder.encode([p.problem for p in problems])
+    kept = [problems[i] for i in encoded.source_indices]
+    return EvalSet(
+        name,
+        [p.problem for p in kept],
+        encoded.tokens,
+        [p.reference for p in kept],
+        [labels[i] for i in encoded.source_indices] if labels is not None else None,
+        kept,
+    ), len(problems) - len(kept)
 
 
 TRANSFER_SPLIT = "transfer"  # the ladder's rungs that are evaluated and never trained
@@ -157,20 +217,100 @@ def dataset_builder(config: ml_collections.ConfigDict, workdir: str) -> tuple[An
     ), "difficulty"
 
 
-def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder) -> TaskData:
-    """Builds the configured TFDS dataset, encodes train / held-out splits and the extra eval sets:
-    the ladder's `transfer` split (rungs never trained, `eval_transfer`) and `eval.extra`'s files."""
+def load_task(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    encoder: data_lib.PromptEncoder,
+    code_encoder: data_lib.PromptEncoder | None = None,
+) -> TaskData:
+    """The train prompts and evaluation sets of every domain of `data.mixture` (math alone when
+    it is empty), in its order: `load_math_task` and `load_code_task`."""
+    weights = domain_weights(config)
+    per_domain = bool(config.data.mixture)
+    parts: list[TaskData] = []
+    for domain in weights:
+        if domain == MATH:
+            parts.append(load_math_task(config, workdir, encoder, heldout_name="eval/math" if per_domain else "eval"))
+        else:
+            if code_encoder is None:
+                raise ConfigError("config key `data.mixture` has a 'code' weight but the config no `code` section")
+            parts.append(load_code_task(config, workdir, code_encoder, heldout_name="eval/code"))
+    train_code = {}
+    offset = 0
+    for part in parts:
+        train_code.update({offset + i: problem for i, problem in part.train_code.items()})
+        offset += len(part.train_prompts)
+    return TaskData(
+        [p for part in parts for p in part.train_problems],
+        [p for part in parts for p in part.train_prompts],
+        [g for part in parts for g in part.train_golds],
+        [s for part in parts for s in part.eval_sets],
+        sum(part.num_too_long for part in parts),
+        {domain: len(part.train_prompts) for domain, part in zip(weights, parts)},
+        weights,
+        train_code,
+        per_domain,
+    )
+
+
+def _require_train_prompts(config: ml_collections.ConfigDict, kept: int, total: int, template_key: str) -> None:
+    """ConfigError when none of a domain's `total` training prompts fit `data.max_prompt_tokens`."""
+    if not kept:
+        raise ConfigError(
+            f"config key `data.max_prompt_tokens` = {config.data.max_prompt_tokens}: all {total} training prompts "
+            f"are longer (after the prompt template); raise it or shorten `{template_key}`"
+        )
+
+
+def load_code_task(
+    config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder, *, heldout_name: str
+) -> TaskData:
+    """The code domain: generated puzzles (`code.task='puzzles'`: train and held-out splits, the
+    level as each held-out prompt's label) or `code.path` through its TFDS builder (MBPP: its
+    train split trains, its test split is held out)."""
+    if config.code.task == PUZZLES:
+        splits = generate_puzzles(puzzle_config(config))
+        train = [p.code_problem(i) for i, p in enumerate(splits["train"])]
+        heldout = [p.code_problem(i) for i, p in enumerate(splits["heldout"])][: config.eval.num_prompts]
+        labels: list[str] | None = [str(p.level) for p in splits["heldout"]][: config.eval.num_prompts]
+    else:
+        data_dir = config.data.data_dir or os.path.join(workdir, "tfds")
+        builder = build_code_file(data_dir, config.code.path)
+        if "train" not in builder.info.splits:
+            raise ConfigError(
+                f"config key `code.path` = {config.code.path!r}: the file has no training split (HumanEval is an "
+                "evaluation set: train on MBPP, evaluate HumanEval with `scalerl evaluate`)"
+            )
+        train = [code_problem_of_row(row) for row in data_lib.read_split(builder, "train")]
+        heldout = [code_problem_of_row(row) for row in data_lib.read_split(builder, "heldout")]
+        heldout, labels = heldout[: config.eval.num_prompts], None
+    train_set, train_too_long = _encode_code(train, encoder, "train", None)
+    heldout_set, heldout_too_long = _encode_code(heldout, encoder, heldout_name, labels)
+    _require_train_prompts(config, len(train_set.prompts), len(train), "code.prompt_template")
+    assert train_set.code is not None  # a code set
+    return TaskData(
+        train_set.problems,
+        train_set.prompts,
+        train_set.golds,
+        [heldout_set],
+        train_too_long + heldout_too_long,
+        train_code=dict(enumerate(train_set.code)),
+    )
+
+
+def load_math_task(
+    config: ml_collections.ConfigDict, workdir: str, encoder: data_lib.PromptEncoder, *, heldout_name: str = "eval"
+) -> TaskData:
+    """Builds the configured TFDS dataset, encodes train / held-out splits (the held-out one named
+    `heldout_name`) and the extra eval sets: the ladder's `transfer` split (rungs never trained,
+    `eval_transfer`) and `eval.extra`'s files."""
     builder, label = dataset_builder(config, workdir)
     train_rows = data_lib.read_split(builder, "train")
     heldout_rows = data_lib.read_split(builder, "heldout")[: config.eval.num_prompts]
     heldout_rows = [dict(row, **{label: row.get(label, "")}) for row in heldout_rows]
     train, train_too_long = _encode_rows(train_rows, encoder, "train", None)
-    heldout, heldout_too_long = _encode_rows(heldout_rows, encoder, "eval", label)
-    if not train.prompts:
-        raise ConfigError(
-            f"config key `data.max_prompt_tokens` = {config.data.max_prompt_tokens}: all {len(train_rows)} "
-            "training prompts are longer (after the prompt template); raise it or shorten the template"
-        )
+    heldout, heldout_too_long = _encode_rows(heldout_rows, encoder, heldout_name, label)
+    _require_train_prompts(config, len(train.prompts), len(train_rows), "data.prompt_template")
     extra_sets, extra_too_long = [], 0
     if TRANSFER_SPLIT in builder.info.splits:
         transfer, extra_too_long = _encode_rows(
@@ -193,6 +333,15 @@ def load_task(config: ml_collections.ConfigDict, workdir: str, encoder: data_lib
         [heldout, *extra_sets],
         train_too_long + heldout_too_long + extra_too_long,
     )
+
+
+def prompt_pool(config: ml_collections.ConfigDict, task: TaskData) -> data_lib.PromptPool | MixturePool:
+    """The run's prompt pool: one `PromptPool` over the train prompts, or with a configured
+    mixture a `MixturePool` drawing each domain by its weight; No-Positive-Resampling per prompt."""
+    npr = config.rl.positive_pass_rate if config.rl.no_positive_resampling else None
+    if not task.per_domain:
+        return data_lib.PromptPool(len(task.train_prompts), seed=config.seed, npr_threshold=npr)
+    return MixturePool(task.domain_sizes, task.weights, seed=config.seed, npr_threshold=npr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,17 +597,50 @@ def generator_sampling(config: ml_collections.ConfigDict, tokens: CheckpointToke
 # ---------------------------------------------------------------------------------------------
 
 
+def code_verifier_of(config: ml_collections.ConfigDict) -> CodeVerifier | None:
+    """The run's code verifier (a run with a code domain): its sandbox limits and pool size from
+    the `code` section. Built at start-up, before any compile: a machine that cannot contain a
+    program as configured (no bubblewrap, no network namespace where one is required) stops the
+    run here with SandboxUnavailable saying why."""
+    if CODE not in domain_weights(config):
+        return None
+    c = config.code
+    limits = SandboxLimits(wall_s=c.wall_s, cpu_s=c.cpu_s, memory_bytes=c.memory_mb << 20, workers=c.workers)
+    return CodeVerifier(limits, require_network_isolation=c.require_network_isolation)
+
+
+def score_code(
+    config: ml_collections.ConfigDict,
+    verifier: CodeVerifier | None,
+    texts: Sequence[str],
+    problems: Sequence[CodeProblem],
+) -> data_lib.ScoredBatch:
+    """`texts[i]` scored against code problem `problems[i]` in the sandbox, with the run's rewards."""
+    if verifier is None:
+        raise RuntimeError("a code prompt in a run without a code verifier")
+    return score_code_completions(
+        texts,
+        problems,
+        verifier,
+        whole_text_when_unfenced=not config.code.fenced_only,
+        correct_reward=config.data.reward_correct,
+        incorrect_reward=config.data.reward_incorrect,
+    )
+
+
 def make_reward_fn(
     config: ml_collections.ConfigDict,
     tokens: CheckpointTokenizer,
     reward_config: data_lib.RewardConfig,
     verify_pool: data_lib.VerifyPool,
-    pool: data_lib.PromptPool,
+    pool: data_lib.PromptPool | MixturePool,
     task: TaskData,
     tallies: RewardTallies,
+    code_verifier: CodeVerifier | None = None,
 ) -> Callable[[Prompt, Sequence[Any]], list[float]]:
-    """`(prompt, completions) -> rewards`: verify the answers, shape lengths, update the pool history,
-    count the items the reward failed on in `tallies.training` (`data/reward_*`)."""
+    """`(prompt, completions) -> rewards`: verify the answers (a code prompt's programs in the
+    sandbox), shape lengths, update the pool history, count the items the reward failed on in
+    `tallies.training` (`data/reward_*`, `data/code_*`)."""
     length_shaping = config.rl.length_control == "length_penalty"
 
     def reward_fn(prompt: Prompt, completions: Sequence[Any]) -> list[float]:
@@ -467,8 +649,12 @@ def make_reward_fn(
         texts = [tokens.tokenizer.decode(list(c.tokens)) for c in completions]
         problems = [task.train_problems[index]] * len(texts)
         golds = [task.train_golds[index]] * len(texts)
-        scored = data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
-        tallies.training.add(scored, problems, golds)
+        code = task.train_code.get(index)
+        if code is None:
+            scored = data_lib.score_completions(texts, golds, reward_config, pool=verify_pool, problems=problems)
+        else:
+            scored = score_code(config, code_verifier, texts, [code] * len(texts))
+        tallies.training.add(scored, problems, golds, code=code is not None)
         rewards = np.asarray(scored.rewards, np.float32)
         if length_shaping:
             lengths = jnp.asarray([len(c.tokens) for c in completions], jnp.float32)

@@ -8,7 +8,7 @@ import collections
 import dataclasses
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -16,8 +16,9 @@ import ml_collections
 from scalerl_jax import data as data_lib
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.pipeline.queue import PipelineStopped
-from scalerl_jax.run.build import EvalSet, PolicySource, TaskData
+from scalerl_jax.run.build import EvalSet, PolicySource, TaskData, score_code
 from scalerl_jax.sampler import Completion
+from scalerl_jax.sandbox import CodeVerifier
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -35,12 +36,19 @@ class _Sampled:
     scored: data_lib.ScoredBatch
 
 
+def weighted_pass_rate(metrics: Mapping[str, float], weights: Mapping[str, float]) -> float:
+    """`eval/pass_rate` of a run with several domains: sum_d w_d eval/<d>/pass_rate / sum_d w_d."""
+    return sum(w * metrics[f"eval/{d}/pass_rate"] for d, w in weights.items()) / sum(weights.values())
+
+
 class Evaluator:
-    """`evaluate(version, sample_eval)`: the metrics of all sets (held-out under `eval/`, extras
-    under `eval_<name>/`); for the first `eval.samples_logged` held-out prompts, every sample
-    (rendered prompt, completion, extracted answer, whether and by which answer style it was found,
-    gold, reward, finish reason) is appended to
-    the samples file. Items the reward failed on are counted per set in `tallies` (`<set>/reward_*`)."""
+    """`evaluate(version, sample_eval)`: the metrics of all sets (held-out under `eval/`, or
+    `eval/<domain>/` per domain with `eval/pass_rate` their weighted mean; extras under
+    `eval_<name>/`); for the first `eval.samples_logged` prompts of each held-out set, every sample
+    (rendered prompt, completion, extracted answer or program, whether and by which answer style it
+    was found, gold, reward, outcome, finish reason) is appended to the samples file. A code set's
+    programs run in the sandbox (`code_verifier`). Items the reward failed on are counted per set in
+    `tallies` (`<set>/reward_*`, `<set>/code_*`)."""
 
     def __init__(
         self,
@@ -51,16 +59,20 @@ class Evaluator:
         verify_pool: data_lib.VerifyPool,
         samples_path: str,
         tallies: RewardTallies,
+        code_verifier: CodeVerifier | None = None,
     ):
         self._config, self._task, self._source = config, task, source
         self._reward_config, self._pool = reward_config, verify_pool
         self._samples_path = samples_path
         self._tallies = tallies
+        self._code_verifier = code_verifier
 
     def evaluate(self, version: int, sample_eval: SampleEval) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for eval_set in self._task.eval_sets:
             metrics.update(self._evaluate_set(eval_set, version, sample_eval))
+        if self._task.per_domain:
+            metrics["eval/pass_rate"] = weighted_pass_rate(metrics, self._task.weights)
         return metrics
 
     def _evaluate_set(self, eval_set: EvalSet, version: int, sample_eval: SampleEval) -> dict[str, float]:
@@ -75,11 +87,16 @@ class Evaluator:
 
         def score(texts: Sequence[str], golds: Sequence[str]) -> data_lib.ScoredBatch:
             captured["texts"] = list(texts)
-            captured["scored"] = data_lib.score_completions(
-                texts, golds, self._reward_config, pool=self._pool, problems=problems
-            )
-            tally.add(captured["scored"], problems, golds)
-            return captured["scored"]
+            if eval_set.code is None:
+                scored = data_lib.score_completions(
+                    texts, golds, self._reward_config, pool=self._pool, problems=problems
+                )
+            else:
+                code = [p for p in eval_set.code for _ in range(samples)]
+                scored = score_code(self._config, self._code_verifier, texts, code)
+            captured["scored"] = scored
+            tally.add(scored, problems, golds, code=eval_set.code is not None)
+            return scored
 
         result = data_lib.evaluate(
             sample,
@@ -91,7 +108,7 @@ class Evaluator:
             difficulties=eval_set.labels,
             prefix=eval_set.name,
         )
-        if eval_set.name == "eval":
+        if eval_set.name == "eval" or eval_set.name.startswith("eval/"):
             self._write_samples(
                 eval_set, version, _Sampled(captured["completions"], captured["texts"], captured["scored"])
             )
@@ -100,6 +117,8 @@ class Evaluator:
     def _write_samples(self, eval_set: EvalSet, version: int, sampled: _Sampled) -> None:
         samples, logged = self._config.eval.samples_per_prompt, self._config.eval.samples_logged
         scored = sampled.scored
+        encoder = self._source.code_encoder if eval_set.code is not None else self._source.encoder
+        assert encoder is not None  # a run with a code set has the code domain's encoder
         with open(self._samples_path, "a", encoding="utf-8") as f:
             for index in range(min(logged, len(eval_set.prompts)) * samples):
                 completion = sampled.completions[index]
@@ -109,7 +128,7 @@ class Evaluator:
                     "set": eval_set.name,
                     "prompt_index": index // samples,
                     "sample": index % samples,
-                    "prompt": self._source.encoder.text(problem),
+                    "prompt": encoder.text(problem),
                     "completion": sampled.texts[index],
                     "extracted_answer": scored.predictions[index],
                     "answer_found": scored.predictions[index] is not None,

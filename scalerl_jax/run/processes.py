@@ -23,6 +23,7 @@ from scalerl_jax import data as data_lib
 from scalerl_jax.config.adapters import reward_config_of
 from scalerl_jax.config.resume import config_json, flat_config
 from scalerl_jax.contracts.threads import FirstError
+from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.distributed.remote_generator import (
     GeneratorPush,
     LinkService,
@@ -49,6 +50,7 @@ from scalerl_jax.run.build import (
     load_task,
     make_reward_fn,
     pipeline_config,
+    prompt_pool,
 )
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.evaluation import SAMPLES_FILE, Evaluator
@@ -58,6 +60,7 @@ from scalerl_jax.sampler import ContinuousBatcher
 from scalerl_jax.scaling import ComputeMeter
 from scalerl_jax.scaling.report import FitInputError, FitOptions
 from scalerl_jax.scaling.report import report as fit_report
+from scalerl_jax.scaling.runs import PASS_RATE_KEY
 from scalerl_jax.telemetry.metrics import MetricsWriter
 from scalerl_jax.train.checkpoint import RunCheckpointer
 
@@ -100,7 +103,7 @@ def run_leader(ctx: RunContext, signals: StopSignals) -> dict[str, Any]:
 
 def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) -> PipelineResult:
     config, workdir, source = ctx.config, ctx.workdir, ctx.source
-    task = load_task(config, workdir, source.encoder)
+    task = load_task(config, workdir, source.encoder, source.code_encoder)
     assert ctx.meshes.trainer is not None  # the leader is a trainer process
     trainer = build_trainer(config, source.checkpoint_dir, ctx.meshes.trainer)
     try:
@@ -110,12 +113,17 @@ def _lead(ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals) 
 
 
 def _lead_with(
-    ctx: RunContext, checkpointer: RunCheckpointer, signals: StopSignals, task: TaskData, trainer: Trainer
+    ctx: RunContext,
+    checkpointer: RunCheckpointer,
+    signals: StopSignals,
+    task: TaskData,
+    trainer: Trainer,
 ) -> PipelineResult:
-    config, workdir, source = ctx.config, ctx.workdir, ctx.source
-    npr = config.rl.positive_pass_rate if config.rl.no_positive_resampling else None
+    config, workdir, source, code_verifier = ctx.config, ctx.workdir, ctx.source, ctx.code_verifier
     run_state = RunState(
-        pool=data_lib.PromptPool(len(task.train_prompts), seed=config.seed, npr_threshold=npr), meter=ComputeMeter()
+        pool=prompt_pool(config, task),
+        meter=ComputeMeter(),
+        rewards=RewardTallies(report_code=bool(task.train_code)),
     )
     saved = restore(checkpointer, trainer)
     resumed = resume_run_state(saved, run_state)
@@ -156,7 +164,14 @@ def _lead_with(
         MetricsWriter(workdir, resume_offset=resumed.metrics_offset),
         _extra_sinks(ctx),
         Evaluator(
-            config, task, source, reward_config, verify_pool, os.path.join(workdir, SAMPLES_FILE), run_state.rewards
+            config,
+            task,
+            source,
+            reward_config,
+            verify_pool,
+            os.path.join(workdir, SAMPLES_FILE),
+            run_state.rewards,
+            code_verifier,
         ),
         checkpointer,
         group,
@@ -174,7 +189,7 @@ def _lead_with(
         batcher=batcher,
         prompt_source=prompt_source,
         reward_fn=make_reward_fn(
-            config, source.tokens, reward_config, verify_pool, run_state.pool, task, run_state.rewards
+            config, source.tokens, reward_config, verify_pool, run_state.pool, task, run_state.rewards, code_verifier
         ),
         train_step=group.train_step,
         train_state=trainer.state,
@@ -251,12 +266,16 @@ def _leader_batcher(
 
 
 def write_fit(ctx: RunContext) -> None:
-    """The sigmoid fit of the run's own pass-rate curve, printed and plotted to scaling.png."""
+    """The sigmoid fit of the run's own pass-rate curve, printed and plotted to scaling.png; in a
+    run with a configured mixture also each domain's (`eval/<domain>/pass_rate`, scaling_<domain>.png)."""
     low, high = ctx.config.eval.fit_a_range
-    try:
-        fit_report([ctx.workdir], FitOptions(a_range=(low, high), plot=os.path.join(ctx.workdir, "scaling.png")))
-    except FitInputError as error:  # the run's own metrics: reported, the run's outcome stands
-        print(f"error: {error}", file=sys.stderr)
+    curves = {"": PASS_RATE_KEY} | {f"_{d}": f"eval/{d}/pass_rate" for d in ctx.config.data.mixture}
+    for suffix, metric in curves.items():
+        plot = os.path.join(ctx.workdir, f"scaling{suffix}.png")
+        try:
+            fit_report([ctx.workdir], FitOptions(a_range=(low, high), plot=plot, metric=metric))
+        except FitInputError as error:  # the run's own metrics: reported, the run's outcome stands
+            print(f"error: {error}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------

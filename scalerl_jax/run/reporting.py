@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import ml_collections
@@ -30,8 +30,10 @@ import numpy as np
 from absl import logging
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.data.mixture import MixturePool
 from scalerl_jax.data.rewards import RewardTallies
 from scalerl_jax.distributed.trainer_group import TrainerGroup
+from scalerl_jax.pipeline.group import Group
 from scalerl_jax.pipeline.pipeline_rl import EvalSampler
 from scalerl_jax.pipeline.step_record import StepRecord
 from scalerl_jax.run.build import TaskData, Trainer
@@ -53,7 +55,7 @@ class MetricsSink(Protocol):
 class RunState:
     """Host-side state saved with every checkpoint beside the train state."""
 
-    pool: data_lib.PromptPool
+    pool: data_lib.PromptPool | MixturePool
     meter: ComputeMeter
     nonfinite_steps: int = 0
     # Items the reward failed on, per scope (training, each evaluation set): data/reward_* etc.
@@ -94,6 +96,31 @@ def resume_run_state(saved: dict | None, run_state: RunState) -> Resumed:
     return Resumed(
         int(saved["version"]), int(saved["metrics_offset"]), saved.get("pending_evaluation") == saved["version"]
     )
+
+
+def domain_metrics(groups: Sequence[Group], domain_of: Callable[[int], str]) -> dict[str, float]:
+    """Per domain d of the step's groups (`domain_of(prompt index)`): `train/d/groups`,
+    `train/d/reward_mean` and `train/d/pass_rate` (share of rewards > 0) over its completions,
+    `train/d/completion_len_mean` (tokens) and `train/d/truncated_frac` (cut by the token limit)."""
+    by_domain: dict[str, list[Group]] = {}
+    for group in groups:
+        key = group.prompt.key
+        assert isinstance(key, int)  # the run's prompt source keys prompts by their index in the task
+        by_domain.setdefault(domain_of(key), []).append(group)
+    metrics: dict[str, float] = {}
+    for domain, members in sorted(by_domain.items()):
+        rewards = np.concatenate([g.rewards for g in members])
+        completions = [c for g in members for c in g.completions]
+        metrics.update(
+            {
+                f"train/{domain}/groups": float(len(members)),
+                f"train/{domain}/reward_mean": float(rewards.mean()),
+                f"train/{domain}/pass_rate": float((rewards > 0).mean()),
+                f"train/{domain}/completion_len_mean": float(np.mean([len(c.tokens) for c in completions])),
+                f"train/{domain}/truncated_frac": float(np.mean([bool(c.truncated) for c in completions])),
+            }
+        )
+    return metrics
 
 
 class StepReporter:
@@ -238,6 +265,8 @@ class StepReporter:
                 **compute,
             }
         )
+        if self._task.per_domain:
+            metrics.update(domain_metrics(record.groups, self._task.domain_of))
         if not finite:
             if config.nan_policy == "stop":
                 self.write(version, metrics)  # the failing step's row stays on record

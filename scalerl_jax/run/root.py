@@ -28,7 +28,14 @@ from scalerl_jax.distributed.transport import plan_routes
 from scalerl_jax.distributed.watchdog import Heartbeat
 from scalerl_jax.distributed.wiring import connect_processes
 from scalerl_jax.models import abstract_hf
-from scalerl_jax.run.build import AbstractPolicy, build_meshes, build_policy_source, build_transfer, dataset_builder
+from scalerl_jax.run.build import (
+    AbstractPolicy,
+    build_meshes,
+    build_policy_source,
+    build_transfer,
+    code_verifier_of,
+    dataset_builder,
+)
 from scalerl_jax.run.context import RunContext
 from scalerl_jax.run.device_split import resolve_generator_fraction
 from scalerl_jax.run.policy_source import run_model_overrides
@@ -54,6 +61,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
     if roles.distributed:  # host-side array math runs here, not on global device 0 (process 0's)
         jax.config.update("jax_default_device", jax.local_devices()[0])
     d = config.distributed
+    # The leader's code verifier first: a machine that cannot contain a program stops the run here.
+    code_verifier = code_verifier_of(config) if roles.is_leader else None
     with preserved_signal_handlers(), contextlib.ExitStack() as stack:
         signals = StopSignals(leader=roles.is_leader)
         signals.install()
@@ -75,7 +84,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any] | Non
         )
         meshes = build_meshes(config, roles)
         transfer = build_transfer(config, roles, plan_routes(roles), policy.params, meshes.trainer)
-        ctx = RunContext(config, workdir, roles, source, policy, links, meshes, transfer)
+        ctx = RunContext(config, workdir, roles, source, policy, links, meshes, transfer, code_verifier)
         if roles.is_leader:
             summary = run_leader(ctx, signals)
         elif roles.is_trainer:

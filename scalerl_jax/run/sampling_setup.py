@@ -87,9 +87,9 @@ def check_token_ids(config: ml_collections.ConfigDict, tokens: CheckpointTokeniz
 
 
 def make_prompt_encoder(
-    config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str
+    config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, checkpoint_dir: str, *, template: str = ""
 ) -> data_lib.PromptEncoder:
-    """Problems -> prompt ids: `data.prompt_template`, inside the checkpoint's chat template when
+    """Problems -> prompt ids: `template` (default `data.prompt_template`), inside the checkpoint's chat template when
     `data.use_chat_template`, at most `data.max_prompt_tokens` ids (longer ones are skipped)."""
     if config.data.use_chat_template and tokens.chat_template is None:
         raise ConfigError(
@@ -101,7 +101,7 @@ def make_prompt_encoder(
     return data_lib.PromptEncoder(
         tokens.tokenizer,
         data_lib.PromptFormat(
-            template=config.data.prompt_template,
+            template=template or config.data.prompt_template,
             max_prompt_tokens=config.data.max_prompt_tokens,
             chat_template=tokens.chat_template if config.data.use_chat_template else None,
         ),

@@ -26,6 +26,10 @@ from absl import logging
 from flax import nnx
 
 from scalerl_jax import data as data_lib
+from scalerl_jax.config.adapters import puzzle_config
+from scalerl_jax.data.code_puzzles import PUZZLES
+from scalerl_jax.data.code_puzzles import TEMPLATE as PUZZLE_TEMPLATE
+from scalerl_jax.data.code_puzzles import generate_splits as generate_puzzles
 from scalerl_jax.models import Transformer, get_preset, load_checkpoint_tokenizer, save_hf, sequence_logprobs
 
 COMPLETE_MARKER = "warm_start_complete.json"
@@ -41,6 +45,25 @@ def synthetic_task(config: ml_collections.ConfigDict) -> data_lib.SyntheticTaskC
     )
 
 
+def code_demonstrations(config: ml_collections.ConfigDict) -> list[dict]:
+    """The code puzzles' warm-start rows (`problem`, `solution`: the reference expression), in a
+    run whose code domain is the generated puzzles; else none."""
+    if "code" not in config or config.code.task != PUZZLES:
+        return []
+    return [{"problem": p.text, "solution": p.reference} for p in generate_puzzles(puzzle_config(config))["sft"]]
+
+
+def code_corpus(config: ml_collections.ConfigDict, rows: list[dict]) -> list[str]:
+    """The code rows' texts for the tokenizer: each prompt in the code template, each solution."""
+    template = puzzle_template(config) if rows else ""
+    return [text for row in rows for text in (template.replace("{problem}", row["problem"]), row["solution"])]
+
+
+def puzzle_template(config: ml_collections.ConfigDict) -> str:
+    """The puzzles' user turn: `code.prompt_template`, else the puzzles' own."""
+    return config.code.prompt_template or PUZZLE_TEMPLATE
+
+
 def _digest(config: ml_collections.ConfigDict) -> str:
     payload = json.dumps(
         {
@@ -48,6 +71,7 @@ def _digest(config: ml_collections.ConfigDict) -> str:
             "warm_start": config.warm_start.to_dict(),
             "template": config.data.prompt_template,
             "tokenizer_layout": data_lib.TOKENIZER_LAYOUT,
+            **({"code": config.code.to_dict()} if "code" in config else {}),
         },
         sort_keys=True,
         default=str,
@@ -88,10 +112,11 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     sft_rows = data_lib.read_split(builder, "sft")
     staging = path + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
+    code_rows = code_demonstrations(config)
     corpus = data_lib.tokenizer_corpus(
         data_lib.generate_splits(task)["sft"],
         config.data.prompt_template,
-        extra_texts=(config.sampler.interruption_phrase,),
+        extra_texts=(config.sampler.interruption_phrase, *code_corpus(config, code_rows)),
     )
     data_lib.train_tokenizer(corpus, ws.tokenizer_vocab_size, staging)
     # Read back as the RL run reads any checkpoint, so SFT prompts are the RL prompts (bos + text).
@@ -106,6 +131,16 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     tokens, masks = data_lib.sft_arrays(
         sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
     )
+    if code_rows:
+        code_encoder = data_lib.PromptEncoder(
+            tokenizer,
+            data_lib.PromptFormat(template=puzzle_template(config), max_prompt_tokens=config.data.max_prompt_tokens),
+            special_tokens=checkpoint.special_tokens,
+        )
+        code_tokens, code_masks = data_lib.sft_arrays(
+            code_rows, code_encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
+        )
+        tokens, masks = np.concatenate([tokens, code_tokens]), np.concatenate([masks, code_masks])
 
     model_config = get_preset(
         config.model.preset,

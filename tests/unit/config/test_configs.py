@@ -394,3 +394,41 @@ def test_smollm2_arith_config_validates_without_warnings_and_names_a_bad_ladder(
     config.data.dataset = "ladder"
     with pytest.raises(ConfigError, match="`data.dataset` = 'ladder' needs a `ladder` section"):
         validate(config, check_files=False)
+
+
+def test_math_code_configs_validate_and_draw_both_domains():
+    tiny = load_config_file("tiny_math_code.py")
+    validate(tiny, check_files=False)
+    assert dict(tiny.data.mixture) == {"math": 1.0, "code": 1.0} and tiny.code.task == "puzzles"
+    big = load_config_file("scalerl_8b_math_code.py")
+    validate(big, num_devices=80, check_files=False)
+    assert dict(big.data.mixture) == {"math": 1.0, "code": 1.0} and big.code.task == "file"
+
+
+def test_a_bad_mixture_is_named_line_by_line(tmp_path):
+    config = recipes.tiny_math_code()
+    config.data.mixture = {"math": 1.0, "cod": 1.0}
+    with pytest.raises(ConfigError) as error:
+        validate(config, check_files=False)
+    message = str(error.value)
+    assert "`data.mixture.cod`: no such domain; the domains are math, code" in message
+    assert "the `code` section is set but `data.mixture` has no `code` weight" in message
+    config = recipes.tiny()
+    config.data.mixture = {"math": 1.0, "code": -2.0}
+    with pytest.raises(ConfigError) as error:
+        validate(config, check_files=False)
+    assert "`data.mixture.code` = -2.0; expected a weight > 0" in str(error.value)
+    assert "`data.mixture` has a 'code' weight but the config no `code` section" in str(error.value)
+
+
+def test_a_missing_code_file_and_bad_puzzle_levels_are_named(tmp_path):
+    config = recipes.scalerl_8b_math_code()
+    config.code.path = str(tmp_path / "mbpp.jsonl")
+    with pytest.raises(ConfigError, match=r"`code.path` = '.*mbpp.jsonl': set it to a local MBPP"):
+        validate(config)
+    config = recipes.tiny_math_code()
+    config.code.levels = ((5, 9),)
+    with pytest.raises(
+        ConfigError, match=r"`code.levels` = \(\(5, 9\),\), `code.operators`: code puzzles: level \(5, 9\) needs"
+    ):
+        validate(config, check_files=False)
