@@ -55,8 +55,10 @@ def code_demonstrations(config: ml_collections.ConfigDict) -> list[dict]:
 
 def code_corpus(config: ml_collections.ConfigDict, rows: list[dict]) -> list[str]:
     """The code rows' texts for the tokenizer: each prompt in the code template, each solution."""
-    template = puzzle_template(config) if rows else ""
-    return [text for row in rows for text in (template.replace("{problem}", row["problem"]), row["solution"])]
+    if not rows:
+        return []
+    template = puzzle_template(config)
+    return [text for row in rows for text in (data_lib.format_problem(row["problem"], template), row["solution"])]
 
 
 def puzzle_template(config: ml_collections.ConfigDict) -> str:
@@ -122,24 +124,21 @@ def build_warm_start(config: ml_collections.ConfigDict, workdir: str) -> str:
     # Read back as the RL run reads any checkpoint, so SFT prompts are the RL prompts (bos + text).
     checkpoint = load_checkpoint_tokenizer(staging)
     tokenizer = checkpoint.tokenizer
-    encoder = data_lib.PromptEncoder(
-        tokenizer,
-        data_lib.PromptFormat(template=config.data.prompt_template, max_prompt_tokens=config.data.max_prompt_tokens),
-        special_tokens=checkpoint.special_tokens,
-    )
-    sft_rows = with_direct_answers(sft_rows, ws.direct_answer_fraction, np.random.default_rng([ws.seed, 1]))
-    tokens, masks = data_lib.sft_arrays(
-        sft_rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
-    )
-    if code_rows:
-        code_encoder = data_lib.PromptEncoder(
+
+    def demonstrations(rows: list[dict], template: str) -> tuple[np.ndarray, np.ndarray]:
+        encoder = data_lib.PromptEncoder(
             tokenizer,
-            data_lib.PromptFormat(template=puzzle_template(config), max_prompt_tokens=config.data.max_prompt_tokens),
+            data_lib.PromptFormat(template=template, max_prompt_tokens=config.data.max_prompt_tokens),
             special_tokens=checkpoint.special_tokens,
         )
-        code_tokens, code_masks = data_lib.sft_arrays(
-            code_rows, code_encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
+        return data_lib.sft_arrays(
+            rows, encoder, tokenizer, max_len=ws.max_len, eos_id=checkpoint.eos_id, pad_id=checkpoint.pad_id
         )
+
+    sft_rows = with_direct_answers(sft_rows, ws.direct_answer_fraction, np.random.default_rng([ws.seed, 1]))
+    tokens, masks = demonstrations(sft_rows, config.data.prompt_template)
+    if code_rows:
+        code_tokens, code_masks = demonstrations(code_rows, puzzle_template(config))
         tokens, masks = np.concatenate([tokens, code_tokens]), np.concatenate([masks, code_masks])
 
     model_config = get_preset(
