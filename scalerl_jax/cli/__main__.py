@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "train": ("train", "the RL run (= python -m scalerl_jax.main)"),
     "evaluate": ("evaluate", "pass rates of a checkpoint or run on a data file"),
+    "merge-evals": ("merge_evals", "one report from the reports of an evaluation run in parts"),
     "ladder": ("ladder", "the arithmetic ladder of a config as jsonl files"),
     "export": ("export", "a run's policy as a Hugging Face checkpoint directory"),
     "fit": ("fit", "sigmoid and power-law fits of runs' pass rate against compute"),

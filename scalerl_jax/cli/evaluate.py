@@ -1,5 +1,6 @@
 """Evaluate a policy on a local benchmark file with the training sampler and verifier:
 ``python -m scalerl_jax.cli.evaluate --checkpoint DIR_OR_RUN --data FILE [--samples 16] [--k 1,4,16]
+[--split test] [--problems START:END]
 [--problem-field question] [--answer-field answer] [--group-field level] [--out results.json]
 [--config.KEY=VALUE ...]``.
 
@@ -30,6 +31,10 @@ Metrics, for N prompts with K samples each and c_i correct samples of prompt i:
 and both per value of the group field, with every other metric the evaluation returns (the
 fractions of interrupted, truncated and unformatted samples, ...) and the wall time. The JSON
 output also holds every sample's correctness.
+
+``--problems START:END`` evaluates only those problems (0-based, in file order, after ``--split``),
+so an evaluation longer than one sitting runs in parts; ``scalerl merge-evals`` joins the parts'
+reports into the report of the whole (`run.eval_merge`). Each report names its range.
 
 Exit status: 0 on success, 2 on bad input (one line naming the file, row, field or flag), 1 when
 the report cannot be written (`SCALERL_DEBUG=1` prints the traceback too).
@@ -96,6 +101,22 @@ def parse_ks(text: str, num_samples: int) -> list[int]:
     return ks
 
 
+def parse_problem_range(text: str, num_problems: int) -> tuple[int, int]:
+    """The `--problems` range 'START:END' (0-based, END exclusive, either side may be left out) of
+    a benchmark with `num_problems` problems; it must hold at least one problem."""
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        start = int(parts[0]) if parts[0].strip() else 0
+        end = int(parts[1]) if parts[1].strip() else num_problems
+    except ValueError:
+        raise EvaluateError(f"--problems {text!r} is not START:END (e.g. 0:250)") from None
+    if not 0 <= start < end <= num_problems:
+        raise EvaluateError(f"--problems {text!r}: need 0 <= START < END <= {num_problems}, the problems in the file")
+    return start, end
+
+
 # ------------------------------------------------------------------ progress
 
 
@@ -119,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--split", default="", help="MBPP's split by task id: prompt, test or train (default: every row)"
+    )
+    parser.add_argument(
+        "--problems",
+        default="",
+        help="START:END: only these problems (0-based, END exclusive, after --split), for a long "
+        "evaluation run in parts that `scalerl merge-evals` joins",
     )
     parser.add_argument("--samples", type=int, default=16, help="samples per problem, K of mean@K")
     parser.add_argument("--k", default="1", help="comma-separated k values of pass@k (each <= --samples)")
@@ -194,6 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 gold_extraction=config.data.gold_extraction,
                 max_solution_steps=config.data.max_solution_steps,
             )
+        num_problems = len(benchmark.problems)
+        problem_range = parse_problem_range(args.problems or ":", num_problems)
+        benchmark = benchmark.take(*problem_range)
         policy = load_policy(args.checkpoint, is_run, config, step=args.step)
         report = evaluate_policy(
             policy,
@@ -212,17 +242,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step": policy.step,
         "data": os.path.abspath(args.data),
         "group_field": args.group_field,
+        "split": args.split,
+        "problems": {"start": problem_range[0], "end": problem_range[1], "of": num_problems},
         "wall_seconds": time.perf_counter() - started,
         **report,
     }
     print(format_table(report, args.group_field))
-    if args.out:
+    return write_report(report, args.out)
+
+
+def write_report(report: dict, out: str | None) -> int:
+    """Writes `report` as JSON to `out` (when given) and says so; the exit status (1 when it
+    cannot be written)."""
+    if out:
         try:
-            with open(args.out, "w") as f:
+            with open(out, "w") as f:
                 json.dump(report, f, indent=2)
         except OSError as e:
-            return report_error(f"error: cannot write {args.out}: {e.strerror or e}", EXIT_RUN_ERROR)
-        print(f"wrote {args.out}")
+            return report_error(f"error: cannot write {out}: {e.strerror or e}", EXIT_RUN_ERROR)
+        print(f"wrote {out}")
     return 0
 
 

@@ -57,6 +57,17 @@ class Benchmark:
     code: list[CodeProblem] | None = None
     code_format: str = ""
 
+    def take(self, start: int, end: int) -> Benchmark:
+        """Problems `start` to `end` (exclusive, 0-based, in file order) of this benchmark."""
+        return dataclasses.replace(
+            self,
+            problems=self.problems[start:end],
+            answers=self.answers[start:end],
+            groups=None if self.groups is None else self.groups[start:end],
+            rows=self.rows[start:end],
+            code=None if self.code is None else self.code[start:end],
+        )
+
 
 def is_code_file(path: str) -> bool:
     """Whether `path` holds code problems: a gzipped jsonl (HumanEval as published) or a file whose

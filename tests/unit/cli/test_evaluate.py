@@ -167,6 +167,27 @@ def test_evaluate_hf_dir_with_config_overrides(setup, tmp_path):
     _check_report(report, 2, (1, 2))
 
 
+@pytest.mark.slow  # ~40 s: two evaluations of the run, one sampler compile each
+def test_an_evaluation_in_two_parts_merges_into_the_whole(setup, tmp_path, capsys):
+    from scalerl_jax.cli import merge_evals
+
+    run_dir, _, jsonl, _ = setup
+    parts = []
+    for problems in ("0:2", "2:"):
+        parts.append(str(tmp_path / f"part{len(parts)}.json"))
+        argv = ["--checkpoint", run_dir, "--data", jsonl, "--samples", "4", "--k", "1,2,4", "--group-field", "level"]
+        assert evaluate.main([*argv, "--problems", problems, "--out", parts[-1], "--completions"]) == 0
+    assert [json.loads(open(p).read())["problems"] for p in parts] == [
+        {"start": 0, "end": 2, "of": 6},
+        {"start": 2, "end": 6, "of": 6},
+    ]
+    assert [len(json.loads(open(p).read())["per_prompt"]) for p in parts] == [2, 4]
+    out = tmp_path / "all.json"
+    assert merge_evals.main([*parts, "--out", str(out)]) == 0
+    assert "problems covered: 6 of 6" in capsys.readouterr().out
+    _check_report(json.loads(out.read_text()), 4, (1, 2, 4))
+
+
 def test_parquet_and_jsonl_read_alike_with_str_answers(setup):
     _, _, jsonl, parquet = setup
     from_jsonl = benchmark_lib.read_benchmark(jsonl, group_field="level")
@@ -207,6 +228,20 @@ def test_evaluate_errors_name_the_problem(setup, tmp_path, capsys):
     fails(["--checkpoint", base_dir, "--data", jsonl, "--step", "3"], "--step is for run directories")
     fails(["--checkpoint", str(tmp_path / "nope"), "--data", jsonl], "does not exist")
     fails(["--checkpoint", run_dir, "--data", jsonl, "--step", "5"], "no checkpoint at step 5", "[3]")
+    fails(["--checkpoint", run_dir, "--data", jsonl, "--problems", "2-4"], "--problems '2-4' is not START:END")
+    fails(["--checkpoint", run_dir, "--data", jsonl, "--problems", "4:9"], "need 0 <= START < END <= 6")
+    fails(["--checkpoint", run_dir, "--data", jsonl, "--problems", "3:3"], "need 0 <= START < END <= 6")
+
+
+def test_problem_ranges_by_hand():
+    assert evaluate.parse_problem_range(":", 6) == (0, 6)
+    assert evaluate.parse_problem_range("2:", 6) == (2, 6)
+    assert evaluate.parse_problem_range(":4", 6) == (0, 4)
+    benchmark = benchmark_lib.Benchmark(
+        path="f", problems=list("abcdef"), answers=list("123456"), groups=list("xyxyxy"), rows=[0, 2, 3, 5, 8, 9]
+    )
+    part = benchmark.take(*evaluate.parse_problem_range("1:3", 6))
+    assert (part.problems, part.answers, part.groups, part.rows) == (["b", "c"], ["2", "3"], ["y", "x"], [2, 3])
 
 
 def test_overrides_without_a_config_file_apply_to_the_recipe_and_the_run(setup):
