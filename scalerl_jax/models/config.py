@@ -1,4 +1,5 @@
-"""Decoder configuration (`ModelConfig`) and named presets for the Llama 3 / Qwen2.5 / Qwen3 families."""
+"""Decoder configuration (`ModelConfig`) and named presets for the Llama 3 / Qwen2.5 / Qwen3 /
+Qwen3-MoE families."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 # The dtypes a run trains in (`model.dtype`): float16 would need loss scaling, which the train step lacks.
 RUN_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_attn")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
+# How a token's experts are chosen (`moe.route`) and how their outputs are computed (`moe.MoE`).
+ROUTINGS = ("softmax_topk",)
+MOE_IMPLS = ("auto", "dense", "ragged")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -36,6 +40,17 @@ class ModelConfig:
     Llama 3.1 scaling dict with the keys in `ROPE_SCALING_KEYS`. `qkv_bias` adds biases to the
     q/k/v projections (Qwen2.5), `o_bias` to the output projection (Llama `attention_bias`),
     `qk_norm` applies a per-head RMSNorm to q and k before RoPE (Qwen3).
+
+    Mixture of experts (`num_experts` > 0): every layer not in `dense_layers` replaces its SwiGLU
+    MLP with `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which each token
+    uses `num_experts_per_tok` (top-k), picked by a float32 router (`routing`: 'softmax_topk' is
+    softmax over the experts then top-k, renormalized over the k when `norm_topk_prob`, as
+    Qwen3-MoE). `moe_impl` computes the experts: 'dense' runs every expert on every token and
+    weights them (E x the MLP's FLOPs, no data-dependent shapes: fast where E is small, as on CPU),
+    'ragged' sorts the token-expert pairs by expert and runs one grouped matmul per projection
+    (`jax.lax.ragged_dot`: k x the MLP's FLOPs on GPU / TPU), 'auto' is 'dense' on CPU and
+    'ragged' elsewhere. Both are dropless: no token is ever dropped for capacity. Layers stack for
+    `scan_layers` only when they are all of one kind.
     """
 
     family: str
@@ -63,6 +78,13 @@ class ModelConfig:
     initializer_range: float = 0.02
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = True
+    moe_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -102,6 +124,42 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, float(scaling[k])) for k in ROPE_SCALING_KEYS)))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """ValueError naming the field when the mixture-of-experts fields do not fit together."""
+        if self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts={self.num_experts} must be >= 0 (0: a dense model)")
+        if not self.num_experts:
+            if self.dense_layers or self.num_experts_per_tok or self.moe_intermediate_size:
+                raise ValueError(
+                    "ModelConfig: dense_layers / num_experts_per_tok / moe_intermediate_size are for "
+                    "mixture-of-experts models; num_experts=0"
+                )
+            return
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"ModelConfig.routing={self.routing!r}; expected one of {ROUTINGS}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {MOE_IMPLS}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size} must be positive")
+        outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"ModelConfig.dense_layers {outside} are not layers of a {self.num_layers}-layer model")
+        if self.scan_layers and 0 < len(self.dense_layers) < self.num_layers:
+            raise ValueError(
+                f"ModelConfig: dense_layers={list(self.dense_layers)} mixes dense and MoE layers, which "
+                "cannot be stacked for scan_layers; set scan_layers=False (a run: model.scan_layers=False)"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` has experts in place of the dense MLP."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, float] | None:
@@ -119,9 +177,10 @@ class ModelConfig:
         attn += (h * hd + 2 * k * hd) if self.qkv_bias else 0
         attn += d if self.o_bias else 0
         attn += 2 * hd if self.qk_norm else 0
-        layer = attn + 3 * d * f + 2 * d
+        moe = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size  # router + experts
+        layers = sum(attn + 2 * d + (moe if self.is_moe_layer(i) else 3 * d * f) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        return self.vocab_size * d + layers + d + head
 
 
 _LLAMA31_SCALING = {
@@ -266,6 +325,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True,
         max_position_embeddings=512,
         dtype="float32",
+    ),
+    # The tiny Qwen3 with 8 SwiGLU experts, 2 per token, in place of each layer's MLP (configs/tiny_moe.py).
+    "tiny-qwen3-moe": dict(
+        family="qwen3_moe",
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10_000.0,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        max_position_embeddings=512,
+        dtype="float32",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
     ),
 }
 

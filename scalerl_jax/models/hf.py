@@ -39,10 +39,16 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # HF tensors that carry no parameters (recomputed RoPE buffers of old checkpoints): skipped and counted.
 IGNORED_HF_TENSORS = (re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"),)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
-# HF name regex -> (NNX path inside a layer or at the top, layout transform). A `(\d+)` group is the
-# layer index. Transforms (HF layout -> ours): copy; linear: W[out, in] -> W.T; heads_in:
+# HF name regex -> (NNX path inside a layer or at the top, layout transform). The first `(\d+)` group
+# is the layer index, a second one the expert index (one HF tensor per expert, stacked on our
+# leading `expert` axis). Transforms (HF layout -> ours): copy; linear: W[out, in] -> W.T; heads_in:
 # W[N*D, E] -> W.T reshaped [E, N, D]; heads_out: W[E, H*D] -> W.T reshaped [H, D, E];
 # heads_bias: b[N*D] -> [N, D].
 HF_TO_NNX: tuple[tuple[str, str, str], ...] = (
@@ -64,6 +70,10 @@ HF_TO_NNX: tuple[tuple[str, str, str], ...] = (
     (r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight", "mlp.gate_proj", "linear"),
     (r"model\.layers\.(\d+)\.mlp\.up_proj\.weight", "mlp.up_proj", "linear"),
     (r"model\.layers\.(\d+)\.mlp\.down_proj\.weight", "mlp.down_proj", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.gate\.weight", "moe.router", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight", "moe.gate_proj", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight", "moe.up_proj", "linear"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight", "moe.down_proj", "linear"),
 )
 _COMPILED = tuple((re.compile(pattern), path, transform) for pattern, path, transform in HF_TO_NNX)
 
@@ -106,9 +116,12 @@ def hf_shape(our_shape: tuple[int, ...], transform: str) -> tuple[int, ...]:
     return ours_to_hf(np.empty(our_shape, np.int8), transform).shape
 
 
-def _hf_name(pattern: re.Pattern, layer: int | None) -> str:
+def _hf_name(pattern: re.Pattern, layer: int | None, expert: int | None = None) -> str:
     name = pattern.pattern.replace(r"\.", ".")
-    return name.replace(r"(\d+)", str(layer)) if layer is not None else name
+    for index in (layer, expert):
+        if index is not None:
+            name = name.replace(r"(\d+)", str(index), 1)
+    return name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,16 +159,73 @@ def _as_number(key: str, value: Any, kind: type[int] | type[float]) -> Any:
         raise CheckpointFileError(f"config.json: field {key!r} = {value!r}; expected {noun}") from None
 
 
+# Fields that make a config.json a mixture-of-experts model: never read as a dense one.
+MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+# Every field a Qwen3-MoE config.json may have (as shipped, or as transformers >= 5 writes it):
+# another one (a routing mode this loader does not implement, say) is refused, not ignored.
+QWEN3_MOE_FIELDS = frozenset(
+    (
+        *MOE_FIELDS,
+        "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "max_position_embeddings",
+        "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "attention_dropout",
+        "use_sliding_window", "sliding_window", "max_window_layers", "tie_word_embeddings",
+        "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+        "mlp_only_layers", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef",
+    )
+)  # fmt: skip
+
+
+def _moe_fields_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The ModelConfig MoE fields of a Qwen3-MoE config.json: layer i keeps its dense MLP when it is
+    in `mlp_only_layers` or when (i + 1) is not a multiple of `decoder_sparse_step`."""
+    unknown = sorted(set(hf) - QWEN3_MOE_FIELDS)
+    if unknown:
+        raise CheckpointFileError(
+            f"config.json: field {unknown[0]!r} is not one this loader knows for qwen3_moe "
+            f"(unknown: {unknown}); refusing rather than ignoring it"
+        )
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", hf.get("num_experts_per_tok"))):
+        if value is None:
+            raise CheckpointFileError(f"config.json: missing required field {key!r}")
+    step = _as_number("decoder_sparse_step", hf.get("decoder_sparse_step", 1), int)
+    if step < 1:
+        raise CheckpointFileError(f"config.json: field 'decoder_sparse_step' = {step}; expected >= 1")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise CheckpointFileError(f"config.json: field 'mlp_only_layers' = {only!r}; expected a list of layers")
+    dense = {_as_number("mlp_only_layers", i, int) for i in only} | {i for i in range(num_layers) if (i + 1) % step}
+    return dict(
+        num_experts=_as_number("num_experts", experts, int),
+        num_experts_per_tok=_as_number("num_experts_per_tok", hf["num_experts_per_tok"], int),
+        moe_intermediate_size=_as_number("moe_intermediate_size", hf.get("moe_intermediate_size"), int),
+        dense_layers=tuple(sorted(dense)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        routing="softmax_topk",
+        # A mix of dense and MoE layers cannot be one scanned stack (`ModelConfig`).
+        scan_layers=not 0 < len(dense) < num_layers,
+    )
+
+
 def config_from_hf(
     hf: dict[str, Any], *, dtype: DTypeLike | None = None, fp32_head: bool = True, **overrides: Any
 ) -> ModelConfig:
-    """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3); `dtype` is any
-    dtype-like (see `dtype_name`), default the checkpoint's."""
+    """ModelConfig from a parsed HF config.json (model_type llama / qwen2 / qwen3 / qwen3_moe);
+    `dtype` is any dtype-like (see `dtype_name`), default the checkpoint's. A dense family's file
+    with MoE fields, or a qwen3_moe file with a field this loader does not know, is refused."""
     dtype = dtype_name(dtype)
     family = hf.get("model_type")
     if family not in _ARCHITECTURES:
         raise CheckpointFileError(
             f"config.json: model_type={family!r} is not supported; expected one of {sorted(_ARCHITECTURES)}"
+        )
+    moe_fields = [key for key in MOE_FIELDS if key in hf]
+    if family != "qwen3_moe" and moe_fields:
+        raise CheckpointFileError(
+            f"config.json: model_type={family!r} with mixture-of-experts field {moe_fields[0]!r}; "
+            "refusing to load it as a dense model"
         )
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointFileError(f"config.json: hidden_act={hf['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
@@ -187,7 +257,7 @@ def config_from_hf(
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         max_position_embeddings=_as_number("max_position_embeddings", hf.get("max_position_embeddings", 8192), int),
         dtype=dtype or (checkpoint_dtype if checkpoint_dtype in ("float32", "bfloat16", "float16") else "float32"),
         fp32_head=fp32_head,
@@ -195,6 +265,8 @@ def config_from_hf(
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
     )
+    if family == "qwen3_moe":
+        fields.update(_moe_fields_from_hf(hf, _as_number("num_hidden_layers", hf["num_hidden_layers"], int)))
     return ModelConfig(**{**fields, **overrides})
 
 
@@ -207,7 +279,7 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
     """HF config.json dict for `config` (loadable by transformers' Auto classes)."""
     if config.family == "qwen2" and (not config.qkv_bias or config.o_bias):
         raise ValueError("qwen2 checkpoints need qkv_bias=True and o_bias=False")
-    if config.family in ("llama", "qwen3") and config.qkv_bias != config.o_bias:
+    if config.family in ("llama", "qwen3", "qwen3_moe") and config.qkv_bias != config.o_bias:
         raise ValueError(
             f"{config.family} checkpoints have one attention_bias for q/k/v/o; "
             f"got qkv_bias={config.qkv_bias}, o_bias={config.o_bias}"
@@ -239,10 +311,19 @@ def config_to_hf(config: ModelConfig, *, dtype: str | None = None) -> dict[str, 
         hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
     else:
         hf.update(attention_bias=config.qkv_bias, attention_dropout=0.0)
-        if config.family == "qwen3":
+        if config.family in ("qwen3", "qwen3_moe"):
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
         else:
             hf.update(mlp_bias=False)
+    if config.family == "qwen3_moe":
+        hf.update(
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.num_experts_per_tok,
+            moe_intermediate_size=config.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(config.dense_layers),
+            norm_topk_prob=config.norm_topk_prob,
+        )
     return hf
 
 
@@ -285,6 +366,7 @@ class _Source:
     file: str
     nnx_path: str
     layer: int | None
+    expert: int | None
     transform: str
 
 
@@ -305,8 +387,8 @@ def _index_tensors(files: list[str]) -> tuple[dict[str, _Source], list[str], int
             for pattern, nnx_path, transform in _COMPILED:
                 match = pattern.fullmatch(name)
                 if match:
-                    layer = int(match.group(1)) if match.groups() else None
-                    sources[name] = _Source(name, file, nnx_path, layer, transform)
+                    indices = [int(g) for g in match.groups()] + [None, None]
+                    sources[name] = _Source(name, file, nnx_path, indices[0], indices[1], transform)
                     break
             else:
                 extra.append(name)
@@ -338,32 +420,45 @@ class _Target:
     layer_path: str  # path inside a layer ('attn.q_proj') or at the top ('embed_tokens')
     layers: tuple[int | None, ...]  # HF layer indices in order of the leading axis; (None,) if unstacked
     stacked: bool
+    experts: tuple[int | None, ...] = (None,)  # HF expert indices along our `expert` axis; (None,) if none
+
+    def pieces(self) -> Iterator[tuple[tuple[int, ...], int | None, int | None]]:
+        """(index into our array, HF layer, HF expert) of each HF tensor that fills this parameter."""
+        for i, layer in enumerate(self.layers):
+            for j, expert in enumerate(self.experts):
+                yield (i,) * self.stacked + (j,) * (expert is not None), layer, expert
+
+
+_EXPERT_PATHS = {nnx_path for pattern, nnx_path, _ in _COMPILED if pattern.groups == 2}
 
 
 def _targets(config: ModelConfig, paths: list[str]) -> list[_Target]:
-    """How each parameter path maps onto HF layer indices."""
+    """How each parameter path maps onto HF layer (and expert) indices."""
     targets = []
     for path in paths:
         parts = path.split(".")
         if parts[0] != "layers":
             targets.append(_Target(path, path, (None,), False))
-        elif config.scan_layers:
-            targets.append(_Target(path, ".".join(parts[1:]), tuple(range(config.num_layers)), True))
+            continue
+        if config.scan_layers:
+            layer_path, layers, stacked = ".".join(parts[1:]), tuple(range(config.num_layers)), True
         else:
-            targets.append(_Target(path, ".".join(parts[2:]), (int(parts[1]),), False))
+            layer_path, layers, stacked = ".".join(parts[2:]), (int(parts[1]),), False
+        experts = tuple(range(config.num_experts)) if layer_path in _EXPERT_PATHS else (None,)
+        targets.append(_Target(path, layer_path, layers, stacked, experts))
     return targets
 
 
-def _expected_hf_names(targets: list[_Target]) -> dict[tuple[str, int | None], tuple[str, str]]:
-    """{(layer_path, layer): (hf_name, transform)} the model needs."""
+def _expected_hf_names(targets: list[_Target]) -> dict[tuple[str, int | None, int | None], tuple[str, str]]:
+    """{(layer_path, layer, expert): (hf_name, transform)} the model needs."""
     by_path = {nnx_path: (pattern, transform) for pattern, nnx_path, transform in _COMPILED}
     needed = {}
     for target in targets:
         if target.layer_path not in by_path:
             raise ValueError(f"parameter {target.path!r} has no Hugging Face name in HF_TO_NNX")
         pattern, transform = by_path[target.layer_path]
-        for layer in target.layers:
-            needed[(target.layer_path, layer)] = (_hf_name(pattern, layer), transform)
+        for _, layer, expert in target.pieces():
+            needed[(target.layer_path, layer, expert)] = (_hf_name(pattern, layer, expert), transform)
     return needed
 
 
@@ -375,25 +470,22 @@ def _read_param(
     sources: dict[str, _Source],
     open_file: Callable[[str], Any],
 ) -> np.ndarray:
-    """Host array of one parameter in our layout and dtype (layers stacked on axis 0 when stacked)."""
+    """Host array of one parameter in our layout and dtype (layers stacked on axis 0 when stacked,
+    then experts)."""
     host = np.empty(shape, dtype)
-    layer_shape = shape[1:] if target.stacked else shape
-    for i, layer in enumerate(target.layers):
-        hf_name, transform = needed[(target.layer_path, layer)]
+    for index, layer, expert in target.pieces():
+        piece_shape = shape[len(index) :]
+        hf_name, transform = needed[(target.layer_path, layer, expert)]
         file = sources[hf_name].file
         tensor = _get_tensor(open_file(file), file, hf_name)
-        expected = hf_shape(layer_shape, transform)
+        expected = hf_shape(piece_shape, transform)
         if tuple(tensor.shape) != expected:
             config_file = os.path.join(os.path.dirname(file), "config.json")
             raise CheckpointFileError(
                 f"{file}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, but {config_file} gives "
                 f"{expected} (parameter {target.path}); the weights and config.json disagree"
             )
-        value = hf_to_ours(tensor, transform, layer_shape).astype(dtype)
-        if target.stacked:
-            host[i] = value
-        else:
-            host[...] = value
+        host[index] = hf_to_ours(tensor, transform, piece_shape).astype(dtype)
     return host
 
 
@@ -550,9 +642,9 @@ def _hf_tensors_of(model: Transformer) -> Iterator[tuple[str, Callable[[], list[
                 raise ValueError(f"save_hf: parameter {target.path} is not fully addressable from this process")
             host = np.asarray(jax.device_get(array))
             out = []
-            for i, layer in enumerate(target.layers):
-                hf_name, transform = needed[(target.layer_path, layer)]
-                out.append((hf_name, np.ascontiguousarray(ours_to_hf(host[i] if target.stacked else host, transform))))
+            for index, layer, expert in target.pieces():
+                hf_name, transform = needed[(target.layer_path, layer, expert)]
+                out.append((hf_name, np.ascontiguousarray(ours_to_hf(host[index], transform))))
             return out
 
         yield target.path, tensors, variables[target.path].get_value().size

@@ -1,4 +1,4 @@
-"""Decoder building blocks: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP, decoder layer.
+"""Decoder building blocks: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP.
 
 Parameters carry logical axis names as NNX metadata (`out_sharding`). A block built with
 `stack=L` holds L layers' parameters stacked on a leading `'layers'` axis (used by the scanned
@@ -620,34 +620,3 @@ class MLP(nnx.Module):
         up = x @ self.up_proj[...]
         hidden = sharding.constrain(jax.nn.silu(gate) * up, sharding.MLP_AXES)
         return hidden @ self.down_proj[...]
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
-        dtype = dtype_of(config.dtype)
-        self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
-        self.attn = Attention(config, rngs=rngs, stack=stack)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
-        self.mlp = MLP(config, rngs=rngs, stack=stack)
-
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        h = x + self.attn(self.attn_norm(x), positions)
-        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES)
-
-    def forward_cached(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
-    ) -> tuple[jax.Array, KVCache]:
-        """As `__call__`, attending through (and updating) layer `layer` of the stacked KV cache."""
-        attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache, layer, window, block)
-        h = x + attended
-        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache
-
-    def forward_paged(
-        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
-    ) -> tuple[jax.Array, KVCache]:
-        """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`)."""
-        attended, cache = self.attn.forward_paged(self.attn_norm(x), positions, cache, layer, pages)
-        h = x + attended
-        return sharding.constrain(h + self.mlp(self.mlp_norm(h)), sharding.HIDDEN_AXES), cache

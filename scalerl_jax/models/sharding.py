@@ -35,6 +35,7 @@ DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("layers", None),
+    ("expert", None),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3) in Flax NNX, with a KV-cached forward.
+"""Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE) in Flax NNX, with a KV-cached forward.
 
 Layers are either stacked (`config.scan_layers`: one `DecoderLayer` holding [L, ...] params,
 applied with `jax.lax.scan` over `nnx.split` state slices, so compile time does not grow with
@@ -18,7 +18,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig
-from scalerl_jax.models.layers import DecoderLayer, KVCache, PagedView, RMSNorm, dtype_of, make_param
+from scalerl_jax.models.layers import MLP, Attention, KVCache, PagedView, RMSNorm, dtype_of, make_param
+from scalerl_jax.models.moe import MoE, RouterStats
 
 _NnxList = getattr(nnx, "List", list)
 
@@ -77,6 +78,54 @@ def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> ja
     return dot_at(jax.lax.Precision[head_precision.upper()])(hidden, weight)
 
 
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is the SwiGLU `mlp`
+    or, in a mixture-of-experts layer (`moe=True`), the experts `moe`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None, moe: bool = False):
+        dtype = dtype_of(config.dtype)
+        self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+        self.attn = Attention(config, rngs=rngs, stack=stack)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
+        if moe:
+            self.moe = MoE(config, rngs=rngs, stack=stack)
+        else:
+            self.mlp = MLP(config, rngs=rngs, stack=stack)
+
+    def _feed_forward(self, h: jax.Array) -> jax.Array:
+        """h + ffn(norm(h)), constrained to the hidden layout."""
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return sharding.constrain(h + ffn(self.mlp_norm(h)), sharding.HIDDEN_AXES)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return self._feed_forward(x + self.attn(self.attn_norm(x), positions))
+
+    def forward_with_routing(
+        self, x: jax.Array, positions: jax.Array, token_mask: jax.Array
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """As `__call__`, with the experts' `RouterStats` over the tokens where token_mask [B, T]
+        is 1 (None in a dense layer)."""
+        h = x + self.attn(self.attn_norm(x), positions)
+        if not hasattr(self, "moe"):
+            return self._feed_forward(h), None
+        y, stats = self.moe.forward_with_stats(self.mlp_norm(h), token_mask)
+        return sharding.constrain(h + y, sharding.HIDDEN_AXES), stats
+
+    def forward_cached(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
+    ) -> tuple[jax.Array, KVCache]:
+        """As `__call__`, attending through (and updating) layer `layer` of the stacked KV cache."""
+        attended, cache = self.attn.forward_cached(self.attn_norm(x), positions, cache, layer, window, block)
+        return self._feed_forward(x + attended), cache
+
+    def forward_paged(
+        self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
+    ) -> tuple[jax.Array, KVCache]:
+        """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`)."""
+        attended, cache = self.attn.forward_paged(self.attn_norm(x), positions, cache, layer, pages)
+        return self._feed_forward(x + attended), cache
+
+
 class Transformer(nnx.Module):
     """tokens [B, T] -> logits float32 [B, T, V] (causal), plus `hidden`, `head`, `forward_cached`."""
 
@@ -86,10 +135,12 @@ class Transformer(nnx.Module):
         self.embed_tokens = make_param(
             rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config), stddev=config.initializer_range
         )
-        if config.scan_layers:
-            self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers)
+        if config.scan_layers:  # one kind of layer (`ModelConfig` refuses a mix with scan_layers)
+            self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers, moe=config.is_moe_layer(0))
         else:
-            self.layers = _NnxList([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+            self.layers = _NnxList(
+                [DecoderLayer(config, rngs=rngs, moe=config.is_moe_layer(i)) for i in range(config.num_layers)]
+            )
         self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype_of(config.dtype))
         if not config.tie_word_embeddings:
             head_dtype = jnp.float32 if config.fp32_head else dtype_of(config.dtype)
@@ -108,24 +159,34 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden states [B, T, D] (body dtype); positions default to arange(T) (RoPE only)."""
+        return self.hidden_with_routing(tokens, jnp.ones(tokens.shape, jnp.float32), positions)[0]
+
+    def hidden_with_routing(
+        self, tokens: jax.Array, token_mask: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """(`hidden`, the MoE layers' `RouterStats` over the tokens where token_mask [B, T] is 1,
+        stacked in layer order: [L_moe, E] and [L_moe]; None for a dense model)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         policy_name = self.config.remat_policy
 
-        def apply_layer(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> jax.Array:
-            return layer(x, pos)
+        def apply_layer(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+            return layer.forward_with_routing(x, pos, token_mask)
 
         if policy_name != "none":
             apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
         x = self.embed(tokens)
         if self.config.scan_layers:
             assert isinstance(self.layers, DecoderLayer)  # one stacked layer
-            x, _ = _scan_layers(self.layers, lambda layer, h, _: (apply_layer(layer, h, positions), None), x, None)
-        else:
-            assert not isinstance(self.layers, DecoderLayer)  # a list of layers
-            for layer in self.layers:
-                x = apply_layer(layer, x, positions)
-        return self.final_norm(x)
+            x, stats = _scan_layers(self.layers, lambda layer, h, _: apply_layer(layer, h, positions), x, None)
+            return self.final_norm(x), stats
+        assert not isinstance(self.layers, DecoderLayer)  # a list of layers
+        per_layer = []
+        for layer in self.layers:
+            x, layer_stats = apply_layer(layer, x, positions)
+            per_layer += [] if layer_stats is None else [layer_stats]
+        stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
+        return self.final_norm(x), stats
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Unembedding [..., D] -> float32 [..., V].
@@ -217,17 +278,17 @@ class Transformer(nnx.Module):
 
 
 def _checkpointed(
-    apply_layer: Callable[..., jax.Array], policy: Callable[..., bool] | None, *, prevent_cse: bool
-) -> Callable[..., jax.Array]:
+    apply_layer: Callable[..., Any], policy: Callable[..., bool] | None, *, prevent_cse: bool
+) -> Callable[..., Any]:
     """`apply_layer(layer, x, pos)` under `jax.checkpoint` (the layer passed functionally as its state).
 
     prevent_cse can be False inside `lax.scan`, which already keeps XLA from merging the recomputation.
     """
 
-    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> jax.Array:
+    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> Any:
         graphdef, state = nnx.split(layer)
 
-        def pure(state: Any, x: jax.Array, pos: jax.Array) -> jax.Array:
+        def pure(state: Any, x: jax.Array, pos: jax.Array) -> Any:
             return apply_layer(nnx.merge(graphdef, state), x, pos)
 
         return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos)

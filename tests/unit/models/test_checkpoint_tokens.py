@@ -16,7 +16,7 @@ from family_checkpoints import EXPECTED, FAMILIES, make_family_checkpoint  # noq
 
 from scalerl_jax.data import prompts  # noqa: E402
 from scalerl_jax.models import dtype_name, load_checkpoint_tokenizer, load_hf, load_hf_config  # noqa: E402
-from scalerl_jax.models.layers import DecoderLayer  # noqa: E402
+from scalerl_jax.models.transformer import DecoderLayer  # noqa: E402
 
 PROBLEMS = (
     "What is 12345 + 678?",

@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.models import ModelConfig, Transformer, get_preset, init_kv_cache, sequence_logprobs
-from scalerl_jax.models.layers import DecoderLayer, rope_inverse_frequencies
+from scalerl_jax.models.layers import rope_inverse_frequencies
 from scalerl_jax.models.logprobs import chunked_head_logprobs
-from scalerl_jax.models.transformer import remat_policy
+from scalerl_jax.models.transformer import DecoderLayer, remat_policy
 
 
 def _abstract_param_count(name):

@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from flax import nnx  # noqa: E402
 
 from scalerl_jax.models import hf, init_kv_cache, sequence_logprobs  # noqa: E402
-from scalerl_jax.models.layers import DecoderLayer  # noqa: E402
 from scalerl_jax.models.logprobs import chunked_head_logprobs  # noqa: E402
+from scalerl_jax.models.transformer import DecoderLayer  # noqa: E402
 
 VOCAB = 256
 COMMON = dict(

@@ -23,8 +23,8 @@ from scalerl_jax.models import (
     split_devices,
     use_mesh_rules,
 )
-from scalerl_jax.models.layers import DecoderLayer
 from scalerl_jax.models.sharding import constrain
+from scalerl_jax.models.transformer import DecoderLayer
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in tests/conftest.py)")
 

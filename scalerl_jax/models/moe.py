@@ -1,0 +1,147 @@
+"""Mixture-of-experts feed-forward block (dropless top-k routing over SwiGLU experts).
+
+For a token x [D], router weights W_r [D, E] and experts e = 1..E with SwiGLU weights
+(G_e, U_e [D, F], W_e [F, D]):
+
+  logits = float32(x) @ float32(W_r)                      (router logits, float32)
+  p = softmax(logits); (w, idx) = top_k(p, k)             ('softmax_topk', Qwen3-MoE)
+  w = w / sum(w) when norm_topk_prob
+  y = sum_j w_j * (silu(x G_idx_j) * (x U_idx_j)) W_idx_j
+
+Every token reaches each of its k experts (no capacity limit, so nothing is dropped).
+
+`MoE.forward_with_stats` also sums, over the tokens a mask keeps, what the router did
+(`RouterStats`): per expert the token choices it received and its router probability, the router's
+entropy -sum_e p_e log p_e, and the choices naming no expert. From one layer's sums with N kept
+tokens, transformers' load-balancing loss (Switch Transformer, as Qwen3-MoE computes it over all
+layers' tokens at once) is
+  aux = E * sum_e (sum_l tokens_{l,e} / (L N)) * (sum_l prob_{l,e} / (L N))   (`load_balancing_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from scalerl_jax.models import sharding
+from scalerl_jax.models.config import ModelConfig
+from scalerl_jax.models.layers import dtype_of, make_param
+
+
+class RouterStats(NamedTuple):
+    """A layer's routing summed over the kept tokens (float32; a leading layer axis when stacked)."""
+
+    expert_tokens: jax.Array  # [E] token choices routed to each expert
+    expert_prob: jax.Array  # [E] sum of each expert's router probability
+    entropy: jax.Array  # [] sum of the router's entropy
+    tokens: jax.Array  # [] kept tokens N
+    dropped: jax.Array  # [] token choices whose expert index is outside [0, E): computed by no expert
+
+
+def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array) -> RouterStats:
+    """`RouterStats` of router probabilities [N, E] and chosen experts [N, k] over tokens with mask [N] = 1."""
+    num_experts = probs.shape[-1]
+    mask = mask.astype(jnp.float32)
+    chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # [N, k, E]; all zero off [0, E)
+    entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0), axis=-1)
+    return RouterStats(
+        expert_tokens=jnp.einsum("nke,n->e", chosen, mask),
+        expert_prob=jnp.einsum("ne,n->e", probs, mask),
+        entropy=jnp.sum(entropy * mask),
+        tokens=jnp.sum(mask),
+        dropped=jnp.sum((1.0 - jnp.sum(chosen, axis=-1)) * mask[:, None]),
+    )
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+    """The module docstring's `aux` from stacked per-layer stats ([L, E], [L]); 0 without tokens."""
+    num_experts = stats.expert_tokens.shape[-1]
+    total = jnp.maximum(jnp.sum(stats.tokens), 1.0)
+    fraction = jnp.sum(stats.expert_tokens, axis=0) / total
+    prob = jnp.sum(stats.expert_prob, axis=0) / total
+    return num_experts * jnp.sum(fraction * prob)
+
+
+def route_softmax_topk(probs: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+    """(weights float32 [N, k], experts int32 [N, k]) of router probabilities [N, E]: the k largest
+    (largest first) and their experts, divided by their sum when `normalize`."""
+    weights, experts = jax.lax.top_k(probs, k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def experts_dense(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """y [N, D] = sum_j weights[:, j] * expert_{experts[:, j]}(x), computed by running all E experts
+    on every token and combining them with a [N, E] matrix that is zero off the chosen experts."""
+    num_experts = gate.shape[0]
+    combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+    hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", x, gate)) * jnp.einsum("nd,edf->nef", x, up)
+    out = jnp.einsum("nef,efd->ned", hidden, down)
+    return jnp.einsum("ned,ne->nd", out.astype(jnp.float32), combine).astype(x.dtype)
+
+
+def experts_ragged(
+    x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+) -> jax.Array:
+    """As `experts_dense`, with each (token, expert) pair computed once: the N*k pairs are sorted by
+    expert, each projection is one grouped matmul over the sorted rows (`jax.lax.ragged_dot`, group
+    sizes = tokens per expert), and the weighted rows are added back to their tokens."""
+    num_tokens, k = experts.shape
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat_experts, length=gate.shape[0]).astype(jnp.int32)
+    rows = x[token_of]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
+    out = jax.lax.ragged_dot(hidden, down, group_sizes).astype(jnp.float32)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+
+
+def resolve_moe_impl(name: str, platform: str) -> str:
+    """'auto' -> 'dense' on CPU (E x the FLOPs, no gather / scatter), 'ragged' elsewhere."""
+    if name != "auto":
+        return name
+    return "dense" if platform == "cpu" else "ragged"
+
+
+class MoE(nnx.Module):
+    """x [..., D] -> [..., D]: the module docstring's block with `config`'s experts and routing."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+        self.config = config
+        d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        dtype, std = dtype_of(config.dtype), config.initializer_range
+        self.router = make_param(rngs, (d, e), ("embed", None), dtype=dtype, stddev=std, stack=stack)
+        self.gate_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
+        self.up_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
+        self.down_proj = make_param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype=dtype, stddev=std, stack=stack)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.forward_with_stats(x, None)[0]
+
+    def forward_with_stats(self, x: jax.Array, token_mask: jax.Array | None) -> tuple[jax.Array, RouterStats]:
+        """(y [..., D], `RouterStats` over the tokens of x [..., D] where token_mask [...] is 1; all
+        tokens when it is None)."""
+        config = self.config
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = jnp.einsum(
+            "nd,de->ne",
+            tokens.astype(jnp.float32),
+            self.router[...].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = route_softmax_topk(probs, config.num_experts_per_tok, config.norm_topk_prob)
+        impl = resolve_moe_impl(config.moe_impl, sharding.trace_platform())
+        compute = experts_dense if impl == "dense" else experts_ragged
+        out = compute(tokens, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        mask = jnp.ones(tokens.shape[:1]) if token_mask is None else token_mask.reshape(-1)
+        return out.reshape(x.shape), router_stats(probs, experts, mask)
