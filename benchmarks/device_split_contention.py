@@ -62,7 +62,7 @@ def main() -> None:
     graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(0)))
     optimizer = make_optimizer(optimizer_config_of(config))
     state, shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_config = dataclasses.replace(train_step_config_of(config), sort_by_length=False)
+    step_config = dataclasses.replace(train_step_config_of(config, model_config), sort_by_length=False)
     step = make_train_step(graphdef, optimizer, step_config, mesh=mesh, state_shardings=shardings)
     mask = np.zeros((rows, length), np.float32)
     mask[:, prompt:] = 1.0

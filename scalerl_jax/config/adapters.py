@@ -15,6 +15,7 @@ from scalerl_jax.data.code_puzzles import PuzzleConfig
 from scalerl_jax.data.ladder import LadderConfig
 from scalerl_jax.data.mixture import MATH
 from scalerl_jax.data.rewards import RewardConfig
+from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.hf_tokenizer import CheckpointTokenizer
 from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET
 from scalerl_jax.pipeline.config import PipelineConfig
@@ -177,11 +178,13 @@ def optimizer_config_of(config: ml_collections.ConfigDict) -> OptimizerConfig:
     )
 
 
-def train_step_config_of(config: ml_collections.ConfigDict) -> TrainStepConfig:
+def train_step_config_of(config: ml_collections.ConfigDict, model_config: ModelConfig) -> TrainStepConfig:
     """The step's knobs from a run config: `rl.{objective, aggregation, advantage_normalization,
     eps_low, eps_high, eps_max}`, `batch.{microbatches, sort_by_length}`, `sampler.temperature`,
-    `model.logprob_chunk`, and `nan_policy` ('skip': a non-finite step keeps the old state)."""
+    `model.{logprob_chunk, router_aux_loss_coef}`, and `nan_policy` ('skip': a non-finite step
+    keeps the old state); the policy's MoE layers and experts from `model_config`."""
     rl = config.rl
+    moe_layers = sum(model_config.is_moe_layer(i) for i in range(model_config.num_layers))
     return TrainStepConfig(
         objective=rl.objective,
         aggregation=rl.aggregation,
@@ -194,4 +197,7 @@ def train_step_config_of(config: ml_collections.ConfigDict) -> TrainStepConfig:
         logprob_chunk_size=config.model.logprob_chunk,
         skip_nonfinite=config.nan_policy == "skip",
         sort_by_length=config.batch.sort_by_length,
+        moe_layers=moe_layers,
+        num_experts=model_config.num_experts,
+        router_aux_loss_coef=config.model.router_aux_loss_coef,
     )

@@ -374,6 +374,15 @@ def tiny() -> ml_collections.ConfigDict:
     return c
 
 
+def tiny_moe() -> ml_collections.ConfigDict:
+    """The tiny run on a mixture-of-experts policy: a 2-layer Qwen3-MoE decoder with 8 SwiGLU
+    experts per layer, 2 per token (`tiny-qwen3-moe`), warm started and trained as the dense one;
+    the routing metrics (moe/*) are in every train row."""
+    c = tiny()
+    c.model.preset = "tiny-qwen3-moe"
+    return c
+
+
 def tiny_math_code() -> ml_collections.ConfigDict:
     """The tiny run with a second, code-executing domain: half of each step's prompts are code
     puzzles (write a Python expression over given numbers that equals a target), whose programs

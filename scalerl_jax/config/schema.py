@@ -23,7 +23,7 @@ from scalerl_jax.data.builders import DATASET_CHOICES
 from scalerl_jax.data.code_puzzles import DEFAULT_LEVELS as DEFAULT_PUZZLE_LEVELS
 from scalerl_jax.data.code_puzzles import DEFAULT_OPERATORS as DEFAULT_PUZZLE_OPERATORS
 from scalerl_jax.data.code_puzzles import PUZZLES
-from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, REMAT_POLICIES, RUN_DTYPES
+from scalerl_jax.models.config import ATTENTION_IMPLS, HEAD_PRECISIONS, MOE_IMPLS, REMAT_POLICIES, RUN_DTYPES
 from scalerl_jax.models.layers import DECODE_KERNELS
 from scalerl_jax.pipeline.lag import SCHEDULES
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
@@ -187,6 +187,19 @@ KEYS: tuple[Key, ...] = (
     flag("model.scan_layers", True, "Scan over the layers (one compiled layer) instead of unrolling them."),
     choice("model.remat_policy", "full", REMAT_POLICIES, "What the train step keeps per layer.", sizes=TRAIN_STEP),
     number("model.logprob_chunk", 1024, COUNT, "Tokens per chunk of the log-prob head.", sizes=TRAIN_STEP),
+    choice(
+        "model.moe_impl",
+        "auto",
+        MOE_IMPLS,
+        "Mixture-of-experts layers: 'dense' runs every expert on every token (CPU), 'ragged' one grouped "
+        "matmul per projection over the tokens sorted by expert (GPU/TPU); 'auto' picks by platform.",
+    ),
+    number(
+        "model.router_aux_loss_coef",
+        0.0,
+        NON_NEGATIVE,
+        "Weight of the MoE load-balancing loss in the train loss (0, as Qwen3-MoE ships: output_router_logits off).",
+    ),
     # ------------------------------------------------------------------ data
     choice(
         "data.dataset",

@@ -113,21 +113,37 @@ def sequence_logprobs(
     same way (entropy[:, t] is that of the distribution that produced tokens[:, t]; 0 at t = 0).
     Logits are computed `chunk_size` positions at a time.
     """
-    if temperature <= 0:
-        raise ValueError(f"sequence_logprobs: temperature={temperature} must be > 0")
     if tokens.ndim != 2:
         raise ValueError(f"sequence_logprobs: tokens must be [B, T], got shape {tokens.shape}")
-    hidden = model.hidden(tokens)
-    logp, entropy = chunked_head_logprobs(
+    logp, entropy = next_token_logprobs(
         model.head,
-        hidden[:, :-1],
-        tokens[:, 1:],
+        model.hidden(tokens),
+        tokens,
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=return_entropy,
     )
-    shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
     if return_entropy:
-        assert entropy is not None  # chunked_head_logprobs computed it
-        return shift(logp), shift(entropy)
-    return shift(logp)
+        assert entropy is not None  # next_token_logprobs computed it
+        return logp, entropy
+    return logp
+
+
+def next_token_logprobs(
+    head: Callable[[jax.Array], jax.Array],
+    hidden: jax.Array,
+    tokens: jax.Array,
+    *,
+    temperature: float,
+    chunk_size: int,
+    with_entropy: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`sequence_logprobs` (and entropies, or None) from the final hidden states [B, T, D] of
+    tokens [B, T]: position t is scored by the hidden state at t - 1; position 0 gets 0."""
+    if temperature <= 0:
+        raise ValueError(f"sequence_logprobs: temperature={temperature} must be > 0")
+    logp, entropy = chunked_head_logprobs(
+        head, hidden[:, :-1], tokens[:, 1:], temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )
+    shift = lambda a: jnp.pad(a, ((0, 0), (1, 0)))
+    return shift(logp), None if entropy is None else shift(entropy)

@@ -516,7 +516,7 @@ def build_trainer(config: ml_collections.ConfigDict, checkpoint_dir: str, mesh: 
     optimizer = make_optimizer(optimizer_config_of(config))
     state, state_shardings = init_train_state(params, optimizer, mesh=mesh)
     step = RunTrainStep(
-        build_train_step(config, graphdef, optimizer, mesh, state_shardings),
+        build_train_step(config, model.config, graphdef, optimizer, mesh, state_shardings),
         log=log,
         timeout_s=config.distributed.reply_timeout_s,
     )
@@ -535,14 +535,19 @@ def train_length_buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
 
 
 def build_train_step(
-    config: ml_collections.ConfigDict, graphdef: Any, optimizer: Any, mesh: jax.sharding.Mesh, state_shardings: Any
+    config: ml_collections.ConfigDict,
+    model_config: ModelConfig,
+    graphdef: Any,
+    optimizer: Any,
+    mesh: jax.sharding.Mesh,
+    state_shardings: Any,
 ):
     """The run's jitted train step on `mesh` for a state on `state_shardings` (`make_train_step`
     with the config's step settings and the optimizer's learning-rate schedule for 'train/lr')."""
     return make_train_step(
         graphdef,
         optimizer,
-        train_step_config_of(config),
+        train_step_config_of(config, model_config),
         mesh=mesh,
         state_shardings=state_shardings,
         learning_rate_schedule=learning_rate_schedule(optimizer_config_of(config)),

@@ -192,7 +192,9 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
     graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(config.seed)))
     optimizer = make_optimizer(optimizer_config_of(config))
     state, shardings = init_train_state(params, optimizer, mesh=mesh)
-    step_config = dataclasses.replace(train_step_config_of(config), num_microbatches=1, sort_by_length=False)
+    step_config = dataclasses.replace(
+        train_step_config_of(config, model_config), num_microbatches=1, sort_by_length=False
+    )
     step = make_train_step(graphdef, optimizer, step_config, mesh=mesh, state_shardings=shardings)
     loss_mask = np.zeros((rows, length), np.float32)
     loss_mask[:, prompt:] = 1.0

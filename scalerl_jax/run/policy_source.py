@@ -119,7 +119,7 @@ def resolve_step(run_dir: str, step: int | None) -> int:
 
 def run_model_overrides(config: ml_collections.ConfigDict) -> dict:
     """What a run sets over a checkpoint's config.json: dtype, fp32 head and its matmul algorithm,
-    layer scan, remat policy, attention implementation."""
+    layer scan, remat policy, attention implementation, experts' implementation (MoE only)."""
     m = config.model
     return dict(
         dtype=m.dtype,
@@ -128,6 +128,7 @@ def run_model_overrides(config: ml_collections.ConfigDict) -> dict:
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
         attention_impl=m.attention_impl,
+        moe_impl=m.moe_impl,
     )
 
 

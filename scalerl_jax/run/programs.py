@@ -153,7 +153,7 @@ def run_programs(
         abstract_state, optimizer, param_shardings(abstract, trainer_mesh), trainer_mesh
     )
     state = with_shardings(abstract_state, state_shardings)
-    step = build_train_step(config, graphdef, optimizer, trainer_mesh, state_shardings)
+    step = build_train_step(config, model_config, graphdef, optimizer, trainer_mesh, state_shardings)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
     state_bytes = per_device_bytes(state)
     params_bytes = per_device_bytes(trainer_params)

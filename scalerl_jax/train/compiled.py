@@ -33,6 +33,7 @@ from scalerl_jax.contracts.batch_layout import (
     split_sorted_batch,
     validate_batch,
 )
+from scalerl_jax.models.moe import RouterStats
 from scalerl_jax.models.sharding import (
     DEFAULT_RULES,
     AotProgram,
@@ -298,7 +299,9 @@ class SortedTrainStep(_JittedStep):
             dealt = NamedSharding(batch.mesh, PartitionSpec(None, *batch.spec))  # [M, R]: R split like B
             terms = RowTerms._make([dealt] * len(RowTerms._fields))
             sums = PolicySums._make([replicated] * len(PolicySums._fields))
-            accumulator = Accumulator._make([params, sums, replicated, sums])  # grads, totals, entropy, first
+            routing = None if not config.moe_layers else RouterStats._make([replicated] * len(RouterStats._fields))
+            moe = [routing, replicated if config.moe_layers else None]
+            accumulator = Accumulator._make([params, sums, replicated, sums, *moe])  # the fields in order
             prepare_kw.update(in_shardings=(batch,), out_shardings=(terms, replicated))
             zeros_kw.update(in_shardings=(params,), out_shardings=accumulator)
             accumulate_kw.update(
@@ -313,7 +316,9 @@ class SortedTrainStep(_JittedStep):
         self._prepare = jax.jit(
             self._counted(lambda rows: prepare_rows(rows, config), "train_prepare_rows"), **prepare_kw
         )
-        self._zeros = jax.jit(self._counted(zero_accumulator, "train_zero_accumulator"), **zeros_kw)
+        self._zeros = jax.jit(
+            self._counted(lambda params: zero_accumulator(params, config), "train_zero_accumulator"), **zeros_kw
+        )
         self._accumulate = jax.jit(
             self._counted(functools.partial(accumulate_microbatch, graphdef, config), "train_accumulate"),
             **accumulate_kw,

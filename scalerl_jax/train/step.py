@@ -11,7 +11,10 @@ rows (layouts in `scalerl_jax.contracts.batch_layout`) dealt into M microbatches
   2. Per microbatch m (`accumulate_microbatch`): logp = sequence_logprobs(policy, tokens,
      temperature) with the model's (fp32) head, sums = policy_sums(logp, behavior_logp, A, m, s),
      and grad L_m of L_m = sums.loss, added to an fp32 accumulator; the sums of the microbatches
-     combine (`combine_policy_sums`). Since A and s were fixed over the whole batch and x[b, :]
+     combine (`combine_policy_sums`). A mixture-of-experts policy also sums its routing over the
+     microbatch's real tokens (prompt and completion of valid rows, `routed_token_mask`) and, with
+     `router_aux_loss_coef` = c > 0, adds c aux_m / M to L_m (aux_m its load-balancing loss,
+     `moe.load_balancing_loss`; the mean over microbatches, as gradient accumulation averages it). Since A and s were fixed over the whole batch and x[b, :]
      depends on row b only, L = sum_m L_m and grad L = sum_m grad L_m exactly, for every
      aggregation.
   3. Metrics from the combined sums (`policy_metrics`, `train_step_metrics`), then the AdamW update
@@ -38,7 +41,8 @@ import optax
 from flax import nnx
 
 from scalerl_jax.contracts.batch_layout import MICROBATCH_SPEC, deal_microbatches
-from scalerl_jax.models import sequence_logprobs
+from scalerl_jax.models.logprobs import next_token_logprobs
+from scalerl_jax.models.moe import RouterStats, load_balancing_loss
 from scalerl_jax.rl import (
     PolicySums,
     combine_policy_sums,
@@ -85,12 +89,16 @@ class RowStats(NamedTuple):
 
 class Accumulator(NamedTuple):
     """What the microbatches add up: the fp32 gradient, the combined `PolicySums`, the entropy sum
-    sum m H, and the `PolicySums` of microbatch 0."""
+    sum m H, the `PolicySums` of microbatch 0, and for a mixture-of-experts policy its routing
+    statistics ([MoE layers, experts]) and the sum of the microbatches' load-balancing losses
+    (None for a dense one)."""
 
     grads: Any
     totals: PolicySums
     entropy: jax.Array
     first: PolicySums
+    routing: RouterStats | None = None
+    aux_loss: jax.Array | None = None
 
 
 def prepare_rows(rows: dict, config: TrainStepConfig) -> tuple[RowTerms, RowStats]:
@@ -114,26 +122,52 @@ def prepare_rows(rows: dict, config: TrainStepConfig) -> tuple[RowTerms, RowStat
     return RowTerms(advantages=deal(advantages), scales=deal(scales), valid=deal(valid)), stats
 
 
-def zero_accumulator(params) -> Accumulator:
-    """An empty `Accumulator` for `params`."""
+def zero_accumulator(params, config: TrainStepConfig) -> Accumulator:
+    """An empty `Accumulator` for `params` (and `config`'s MoE layers and experts)."""
+    zero = jnp.zeros((), jnp.float32)
+    routing = None
+    if config.moe_layers:
+        layers, experts = jnp.zeros((config.moe_layers, config.num_experts)), jnp.zeros((config.moe_layers,))
+        routing = RouterStats(
+            expert_tokens=layers, expert_prob=layers, entropy=experts, tokens=experts, dropped=experts
+        )
     return Accumulator(
         grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
         totals=PolicySums.zeros(),
-        entropy=jnp.zeros((), jnp.float32),
+        entropy=zero,
         first=PolicySums.zeros(),
+        routing=routing,
+        aux_loss=zero if config.moe_layers else None,
     )
+
+
+def routed_token_mask(loss_mask: jax.Array, valid: jax.Array) -> jax.Array:
+    """float32 [R, T]: 1 on the real tokens of valid rows, prompt and completion: a row is right
+    padded after its completion, so those are the positions up to its last loss-mask token (none
+    for a row without one)."""
+    length = loss_mask.shape[1]
+    has_loss = jnp.any(loss_mask > 0, axis=1)
+    last = length - 1 - jnp.argmax(loss_mask[:, ::-1] > 0, axis=1)
+    real = jnp.arange(length)[None, :] <= last[:, None]
+    return (real & has_loss[:, None]).astype(jnp.float32) * valid[:, None].astype(jnp.float32)
 
 
 def _microbatch_loss(graphdef, params, microbatch: dict, row_terms: RowTerms, config: TrainStepConfig):
-    """(L_m, (its `PolicySums`, sum m H)) of one microbatch (arrays [R, T_m]) and its rows' terms [R]."""
+    """(L_m, (its `PolicySums`, sum m H, its `RouterStats` and load-balancing loss or None)) of one
+    microbatch (arrays [R, T_m]) and its rows' terms [R]."""
     model = nnx.merge(graphdef, params)
-    logp, entropy = sequence_logprobs(
-        model,
-        microbatch["tokens"].astype(jnp.int32),
+    tokens = microbatch["tokens"].astype(jnp.int32)
+    routed = routed_token_mask(microbatch["loss_mask"], row_terms.valid)
+    hidden, routing = model.hidden_with_routing(tokens, routed)
+    logp, entropy = next_token_logprobs(
+        model.head,
+        hidden,
+        tokens,
         temperature=config.temperature,
         chunk_size=config.logprob_chunk_size,
-        return_entropy=True,
+        with_entropy=True,
     )
+    assert entropy is not None  # with_entropy
     mask = effective_mask(microbatch["loss_mask"], row_terms.valid)
     sums = policy_sums(
         logp,
@@ -146,7 +180,11 @@ def _microbatch_loss(graphdef, params, microbatch: dict, row_terms: RowTerms, co
         eps_high=config.eps_high,
         eps_max=config.eps_max,
     )
-    return sums.loss, jax.lax.stop_gradient((sums, jnp.sum(mask * entropy)))
+    loss, aux = sums.loss, None
+    if routing is not None:
+        aux = load_balancing_loss(routing)
+        loss = loss + config.router_aux_loss_coef * aux / config.num_microbatches
+    return loss, jax.lax.stop_gradient((sums, jnp.sum(mask * entropy), routing, aux))
 
 
 def accumulate_microbatch(
@@ -162,12 +200,15 @@ def accumulate_microbatch(
     `batch_layout.MICROBATCH_SPEC`) and its sums to `accumulator`."""
     row_terms = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False), terms)
     loss_of = lambda p: _microbatch_loss(graphdef, p, microbatch, row_terms, config)
-    grads, (sums, entropy) = jax.grad(loss_of, has_aux=True)(params)
+    grads, (sums, entropy, routing, aux) = jax.grad(loss_of, has_aux=True)(params)
+    add = lambda total, new: None if new is None else jax.tree.map(jnp.add, total, new)
     return Accumulator(
         grads=jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), accumulator.grads, grads),
         totals=combine_policy_sums(accumulator.totals, sums),
         entropy=accumulator.entropy + entropy,
         first=jax.tree.map(lambda old, new: jnp.where(index == 0, new, old), accumulator.first, sums),
+        routing=add(accumulator.routing, routing),
+        aux_loss=add(accumulator.aux_loss, aux),
     )
 
 
@@ -193,6 +234,13 @@ def train_step_metrics(config: TrainStepConfig, accumulator: Accumulator, row_st
     train/num_loss_tokens, train/num_prompts, train/num_samples   what entered the loss
     train/advantage_abs_mean       mean |A| over valid rows
     train/finite            1 when loss and grad norm are finite, else 0
+    and for a mixture-of-experts policy, over the real tokens of the batch (`routed_token_mask`):
+    moe/tokens_per_expert_min, moe/tokens_per_expert_max   the fewest and most token choices an
+                            expert received, over every (MoE layer, expert)
+    moe/router_entropy      mean router entropy -sum_e p_e log p_e per token and MoE layer
+    moe/dropped_tokens      token choices no expert computed (dropless routing: 0)
+    moe/aux_loss            the load-balancing loss, mean over microbatches (in the loss when
+                            router_aux_loss_coef > 0)
     """
     totals, first = accumulator.totals, accumulator.first
     policy = policy_metrics(totals, row_stats.num_samples, row_stats.num_prompts)
@@ -213,6 +261,17 @@ def train_step_metrics(config: TrainStepConfig, accumulator: Accumulator, row_st
         "train/advantage_abs_mean": row_stats.advantage_abs_mean,
         "train/finite": (jnp.isfinite(totals.loss) & jnp.isfinite(grad_norm)).astype(jnp.float32),
     }
+    if accumulator.routing is not None and accumulator.aux_loss is not None:
+        routing = accumulator.routing
+        metrics.update(
+            {
+                "moe/tokens_per_expert_min": jnp.min(routing.expert_tokens),
+                "moe/tokens_per_expert_max": jnp.max(routing.expert_tokens),
+                "moe/router_entropy": safe_divide(jnp.sum(routing.entropy), jnp.sum(routing.tokens)),
+                "moe/dropped_tokens": jnp.sum(routing.dropped),
+                "moe/aux_loss": accumulator.aux_loss / config.num_microbatches,
+            }
+        )
     if config.objective == "cispo":
         metrics["train/cispo_truncated_frac"] = policy["clip_frac_high"]
     else:
@@ -242,7 +301,7 @@ def accumulate_gradients(
         return accumulate_microbatch(graphdef, config, accumulator, params, terms, index, microbatch), None
 
     indices = jnp.arange(num_microbatches, dtype=jnp.int32)
-    accumulator, _ = jax.lax.scan(body, zero_accumulator(params), (indices, microbatches))
+    accumulator, _ = jax.lax.scan(body, zero_accumulator(params, config), (indices, microbatches))
     return accumulator.grads, train_step_metrics(config, accumulator, row_stats)
 
 

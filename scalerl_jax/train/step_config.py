@@ -24,6 +24,11 @@ class TrainStepConfig:
     logprob_chunk_size: int = 512  # sequence chunk of the log-prob computation
     skip_nonfinite: bool = True  # keep the old state when loss or grads are NaN/inf
     sort_by_length: bool = False  # batches in the sorted layout (split_sorted_batch); SortedTrainStep
+    # A mixture-of-experts policy: its MoE layers and experts (the routing statistics' shapes), and
+    # the weight of the load-balancing loss added to each microbatch's loss (`moe.load_balancing_loss`).
+    moe_layers: int = 0
+    num_experts: int = 0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         for name, allowed in (
@@ -37,5 +42,11 @@ class TrainStepConfig:
             raise ValueError(f"TrainStepConfig.num_microbatches must be >= 1, got {self.num_microbatches}")
         if self.temperature <= 0:
             raise ValueError(f"TrainStepConfig.temperature must be > 0, got {self.temperature}")
+        if (self.moe_layers > 0) != (self.num_experts > 0):
+            raise ValueError(
+                f"TrainStepConfig: moe_layers={self.moe_layers} and num_experts={self.num_experts} must both be 0 or both > 0"
+            )
+        if self.router_aux_loss_coef and not self.moe_layers:
+            raise ValueError("TrainStepConfig.router_aux_loss_coef is for mixture-of-experts policies (moe_layers=0)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"TrainStepConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")

@@ -20,7 +20,7 @@ from small_models import small_llama
 from scalerl_jax.config import recipes
 from scalerl_jax.config.adapters import train_step_config_of
 from scalerl_jax.contracts.batch_layout import validate_batch
-from scalerl_jax.models import Transformer, make_mesh, param_shardings
+from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
     TrainStepConfig,
@@ -453,7 +453,8 @@ def test_step_config_from_the_run_config():
     normalization, the recipe's clip settings, one microbatch in the sorted layout, temperature 1,
     log-prob chunks of 64, and nan_policy 'skip' (skip_nonfinite); 'stop' turns skip_nonfinite off."""
     config = recipes.tiny()
-    assert train_step_config_of(config) == TrainStepConfig(
+    model_config = get_preset(config.model.preset)
+    assert train_step_config_of(config, model_config) == TrainStepConfig(
         objective="cispo",
         aggregation="prompt",
         advantage_normalization="batch",
@@ -467,7 +468,7 @@ def test_step_config_from_the_run_config():
         sort_by_length=True,
     )
     config.nan_policy = "stop"
-    assert not train_step_config_of(config).skip_nonfinite
+    assert not train_step_config_of(config, model_config).skip_nonfinite
 
 
 @pytest.mark.slow
