@@ -30,12 +30,14 @@ Rules = Sequence[tuple[str, MeshAxes]]
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical name -> mesh axes (MaxText style). Parameters: FSDP over the embedding dimension,
-# tensor parallelism over heads / mlp / vocab. Activations: batch over data and fsdp.
+# tensor parallelism over heads / mlp / vocab; a mixture-of-experts layer's experts are split
+# whole over fsdp (expert parallelism: its embedding dimension then stays whole). Activations:
+# batch over data and fsdp.
 DEFAULT_RULES: tuple[tuple[str, MeshAxes], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("layers", None),
-    ("expert", None),
+    ("expert", "fsdp"),
     ("embed", "fsdp"),
     ("mlp", "tensor"),
     ("heads", "tensor"),
