@@ -32,6 +32,7 @@ from scalerl_jax.hardware.facts import DeviceFacts, facts_for_target
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.models.layers import FLASH_IMPLS, resolve_attention_impl
+from scalerl_jax.models.moe import resolve_moe_impl
 from scalerl_jax.models.transformer import Transformer
 
 GIB = 1024**3
@@ -125,6 +126,11 @@ def activation_terms(
       H/tp * (4 + hd e)
     Working set of one layer during its backward: the `none` amount for one layer. Head: the
     float32 hidden states (b T D 4) and ~4 float32 [b, chunk, V/tp] buffers per log-prob chunk.
+    A mixture-of-experts layer (E experts of width F, r per token) counts F r (ragged: each token's
+    r expert rows) or F E (dense: every expert on every token) as its F, plus its float32 router
+    logits and probabilities (8 E) and the expert outputs before they combine (ragged: r D (e + 4),
+    the gathered rows and their float32 sum; dense: E D (e + 4)), the impl being what
+    `config.moe_impl` resolves to on `platform`.
     """
     d, f, h, k, hd = (
         config.hidden_size,
@@ -141,21 +147,31 @@ def activation_terms(
         raise ValueError(f"activation_terms: unknown platform {platform!r}; expected one of {PLATFORMS}")
     flash = resolve_attention_impl(config, platform, seq_len) in FLASH_IMPLS
     scores = (h / tp) * (4 + hd * e) if flash else (h / tp) * seq_len * (4 + e)
-    everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * f / tp) + scores
-    weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * f / tp)
-    saved = {
-        "none": everything,
-        "full": 0.0,
-        "dots_with_no_batch_dims": weight_dots,
-        "dots": weight_dots + scores + e * h * hd / tp,
-        "save_qkv_attn": e * (2 * h * hd / tp + 2 * k * hd / tp),
-    }
-    if remat_policy not in saved:
-        raise ValueError(f"activation_terms: unknown remat_policy {remat_policy!r}; expected one of {sorted(saved)}")
+
+    def per_token(width: float, extra: float) -> dict[str, float]:
+        """Bytes per token of one layer whose MLP is `width` wide, by remat policy (`extra`: the
+        MoE router and expert outputs, kept whole whenever the MLP's outputs are)."""
+        everything = e * (4 * d + 3 * h * hd / tp + 4 * k * hd / tp + 3 * width / tp) + scores + extra
+        weight_dots = e * (h * hd / tp + 2 * k * hd / tp + 2 * d + 2 * width / tp) + extra
+        return {
+            "none": everything,
+            "full": 0.0,
+            "dots_with_no_batch_dims": weight_dots,
+            "dots": weight_dots + scores + e * h * hd / tp,
+            "save_qkv_attn": e * (2 * h * hd / tp + 2 * k * hd / tp),
+        }
+
+    dense = per_token(f, 0.0)
+    if remat_policy not in dense:
+        raise ValueError(f"activation_terms: unknown remat_policy {remat_policy!r}; expected one of {sorted(dense)}")
+    experts, chosen, width = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    rows = experts if resolve_moe_impl(config.moe_impl, platform) == "dense" else chosen
+    moe = per_token(width * rows, 8 * experts + rows * d * (e + 4)) if experts else dense
+    layers = [moe if config.is_moe_layer(i) else dense for i in range(config.num_layers)]
     return {
         "layer_inputs": int(config.num_layers * tokens * d * e),
-        "saved_by_remat_policy": int(config.num_layers * tokens * saved[remat_policy]),
-        "one_layer_working_set": int(tokens * everything) if remat_policy != "none" else 0,
+        "saved_by_remat_policy": int(tokens * sum(layer[remat_policy] for layer in layers)),
+        "one_layer_working_set": int(tokens * max(layer["none"] for layer in layers)) if remat_policy != "none" else 0,
         "head_hidden_fp32": int(tokens * d * 4),
         "logprob_chunk": int(4 * b * min(logprob_chunk, seq_len) * -(-config.vocab_size // tp) * 4),
     }

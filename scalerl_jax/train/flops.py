@@ -4,7 +4,9 @@ For a decoder with L layers, width d, h query heads and k KV heads of size e, ML
 vocabulary V, the weights used in matmuls per token are
     N = L (2 d h e + 2 d k e + 3 d f) + d V
 (q and o projections, k and v projections, SwiGLU gate/up/down, and the LM head; the embedding
-lookup is a gather, not a matmul, and norms/biases are negligible). A matmul with an n-element
+lookup is a gather, not a matmul, and norms/biases are negligible). A mixture-of-experts layer
+with E experts of width F, r of them per token, puts its router and the r experts a token uses
+in place of 3 d f: d E + 3 d F r (active parameters only: the other experts do no work for it). A matmul with an n-element
 weight costs 2n FLOPs per token forward and 4n backward, hence the usual 6 N per trained token.
 
 Causal attention on a sequence of T tokens: query i attends i + 1 keys, and QK^T and AV each cost
@@ -22,7 +24,7 @@ from scalerl_jax.models.config import ModelConfig
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """N: weights that enter a matmul once per token (module docstring)."""
+    """N: weights that enter a matmul once per token (module docstring; MoE layers: active only)."""
     d, f, h, k, e = (
         config.hidden_size,
         config.intermediate_size,
@@ -30,8 +32,10 @@ def matmul_params(config: ModelConfig) -> int:
         config.num_kv_heads,
         config.head_dim,
     )
-    per_layer = 2 * d * h * e + 2 * d * k * e + 3 * d * f
-    return config.num_layers * per_layer + d * config.vocab_size
+    attention = 2 * d * h * e + 2 * d * k * e
+    experts = d * config.num_experts + 3 * d * config.moe_intermediate_size * config.num_experts_per_tok
+    layers = sum(attention + (experts if config.is_moe_layer(i) else 3 * d * f) for i in range(config.num_layers))
+    return layers + d * config.vocab_size
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -4,7 +4,7 @@ import pytest
 
 from scalerl_jax.cli.plan_memory import main
 from scalerl_jax.models import get_preset
-from scalerl_jax.models.memory import kv_bytes_per_token, kv_cache_bytes, plan_decode, plan_memory
+from scalerl_jax.models.memory import activation_terms, kv_bytes_per_token, kv_cache_bytes, plan_decode, plan_memory
 
 
 def test_llama31_8b_fsdp8_bytes_by_hand():
@@ -46,6 +46,22 @@ def test_remat_policies_order_activation_estimates():
         for policy in ("none", "dots", "dots_with_no_batch_dims", "full")
     }
     assert act["none"] > act["dots"] > act["dots_with_no_batch_dims"] > act["full"] > 0
+
+
+def test_moe_layer_activations_by_hand():
+    """tiny-qwen3-moe (d 64, 4 / 2 heads of 16, 8 experts of width 64, 2 per token, 2 layers,
+    float32), 2 sequences of 32 tokens on one device, remat 'none', XLA attention: per token and
+    layer e (4 d + 3 H hd + 4 K hd + 3 F rows) + scores H T (4 + e) + router 8 E + rows d (e + 4),
+    rows = 2 (ragged, GPU) or 8 (dense, CPU): 4 (256 + 192 + 128 + 384) + 1024 + 64 + 1024 = 5952
+    and 4 (256 + 192 + 128 + 1536) + 1024 + 64 + 4096 = 13632; x 2 layers x 64 tokens."""
+    config = get_preset("tiny-qwen3-moe")
+    terms = {
+        platform: activation_terms(
+            config, {}, microbatch=2, seq_len=32, remat_policy="none", logprob_chunk=32, platform=platform
+        )["saved_by_remat_policy"]
+        for platform in ("gpu", "cpu")
+    }
+    assert terms == {"gpu": 5952 * 2 * 64, "cpu": 13632 * 2 * 64}
 
 
 def test_indivisible_mesh_is_named():

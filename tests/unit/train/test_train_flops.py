@@ -65,3 +65,15 @@ def test_peak_flops_by_device_kind():
     assert devices_peak_flops_per_s([_Device("NVIDIA H200")] * 4) == 4 * 989e12
     assert devices_peak_flops_per_s([_Device("NVIDIA H200"), _Device("cpu")]) is None
     assert devices_peak_flops_per_s(jax.devices("cpu")) is None
+
+
+def test_qwen3_30b_a3b_counts_its_active_parameters_by_hand():
+    """Qwen3-30B-A3B as its report gives it: 30.5B parameters, 3.3B activated per token (48 layers,
+    128 experts of width 768, 8 per token). Per layer: attention q,o 2*2048*32*128 = 16,777,216
+    and k,v 2*2048*4*128 = 2,097,152; router 2048*128 = 262,144; 8 experts 3*2048*768*8 =
+    37,748,736; sum 56,885,248; x 48 = 2,730,491,904; head 2048*151936 = 311,164,928."""
+    config = get_preset("qwen3-30b-a3b")
+    assert matmul_params(config) == 2_730_491_904 + 311_164_928
+    idle_experts = 48 * (128 - 8) * 3 * 2048 * 768
+    assert round(config.num_params() / 1e9, 1) == 30.5
+    assert 3.3e9 <= config.num_params() - idle_experts < 3.4e9  # the report's "3.3B activated" (3.35B)
