@@ -45,14 +45,19 @@ def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array) -> Route
     """`RouterStats` of router probabilities [N, E] and chosen experts [N, k] over tokens with mask [N] = 1."""
     num_experts = probs.shape[-1]
     mask = mask.astype(jnp.float32)
-    chosen = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32)  # [N, k, E]; all zero off [0, E)
+    named = (experts >= 0) & (experts < num_experts)
+    choice_mask = jnp.broadcast_to(mask[:, None], experts.shape)
+    # A scatter-add, not a one-hot [N, k, E]: at 16k tokens x 128 experts that would be gigabytes.
+    expert_tokens = (
+        jnp.zeros((num_experts,), jnp.float32).at[jnp.where(named, experts, num_experts)].add(choice_mask, mode="drop")
+    )
     entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0), axis=-1)
     return RouterStats(
-        expert_tokens=jnp.einsum("nke,n->e", chosen, mask),
+        expert_tokens=expert_tokens,
         expert_prob=jnp.einsum("ne,n->e", probs, mask),
         entropy=jnp.sum(entropy * mask),
         tokens=jnp.sum(mask),
-        dropped=jnp.sum((1.0 - jnp.sum(chosen, axis=-1)) * mask[:, None]),
+        dropped=jnp.sum(jnp.where(named, 0.0, choice_mask)),
     )
 
 

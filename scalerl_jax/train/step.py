@@ -14,9 +14,9 @@ rows (layouts in `scalerl_jax.contracts.batch_layout`) dealt into M microbatches
      combine (`combine_policy_sums`). A mixture-of-experts policy also sums its routing over the
      microbatch's real tokens (prompt and completion of valid rows, `routed_token_mask`) and, with
      `router_aux_loss_coef` = c > 0, adds c aux_m / M to L_m (aux_m its load-balancing loss,
-     `moe.load_balancing_loss`; the mean over microbatches, as gradient accumulation averages it). Since A and s were fixed over the whole batch and x[b, :]
-     depends on row b only, L = sum_m L_m and grad L = sum_m grad L_m exactly, for every
-     aggregation.
+     `moe.load_balancing_loss`; the mean over microbatches, as gradient accumulation averages
+     it). Since A and s were fixed over the whole batch and x[b, :] depends on row b only,
+     L = sum_m L_m and grad L = sum_m grad L_m exactly, for every aggregation.
   3. Metrics from the combined sums (`policy_metrics`, `train_step_metrics`), then the AdamW update
      (fp32 master weights, see optimizer.py). If the loss or the gradient norm is not finite and
      `skip_nonfinite`, the state is returned unchanged and `train/finite` is 0.
