@@ -1,5 +1,5 @@
 """Decoder configuration (`ModelConfig`) and named presets for the Llama 3 / Qwen2.5 / Qwen3 /
-Qwen3-MoE families."""
+Qwen3-MoE / Llama 4 families."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "llama4")
 DTYPES = ("float32", "bfloat16", "float16")
 # The dtypes a run trains in (`model.dtype`): float16 would need loss scaling, which the train step lacks.
 RUN_DTYPES = ("float32", "bfloat16")
@@ -15,7 +15,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims", "save_qkv_a
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "splash")
 HEAD_PRECISIONS = ("highest", "bf16x3", "high", "default")
 # How a token's experts are chosen (`moe.route`) and how their outputs are computed (`moe.MoE`).
-ROUTINGS = ("softmax_topk",)
+ROUTINGS = ("softmax_topk", "sigmoid_topk")
 MOE_IMPLS = ("auto", "dense", "ragged")
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -41,16 +41,26 @@ class ModelConfig:
     q/k/v projections (Qwen2.5), `o_bias` to the output projection (Llama `attention_bias`),
     `qk_norm` applies a per-head RMSNorm to q and k before RoPE (Qwen3).
 
+    Per-layer attention (Llama 4's interleaved RoPE): layers in `nope_layers` use no position
+    encoding at all; with `attn_temperature_tuning` their queries at position p are multiplied by
+    1 + attn_scale * log(1 + floor((p + 1) / attn_floor_scale)). Layers in
+    `chunked_attention_layers` attend locally: query p sees keys s <= p with
+    floor(s / attention_chunk_size) = floor(p / attention_chunk_size). `qk_l2_norm` normalizes q and
+    k of every RoPE layer after RoPE, per head and without a scale: x / sqrt(mean(x^2) + eps).
+
     Mixture of experts (`num_experts` > 0): every layer not in `dense_layers` replaces its SwiGLU
     MLP with `num_experts` SwiGLU experts of width `moe_intermediate_size`, of which each token
     uses `num_experts_per_tok` (top-k), picked by a float32 router (`routing`: 'softmax_topk' is
     softmax over the experts then top-k, renormalized over the k when `norm_topk_prob`, as
-    Qwen3-MoE). `moe_impl` computes the experts: 'dense' runs every expert on every token and
+    Qwen3-MoE; 'sigmoid_topk' is top-k over the logits with weight sigmoid(logit), which scales
+    the expert's input rather than its output, as Llama 4). With `shared_expert_intermediate_size`
+    > 0 every MoE layer also runs one SwiGLU MLP of that width on every token and adds it (Llama
+    4's shared expert). `moe_impl` computes the experts: 'dense' runs every expert on every token and
     weights them (E x the MLP's FLOPs, no data-dependent shapes: fast where E is small, as on CPU),
     'ragged' sorts the token-expert pairs by expert and runs one grouped matmul per projection
     (`jax.lax.ragged_dot`: k x the MLP's FLOPs on GPU / TPU), 'auto' is 'dense' on CPU and
     'ragged' elsewhere. Both are dropless: no token is ever dropped for capacity. Layers stack for
-    `scan_layers` only when they are all of one kind.
+    `scan_layers` only when they are all of one kind (`layer_kind`).
     """
 
     family: str
@@ -85,6 +95,14 @@ class ModelConfig:
     routing: str = "softmax_topk"
     norm_topk_prob: bool = True
     moe_impl: str = "auto"
+    shared_expert_intermediate_size: int = 0
+    nope_layers: tuple[int, ...] = ()
+    chunked_attention_layers: tuple[int, ...] = ()
+    attention_chunk_size: int = 0
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    attn_floor_scale: float = 8192.0
+    attn_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -124,18 +142,42 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, float(scaling[k])) for k in ROPE_SCALING_KEYS)))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        object.__setattr__(self, "dense_layers", tuple(sorted({int(i) for i in self.dense_layers})))
+        for name in ("dense_layers", "nope_layers", "chunked_attention_layers"):
+            layers = tuple(sorted({int(i) for i in getattr(self, name)}))
+            outside = [i for i in layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ValueError(f"ModelConfig.{name} {outside} are not layers of a {self.num_layers}-layer model")
+            object.__setattr__(self, name, layers)
+        if self.chunked_attention_layers and self.attention_chunk_size <= 0:
+            raise ValueError(
+                f"ModelConfig.chunked_attention_layers={list(self.chunked_attention_layers)} need "
+                f"attention_chunk_size > 0, got {self.attention_chunk_size}"
+            )
+        if self.attn_temperature_tuning and self.attn_floor_scale <= 0:
+            raise ValueError(f"ModelConfig.attn_floor_scale={self.attn_floor_scale} must be positive")
         self._check_moe()
+        kinds = {self.layer_kind(i) for i in range(self.num_layers)}
+        if self.scan_layers and len(kinds) > 1:
+            raise ValueError(
+                "ModelConfig: the layers are not all of one kind (dense / MoE, RoPE / NoPE, chunked / "
+                "full attention), so they cannot be stacked for scan_layers; set scan_layers=False "
+                "(a run: model.scan_layers=False)"
+            )
 
     def _check_moe(self) -> None:
         """ValueError naming the field when the mixture-of-experts fields do not fit together."""
         if self.num_experts < 0:
             raise ValueError(f"ModelConfig.num_experts={self.num_experts} must be >= 0 (0: a dense model)")
         if not self.num_experts:
-            if self.dense_layers or self.num_experts_per_tok or self.moe_intermediate_size:
+            if (
+                self.dense_layers
+                or self.num_experts_per_tok
+                or self.moe_intermediate_size
+                or self.shared_expert_intermediate_size
+            ):
                 raise ValueError(
-                    "ModelConfig: dense_layers / num_experts_per_tok / moe_intermediate_size are for "
-                    "mixture-of-experts models; num_experts=0"
+                    "ModelConfig: dense_layers / num_experts_per_tok / moe_intermediate_size / "
+                    "shared_expert_intermediate_size are for mixture-of-experts models; num_experts=0"
                 )
             return
         if self.routing not in ROUTINGS:
@@ -148,14 +190,26 @@ class ModelConfig:
             )
         if self.moe_intermediate_size <= 0:
             raise ValueError(f"ModelConfig.moe_intermediate_size={self.moe_intermediate_size} must be positive")
-        outside = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
-        if outside:
-            raise ValueError(f"ModelConfig.dense_layers {outside} are not layers of a {self.num_layers}-layer model")
-        if self.scan_layers and 0 < len(self.dense_layers) < self.num_layers:
+        if self.shared_expert_intermediate_size < 0:
             raise ValueError(
-                f"ModelConfig: dense_layers={list(self.dense_layers)} mixes dense and MoE layers, which "
-                "cannot be stacked for scan_layers; set scan_layers=False (a run: model.scan_layers=False)"
+                f"ModelConfig.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be >= 0"
             )
+        if self.routing == "sigmoid_topk" and self.norm_topk_prob:
+            raise ValueError(
+                "ModelConfig: routing='sigmoid_topk' weights are not renormalized; set norm_topk_prob=False"
+            )
+
+    def layer_kind(self, layer: int) -> tuple[bool, bool, bool]:
+        """(has experts, uses RoPE, chunked attention) of layer `layer`: layers stack only when equal."""
+        return self.is_moe_layer(layer), self.uses_rope(layer), self.is_chunked_layer(layer)
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE (it is not one of `nope_layers`)."""
+        return layer not in self.nope_layers
+
+    def is_chunked_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends only within its `attention_chunk_size` chunk."""
+        return layer in self.chunked_attention_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` has experts in place of the dense MLP."""
@@ -178,6 +232,7 @@ class ModelConfig:
         attn += d if self.o_bias else 0
         attn += 2 * hd if self.qk_norm else 0
         moe = d * self.num_experts + self.num_experts * 3 * d * self.moe_intermediate_size  # router + experts
+        moe += 3 * d * self.shared_expert_intermediate_size
         layers = sum(attn + 2 * d + (moe if self.is_moe_layer(i) else 3 * d * f) for i in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else d * self.vocab_size
         return self.vocab_size * d + layers + d + head
@@ -276,6 +331,46 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
+    ),
+    # meta-llama/Llama-4-Scout-17B-16E, text decoder: 16 experts of width 8192 in every layer, 1
+    # per token, beside a shared expert; every 4th layer NoPE with full attention, the others RoPE
+    # with attention in chunks of 8192. Layers of two kinds: unscanned.
+    "llama4-scout": dict(
+        family="llama4",
+        vocab_size=202_048,
+        hidden_size=5120,
+        intermediate_size=16_384,
+        num_layers=48,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500_000.0,
+        rope_scaling={
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=10_485_760,
+        dtype="bfloat16",
+        scan_layers=False,
+        bos_token_id=200_000,
+        eos_token_id=(200_001, 200_007, 200_008),
+        num_experts=16,
+        num_experts_per_tok=1,
+        moe_intermediate_size=8192,
+        shared_expert_intermediate_size=8192,
+        routing="sigmoid_topk",
+        norm_topk_prob=False,
+        nope_layers=tuple(range(3, 48, 4)),
+        chunked_attention_layers=tuple(i for i in range(48) if i % 4 != 3),
+        attention_chunk_size=8192,
+        qk_l2_norm=True,
+        attn_temperature_tuning=True,
+        attn_floor_scale=8192.0,
+        attn_scale=0.1,
     ),
     # Qwen/Qwen2.5-7B.
     "qwen2.5-7b": dict(

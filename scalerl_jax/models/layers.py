@@ -1,4 +1,5 @@
-"""Decoder building blocks: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention, SwiGLU MLP.
+"""Decoder building blocks: RMSNorm, RoPE (with Llama 3.1 scaling), GQA attention (full or chunked
+local, with or without RoPE, Llama 4's QK norm and attention temperature), SwiGLU MLP.
 
 Parameters carry logical axis names as NNX metadata (`out_sharding`). A block built with
 `stack=L` holds L layers' parameters stacked on a leading `'layers'` axis (used by the scanned
@@ -88,8 +89,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, flo
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
     wavelength = 2.0 * np.pi / inv_freq
-    smooth = (original / wavelength - low) / (high - low)
-    interpolated = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
+    with np.errstate(divide="ignore", invalid="ignore"):  # l = h (Llama 4): no band is interpolated
+        smooth = (original / wavelength - low) / (high - low)
+        interpolated = (1.0 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = np.where(
         wavelength > original / low, inv_freq / factor, np.where(wavelength < original / high, inv_freq, interpolated)
     )
@@ -105,6 +107,24 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def weightless_rms_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32, returned in x's dtype (no scale)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def attention_temperature(positions: jax.Array, floor_scale: float, scale: float) -> jax.Array:
+    """Llama 4's query scale at absolute positions p (float32, p's shape):
+    1 + scale * log(1 + floor((p + 1) / floor_scale))."""
+    steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / floor_scale)
+    return 1.0 + scale * jnp.log1p(steps)
+
+
+def chunk_start(positions: jax.Array, chunk: int) -> jax.Array:
+    """The first position of each position's attention chunk: floor(p / chunk) * chunk."""
+    return (positions // chunk) * chunk
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -248,8 +268,10 @@ def decode_attention(
     *,
     window: int,
     block: int,
+    first_key: jax.Array | None = None,
 ) -> jax.Array:
-    """`grouped_attention` of q [B, T, H, D] over keys s < `window` of cache layer `layer`, s <= positions[b, t].
+    """`grouped_attention` of q [B, T, H, D] over keys s < `window` of cache layer `layer`, s <= positions[b, t]
+    (and s >= first_key[b, t] when given: a chunked layer's chunk start).
 
     stacked_k/v [L, B, S, K, D] are read in place, `block` keys at a time (online softmax: with
     running max m, normalizer l and accumulator a, a block of scores x gives m' = max(m, max x),
@@ -264,6 +286,7 @@ def decode_attention(
     num_blocks = -(-window // block)
     qg = q.reshape(batch, length, 1, kv_heads, heads // kv_heads, dim).astype(jnp.float32) / np.sqrt(dim)
     layer = jnp.asarray(layer, jnp.int32)
+    lowest = jnp.zeros_like(positions) if first_key is None else first_key
 
     def read(stacked: jax.Array, start: jax.Array) -> jax.Array:  # [B, 1, block, K, 1, D] float32
         zero = jnp.int32(0)
@@ -279,6 +302,7 @@ def decode_attention(
             (key_index >= first)[None, None, :]
             & (key_index < window)[None, None, :]
             & (key_index[None, None, :] <= positions[:, :, None])
+            & (key_index[None, None, :] >= lowest[:, :, None])
         )[..., None, None]  # [B, T, block, 1, 1]
         scores = jnp.where(valid, jnp.sum(qg * read(stacked_k, start), axis=-1), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=2))  # [B, T, K, G]
@@ -310,8 +334,10 @@ def paged_decode_attention_xla(
     *,
     window: int,
     pages_per_block: int,
+    first_key: jax.Array | None = None,
 ) -> jax.Array:
-    """Attention of one query per slot, q [S, H, D], over its keys s < lengths[slot] kept in pages.
+    """Attention of one query per slot, q [S, H, D], over its keys s < lengths[slot] kept in pages
+    (and s >= first_key[slot] when given: a chunked layer's chunk start).
 
     k/v_pages [L, N, P, K, D] is one pool of N pages of P tokens (read in place, layer `layer`);
     slot b's key at position s is k_pages[layer, page_table[b, s // P], s % P]. Only the pages
@@ -328,6 +354,7 @@ def paged_decode_attention_xla(
     block = block_pages * page_size
     qg = q.reshape(slots, kv_heads, heads // kv_heads, dim).astype(jnp.float32) / np.sqrt(dim)
     layer = jnp.asarray(layer, jnp.int32)
+    lowest = jnp.zeros_like(lengths) if first_key is None else first_key
 
     def read(pool: jax.Array, pages: jax.Array) -> jax.Array:  # [S, block, K, D] float32
         piece = pool.at[layer, pages].get(mode="fill", fill_value=0)  # [S, block_pages, P, K, D]
@@ -339,9 +366,11 @@ def paged_decode_attention_xla(
         start_page = jnp.minimum(first_page, window_pages - block_pages)  # last block may overlap
         pages = jax.lax.dynamic_slice_in_dim(page_table, start_page, block_pages, axis=1)
         key_index = start_page * page_size + jnp.arange(block)
-        valid = ((key_index >= first_page * page_size)[None, :] & (key_index[None, :] < lengths[:, None]))[
-            ..., None, None
-        ]  # [S, block, 1, 1]
+        valid = (
+            (key_index >= first_page * page_size)[None, :]
+            & (key_index[None, :] < lengths[:, None])
+            & (key_index[None, :] >= lowest[:, None])
+        )[..., None, None]  # [S, block, 1, 1]
         # Contractions as dots (not multiply-and-sum): XLA CPU runs a broadcast product as an
         # elementwise loop, half of a decode step's time on SmolLM2 at 64 slots.
         scores = jnp.where(valid, jnp.einsum("skgd,sbkd->sbkg", qg, read(k_pages, pages)), -jnp.inf)
@@ -397,6 +426,7 @@ def grouped_paged_attention(
     window: int,
     pages_per_block: int,
     kernel: str,
+    first_key: jax.Array | None = None,
 ) -> jax.Array:
     """`paged_decode_attention_xla` (kernel 'xla') or the Pallas kernel ('pallas') per page group.
 
@@ -405,30 +435,42 @@ def grouped_paged_attention(
     groups are mapped with `jax.vmap` (a batch dimension of every gather), so a pool sharded over
     G with the slots sharded alike is read without moving pages between devices. The Pallas kernel
     ignores `window` (it reads each slot's own length); off GPU it runs in interpret mode (tests only).
+    It reads every key from 0, so with `first_key` (a chunked layer's chunk starts [S]) the 'xla'
+    kernel runs whatever `kernel` says.
     """
     groups = k_pool.shape[1]
     slots = q.shape[0]
+    lowest = jnp.zeros_like(lengths) if first_key is None else first_key
 
     def per_group(x: jax.Array) -> jax.Array:
         return x.reshape(groups, slots // groups, *x.shape[1:])
 
-    if kernel == "pallas":
+    if kernel == "pallas" and first_key is None:
         interpret = sharding.trace_platform() not in paged_attention.GPU_PLATFORMS  # CPU: tests only, slow
         layer_index = jnp.asarray(layer, jnp.int32)  # the kernel takes it as an int32 scalar array
 
-        def attend(q_g, k_g, v_g, table_g, lengths_g):
+        def attend(q_g, k_g, v_g, table_g, lengths_g, lowest_g):
+            del lowest_g  # zeros: only a chunked layer has a later first key, and it takes the XLA kernel
             return paged_attention.paged_decode_attention(
                 q_g, k_g, v_g, layer_index, table_g, lengths_g, pages_per_block=pages_per_block, interpret=interpret
             )
     else:
 
-        def attend(q_g, k_g, v_g, table_g, lengths_g):
+        def attend(q_g, k_g, v_g, table_g, lengths_g, lowest_g):
             return paged_decode_attention_xla(
-                q_g, k_g, v_g, layer, table_g, lengths_g, window=window, pages_per_block=pages_per_block
+                q_g,
+                k_g,
+                v_g,
+                layer,
+                table_g,
+                lengths_g,
+                window=window,
+                pages_per_block=pages_per_block,
+                first_key=lowest_g,
             )
 
-    out = jax.vmap(attend, in_axes=(0, 1, 1, 0, 0))(
-        per_group(q), k_pool, v_pool, per_group(page_table), per_group(lengths)
+    out = jax.vmap(attend, in_axes=(0, 1, 1, 0, 0, 0))(
+        per_group(q), k_pool, v_pool, per_group(page_table), per_group(lengths), per_group(lowest)
     )
     return out.reshape(q.shape)
 
@@ -444,12 +486,17 @@ def write_kv_pages(
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with optional q/k/v bias, o bias and per-head q/k RMSNorm (Qwen3)."""
+    """GQA self-attention of decoder layer `layer` (a stack: of its first layer, all being alike):
+    optional q/k/v bias, o bias, per-head q/k RMSNorm (Qwen3); RoPE unless the layer is a NoPE
+    layer, then Llama 4's QK norm on RoPE layers and its query temperature on NoPE layers; full or
+    chunked causal attention (see `ModelConfig`)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None, layer: int = 0):
         d, h, k, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
         dtype, std = dtype_of(config.dtype), config.initializer_range
         self.config = config
+        self.uses_rope = config.uses_rope(layer)
+        self.chunk = config.attention_chunk_size if config.is_chunked_layer(layer) else 0
         self.q_proj = make_param(rngs, (d, h, hd), ("embed", "heads", "head_dim"), dtype=dtype, stddev=std, stack=stack)
         self.k_proj = make_param(
             rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), dtype=dtype, stddev=std, stack=stack
@@ -469,7 +516,8 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
 
     def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,T,H,D], k/v [B,T,K,D] after bias, q/k norm and RoPE."""
+        """q [B,T,H,D], k/v [B,T,K,D] after bias, q/k norm, RoPE and what follows it (Llama 4: the
+        weightless QK norm on a RoPE layer, the query temperature on a NoPE layer)."""
         cfg = self.config
         q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...])
         k = jnp.einsum("btd,dnh->btnh", x, self.k_proj[...])
@@ -478,8 +526,14 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if self.uses_rope:
+            inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+            q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+            if cfg.qk_l2_norm:
+                q, k = weightless_rms_norm(q, cfg.rms_norm_eps), weightless_rms_norm(k, cfg.rms_norm_eps)
+        elif cfg.attn_temperature_tuning:
+            scale = attention_temperature(positions, cfg.attn_floor_scale, cfg.attn_scale)
+            q = (q.astype(jnp.float32) * scale[..., None, None]).astype(q.dtype)
         q = sharding.constrain(checkpoint_name(q, "query_proj"), sharding.QUERY_AXES)
         k = sharding.constrain(checkpoint_name(k, "key_proj"), sharding.KV_AXES)
         v = sharding.constrain(checkpoint_name(v, "value_proj"), sharding.KV_AXES)
@@ -491,22 +545,27 @@ class Attention(nnx.Module):
         return out + self.o_bias[...] if self.config.o_bias else out
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Causal self-attention within x [B, T, D] (query t attends to keys s <= t), by
+        """Causal self-attention within x [B, T, D] (query t attends to keys s <= t; in a chunked
+        layer only those in t's chunk of `positions`), by
         `resolve_attention_impl(config, sharding.trace_platform(), T)`: cuDNN flash attention and
-        the splash kernel never build the T x T scores; 'xla' (`grouped_attention`) does, in float32."""
+        the splash kernel never build the T x T scores; 'xla' (`grouped_attention`) does, in float32,
+        and is what a chunked layer always uses (the flash kernels here take a plain causal mask)."""
         q, k, v = self._project(x, positions)
-        return self._output(self._causal_attention(q, k, v))
+        return self._output(self._causal_attention(q, k, v, positions))
 
-    def _causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    def _causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
         """Query t attends to keys s <= t of the same call (see `__call__`)."""
         batch, length = q.shape[:2]
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), dtype=bool)), (batch, length, length))
+        if self.chunk:
+            starts = chunk_start(positions, self.chunk)
+            return grouped_attention(q, k, v, causal & (positions[:, None, :] >= starts[:, :, None]))
         impl = resolve_attention_impl(self.config, sharding.trace_platform(), length)
         if impl == "cudnn":
             return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
         if impl == "splash":
             return splash_attention(q, k, v)
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
-        return grouped_attention(q, k, v, jnp.broadcast_to(causal, (batch, length, length)))
+        return grouped_attention(q, k, v, causal)
 
     def forward_cached(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
@@ -520,20 +579,28 @@ class Attention(nnx.Module):
         rows (prefill) copy the window out and use `grouped_attention`, or, where the attention
         impl resolves to 'cudnn' or 'splash' (for this call's T), attend causally within the call's
         own k/v by flash attention (no T x T scores), which is the same only for a prefill at
-        positions 0..T-1 of a fresh sequence (the engine's only multi-row use).
+        positions 0..T-1 of a fresh sequence (the engine's only multi-row use). A chunked layer also
+        drops the keys before each query's chunk start.
         """
         q, k, v = self._project(x, positions)
         cache = {
             "k": write_kv_rows(cache["k"], layer, positions, k),
             "v": write_kv_rows(cache["v"], layer, positions, v),
         }
+        first_key = chunk_start(positions, self.chunk) if self.chunk else None
+        flash = resolve_attention_impl(self.config, sharding.trace_platform(), x.shape[1]) in FLASH_IMPLS
         if x.shape[1] == 1:
-            attended = decode_attention(q, cache["k"], cache["v"], layer, positions, window=window, block=block)
-        elif resolve_attention_impl(self.config, sharding.trace_platform(), x.shape[1]) in FLASH_IMPLS:
-            attended = self._causal_attention(q, k, v)  # a prefill: positions 0..T-1, nothing before
+            attended = decode_attention(
+                q, cache["k"], cache["v"], layer, positions, window=window, block=block, first_key=first_key
+            )
+        elif flash and not self.chunk:
+            attended = self._causal_attention(q, k, v, positions)  # a prefill: positions 0..T-1, nothing before
         else:
             keys, values = (read_kv_window(cache[name], layer, window).astype(q.dtype) for name in ("k", "v"))
-            mask = jnp.arange(window)[None, None, :] <= positions[:, :, None]
+            key_index = jnp.arange(window)[None, None, :]
+            mask = key_index <= positions[:, :, None]
+            if first_key is not None:
+                mask &= key_index >= first_key[:, :, None]
             attended = grouped_attention(q, keys, values, mask)
         return self._output(attended), cache
 
@@ -544,7 +611,8 @@ class Attention(nnx.Module):
 
         Writes this token's k/v at page `pages.write_page[b]`, row `pages.write_offset[b]` of slot b's
         group (a dropped write where the page id is out of range), then attends to the slot's keys
-        s < pages.lengths[b] (`grouped_paged_attention`).
+        s < pages.lengths[b] (`grouped_paged_attention`), in a chunked layer only those from the
+        query's chunk start on.
         """
         q, k, v = self._project(x, positions)
         cache = {
@@ -563,6 +631,7 @@ class Attention(nnx.Module):
             window=pages.window,
             pages_per_block=pages.pages_per_block,
             kernel=pages.kernel,
+            first_key=chunk_start(positions[:, 0], self.chunk) if self.chunk else None,
         )
         return self._output(attended[:, None]), cache
 
@@ -606,10 +675,10 @@ def read_kv_window(stacked: jax.Array, layer: jax.Array | int, window: int) -> j
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+    """SwiGLU: down(silu(x W_gate) * (x W_up)), of width `width` (default `config.intermediate_size`)."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None):
-        d, f = config.hidden_size, config.intermediate_size
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None, width: int | None = None):
+        d, f = config.hidden_size, width or config.intermediate_size
         dtype, std = dtype_of(config.dtype), config.initializer_range
         self.gate_proj = make_param(rngs, (d, f), ("embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
         self.up_proj = make_param(rngs, (d, f), ("embed", "mlp"), dtype=dtype, stddev=std, stack=stack)

@@ -166,7 +166,8 @@ def activation_terms(
         raise ValueError(f"activation_terms: unknown remat_policy {remat_policy!r}; expected one of {sorted(dense)}")
     experts, chosen, width = config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
     rows = experts if resolve_moe_impl(config.moe_impl, platform) == "dense" else chosen
-    moe = per_token(width * rows, 8 * experts + rows * d * (e + 4)) if experts else dense
+    shared = config.shared_expert_intermediate_size
+    moe = per_token(width * rows + shared, 8 * experts + rows * d * (e + 4)) if experts else dense
     layers = [moe if config.is_moe_layer(i) else dense for i in range(config.num_layers)]
     return {
         "layer_inputs": int(config.num_layers * tokens * d * e),

@@ -4,9 +4,14 @@ For a token x [D], router weights W_r [D, E] and experts e = 1..E with SwiGLU we
 (G_e, U_e [D, F], W_e [F, D]):
 
   logits = float32(x) @ float32(W_r)                      (router logits, float32)
-  p = softmax(logits); (w, idx) = top_k(p, k)             ('softmax_topk', Qwen3-MoE)
-  w = w / sum(w) when norm_topk_prob
-  y = sum_j w_j * (silu(x G_idx_j) * (x U_idx_j)) W_idx_j
+  p = softmax(logits)                                     (the router's distribution)
+
+  'softmax_topk' (Qwen3-MoE): (w, idx) = top_k(p, k), w = w / sum(w) when norm_topk_prob,
+      y = sum_j w_j * expert_idx_j(x)
+  'sigmoid_topk' (Llama 4): idx = top_k(logits, k), w_j = sigmoid(logits_idx_j),
+      y = sum_j expert_idx_j(w_j * x) + shared(x)
+  with expert_e(x) = (silu(x G_e) * (x U_e)) W_e and `shared` a SwiGLU MLP on every token (when
+  `shared_expert_intermediate_size` > 0).
 
 Every token reaches each of its k experts (no capacity limit, so nothing is dropped).
 
@@ -28,7 +33,7 @@ from flax import nnx
 
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig
-from scalerl_jax.models.layers import dtype_of, make_param
+from scalerl_jax.models.layers import MLP, dtype_of, make_param
 
 
 class RouterStats(NamedTuple):
@@ -79,34 +84,66 @@ def route_softmax_topk(probs: jax.Array, k: int, normalize: bool) -> tuple[jax.A
     return weights, experts.astype(jnp.int32)
 
 
+def route_sigmoid_topk(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(weights float32 [N, k], experts int32 [N, k]) of router logits [N, E]: the k largest logits
+    (largest first), each weighted sigmoid(logit) (not renormalized)."""
+    top, experts = jax.lax.top_k(logits, k)
+    return jax.nn.sigmoid(top), experts.astype(jnp.int32)
+
+
 def experts_dense(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    scale_input: bool = False,
 ) -> jax.Array:
-    """y [N, D] = sum_j weights[:, j] * expert_{experts[:, j]}(x), computed by running all E experts
-    on every token and combining them with a [N, E] matrix that is zero off the chosen experts."""
+    """y [N, D] = sum_j weights[:, j] * expert_{experts[:, j]}(x) (with `scale_input`:
+    sum_j expert_{experts[:, j]}(weights[:, j] * x)), computed by running all E experts on every
+    token with a [N, E] combine matrix that is zero off the chosen experts (an expert given a zero
+    input returns zero: SwiGLU has no bias)."""
     num_experts = gate.shape[0]
     combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
     combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+    if scale_input:
+        rows = (x.astype(jnp.float32)[:, None, :] * combine[:, :, None]).astype(x.dtype)  # [N, E, D]
+        hidden = jax.nn.silu(jnp.einsum("ned,edf->nef", rows, gate)) * jnp.einsum("ned,edf->nef", rows, up)
+        return jnp.einsum("nef,efd->nd", hidden, down)
     hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", x, gate)) * jnp.einsum("nd,edf->nef", x, up)
     out = jnp.einsum("nef,efd->ned", hidden, down)
     return jnp.einsum("ned,ne->nd", out.astype(jnp.float32), combine).astype(x.dtype)
 
 
 def experts_ragged(
-    x: jax.Array, weights: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    scale_input: bool = False,
 ) -> jax.Array:
     """As `experts_dense`, with each (token, expert) pair computed once: the N*k pairs are sorted by
     expert, each projection is one grouped matmul over the sorted rows (`jax.lax.ragged_dot`, group
-    sizes = tokens per expert), and the weighted rows are added back to their tokens."""
+    sizes = tokens per expert), and the rows, weighted (on the way in with `scale_input`, else on
+    the way out), are added back to their tokens."""
     num_tokens, k = experts.shape
     flat_experts = experts.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)
     token_of = order // k
     group_sizes = jnp.bincount(flat_experts, length=gate.shape[0]).astype(jnp.int32)
+    pair_weights = weights.reshape(-1)[order][:, None]
     rows = x[token_of]
+    if scale_input:
+        rows = (rows.astype(jnp.float32) * pair_weights).astype(x.dtype)
     hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes)) * jax.lax.ragged_dot(rows, up, group_sizes)
     out = jax.lax.ragged_dot(hidden, down, group_sizes).astype(jnp.float32)
-    out = out * weights.reshape(-1)[order][:, None]
+    if not scale_input:
+        out = out * pair_weights
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
 
 
@@ -128,6 +165,8 @@ class MoE(nnx.Module):
         self.gate_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
         self.up_proj = make_param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype=dtype, stddev=std, stack=stack)
         self.down_proj = make_param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype=dtype, stddev=std, stack=stack)
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, rngs=rngs, stack=stack, width=config.shared_expert_intermediate_size)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward_with_stats(x, None)[0]
@@ -144,9 +183,22 @@ class MoE(nnx.Module):
             precision=jax.lax.Precision.HIGHEST,
         )
         probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = route_softmax_topk(probs, config.num_experts_per_tok, config.norm_topk_prob)
+        if config.routing == "sigmoid_topk":
+            weights, experts = route_sigmoid_topk(logits, config.num_experts_per_tok)
+        else:
+            weights, experts = route_softmax_topk(probs, config.num_experts_per_tok, config.norm_topk_prob)
         impl = resolve_moe_impl(config.moe_impl, sharding.trace_platform())
         compute = experts_dense if impl == "dense" else experts_ragged
-        out = compute(tokens, weights, experts, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        out = compute(
+            tokens,
+            weights,
+            experts,
+            self.gate_proj[...],
+            self.up_proj[...],
+            self.down_proj[...],
+            scale_input=config.routing == "sigmoid_topk",
+        )
+        if config.shared_expert_intermediate_size:
+            out = out + self.shared_expert(tokens)
         mask = jnp.ones(tokens.shape[:1]) if token_mask is None else token_mask.reshape(-1)
         return out.reshape(x.shape), router_stats(probs, experts, mask)

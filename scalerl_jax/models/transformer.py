@@ -1,4 +1,5 @@
-"""Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE) in Flax NNX, with a KV-cached forward.
+"""Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama 4 text) in Flax NNX, with a
+KV-cached forward.
 
 Layers are either stacked (`config.scan_layers`: one `DecoderLayer` holding [L, ...] params,
 applied with `jax.lax.scan` over `nnx.split` state slices, so compile time does not grow with
@@ -79,15 +80,16 @@ def fp32_logits(hidden: jax.Array, weight: jax.Array, head_precision: str) -> ja
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is the SwiGLU `mlp`
-    or, in a mixture-of-experts layer (`moe=True`), the experts `moe`."""
+    """Pre-norm block `layer` of the decoder (a stack: its first, all being of one kind):
+    h = x + attn(norm(x)); out = h + ffn(norm(h)), where ffn is the SwiGLU `mlp` or, in a
+    mixture-of-experts layer, the experts `moe`."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None, moe: bool = False):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, stack: int | None = None, layer: int = 0):
         dtype = dtype_of(config.dtype)
         self.attn_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
-        self.attn = Attention(config, rngs=rngs, stack=stack)
+        self.attn = Attention(config, rngs=rngs, stack=stack, layer=layer)
         self.mlp_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype, stack=stack)
-        if moe:
+        if config.is_moe_layer(layer):
             self.moe = MoE(config, rngs=rngs, stack=stack)
         else:
             self.mlp = MLP(config, rngs=rngs, stack=stack)
@@ -136,11 +138,9 @@ class Transformer(nnx.Module):
             rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config), stddev=config.initializer_range
         )
         if config.scan_layers:  # one kind of layer (`ModelConfig` refuses a mix with scan_layers)
-            self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers, moe=config.is_moe_layer(0))
+            self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers)
         else:
-            self.layers = _NnxList(
-                [DecoderLayer(config, rngs=rngs, moe=config.is_moe_layer(i)) for i in range(config.num_layers)]
-            )
+            self.layers = _NnxList([DecoderLayer(config, rngs=rngs, layer=i) for i in range(config.num_layers)])
         self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype_of(config.dtype))
         if not config.tie_word_embeddings:
             head_dtype = jnp.float32 if config.fp32_head else dtype_of(config.dtype)

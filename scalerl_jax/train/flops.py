@@ -6,13 +6,16 @@ vocabulary V, the weights used in matmuls per token are
 (q and o projections, k and v projections, SwiGLU gate/up/down, and the LM head; the embedding
 lookup is a gather, not a matmul, and norms/biases are negligible). A mixture-of-experts layer
 with E experts of width F, r of them per token, puts its router and the r experts a token uses
-in place of 3 d f: d E + 3 d F r (active parameters only: the other experts do no work for it). A matmul with an n-element
-weight costs 2n FLOPs per token forward and 4n backward, hence the usual 6 N per trained token.
+in place of 3 d f: d E + 3 d F r (active parameters only: the other experts do no work for it),
+plus 3 d F_s for a shared expert of width F_s. A matmul with an n-element weight costs 2n FLOPs
+per token forward and 4n backward, hence the usual 6 N per trained token.
 
 Causal attention on a sequence of T tokens: query i attends i + 1 keys, and QK^T and AV each cost
 2 h e FLOPs per (query, key) pair, so one layer's forward costs sum_i 4 h e (i + 1) =
 2 h e T (T + 1); with the backward (2x forward) a trained sequence costs 6 L h e T (T + 1), i.e.
     flops per token = 6 N + 6 L h e (T + 1).
+A layer with chunked attention (chunks of C) has q full chunks and r = T - q C tokens left: its
+queries attend q C (C + 1) / 2 + r (r + 1) / 2 keys in all instead of T (T + 1) / 2.
 This counts only the causal half of the score matrix (PaLM's 12 L h e T counts the full square;
 halve it to compare) and never counts recomputation (remat), so it is the MODEL FLOPs of MFU.
 """
@@ -34,15 +37,30 @@ def matmul_params(config: ModelConfig) -> int:
     )
     attention = 2 * d * h * e + 2 * d * k * e
     experts = d * config.num_experts + 3 * d * config.moe_intermediate_size * config.num_experts_per_tok
+    experts += 3 * d * config.shared_expert_intermediate_size
     layers = sum(attention + (experts if config.is_moe_layer(i) else 3 * d * f) for i in range(config.num_layers))
     return layers + d * config.vocab_size
 
 
+def attended_keys(seq_len: int, chunk: int = 0) -> int:
+    """Keys attended by all queries of a causal length-T sequence: T (T + 1) / 2, or with chunks of
+    `chunk` (> 0) q C (C + 1) / 2 + r (r + 1) / 2 (module docstring)."""
+    if not chunk or chunk >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    full, rest = divmod(seq_len, chunk)
+    return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """6 N + 6 L h e (T + 1): forward + backward model FLOPs per token of a length-T sequence."""
+    """6 N + 12 h e sum_layers keys_l / T: forward + backward model FLOPs per token of a length-T
+    sequence (6 N + 6 L h e (T + 1) when no layer is chunked)."""
     if seq_len < 1:
         raise ValueError(f"train_flops_per_token: seq_len={seq_len} must be >= 1")
-    attention = 6 * config.num_layers * config.num_heads * config.head_dim * (seq_len + 1)
+    keys = sum(
+        attended_keys(seq_len, config.attention_chunk_size if config.is_chunked_layer(i) else 0)
+        for i in range(config.num_layers)
+    )
+    attention = 12 * config.num_heads * config.head_dim * keys / seq_len
     return 6.0 * matmul_params(config) + float(attention)
 
 

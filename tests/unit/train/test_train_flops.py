@@ -21,6 +21,22 @@ def test_llama31_8b_by_hand():
     assert train_step_flops(config, 2, 8192) == 2 * 8192 * (45_027_950_592 + 6_443_237_376)
 
 
+def test_llama4_scout_by_hand():
+    """Active parameters and chunked attention of the Scout text decoder (48 layers, all MoE)."""
+    # Per layer: q,o 2*5120*5120 = 52,428,800; k,v 2*5120*1024 = 10,485,760; router 5120*16 = 81,920;
+    # one routed expert and the shared one 2*3*5120*8192 = 251,658,240; sum 314,654,720;
+    # x 48 = 15,103,426,560; head 5120*202048 = 1,034,485,760; N = 16,137,912,320 (+ the embedding
+    # lookup's 1,034,485,760: 17.17e9, Meta's "17B active parameters").
+    config = get_preset("llama4-scout")
+    assert matmul_params(config) == 16_137_912_320
+    # T = 16384 = 2 chunks of 8192: 36 chunked layers attend 2*8192*8193/2 = 67,117,056 keys, the 12
+    # NoPE layers 16384*16385/2 = 134,225,920; 12*40*128 = 61,440 FLOPs per key, over T tokens.
+    keys = 36 * 67_117_056 + 12 * 134_225_920
+    assert train_flops_per_token(config, 16384) == 6 * 16_137_912_320 + 61_440 * keys / 16384
+    # Within one chunk the chunked layers are full causal ones: 6 L h e (T + 1).
+    assert train_flops_per_token(config, 100) == 6 * 16_137_912_320 + 6 * 48 * 40 * 128 * 101
+
+
 def test_matches_xla_cost_analysis_of_a_gradient():
     """XLA's FLOP count of grad(sum logits^2) on one sequence. XLA's attention computes the full
     T x T square and masks it, so it also spends 6 L h e T (T - 1) on the masked half, which the
