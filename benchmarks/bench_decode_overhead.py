@@ -59,7 +59,7 @@ def bare_forward_chunk(engine: Engine, params, state: DecodeState, window: int, 
 
     def body(_, current: DecodeState) -> DecodeState:
         view = engine._paged_view(current, window, table, held)
-        hidden, cache = model.forward_paged(current.tokens[:, None], current.positions[:, None], current.cache, view)
+        hidden, cache, _ = model.forward_paged(current.tokens[:, None], current.positions[:, None], current.cache, view)
         tokens = first_argmax(model.head(hidden[:, 0]).astype(jnp.float32))
         return current._replace(cache=cache, tokens=tokens, positions=current.positions + 1)
 

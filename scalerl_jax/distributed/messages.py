@@ -68,6 +68,9 @@ def completion_to_message(completion: Completion) -> dict[str, Any]:
         "num_answer_tokens": int(completion.num_answer_tokens),
         "finish_reason": completion.finish_reason,
         "think_budget": int(completion.think_budget),
+        "routed_experts": None
+        if completion.routed_experts is None
+        else np.asarray(completion.routed_experts, np.int32),
     }
 
 
@@ -86,4 +89,5 @@ def completion_from_message(message: dict[str, Any], prompt_tokens: list[int]) -
         num_answer_tokens=message["num_answer_tokens"],
         finish_reason=message["finish_reason"],
         think_budget=message["think_budget"],
+        routed_experts=message.get("routed_experts"),
     )

@@ -15,9 +15,16 @@ For a token x [D], router weights W_r [D, E] and experts e = 1..E with SwiGLU we
 
 Every token reaches each of its k experts (no capacity limit, so nothing is dropped).
 
+Router replay: given the experts another program chose for some tokens (the sampler's, recorded as
+it generated them), `MoE.forward_with_stats` computes those tokens with the recorded experts in
+place of its own top-k, each weighted by this layer's own gate for that expert (softmax_topk: p_e,
+renormalized over the k when norm_topk_prob; sigmoid_topk: sigmoid(logit_e)), so the gradient
+still reaches the router.
+
 `MoE.forward_with_stats` also sums, over the tokens a mask keeps, what the router did
 (`RouterStats`): per expert the token choices it received and its router probability, the router's
-entropy -sum_e p_e log p_e, and the choices naming no expert. From one layer's sums with N kept
+entropy -sum_e p_e log p_e, the choices naming no expert, and of the tokens with recorded experts
+how many this layer's own top-k set differs from them (routing mismatch). From one layer's sums with N kept
 tokens, transformers' load-balancing loss (Switch Transformer, as Qwen3-MoE computes it over all
 layers' tokens at once) is
   aux = E * sum_e (sum_l tokens_{l,e} / (L N)) * (sum_l prob_{l,e} / (L N))   (`load_balancing_loss`).
@@ -44,10 +51,25 @@ class RouterStats(NamedTuple):
     entropy: jax.Array  # [] sum of the router's entropy
     tokens: jax.Array  # [] kept tokens N
     dropped: jax.Array  # [] token choices whose expert index is outside [0, E): computed by no expert
+    recorded: jax.Array  # [] kept tokens with recorded experts
+    mismatched: jax.Array  # [] of those, tokens whose own top-k set differs from the recorded one
 
 
-def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array) -> RouterStats:
-    """`RouterStats` of router probabilities [N, E] and chosen experts [N, k] over tokens with mask [N] = 1."""
+def same_expert_set(a: jax.Array, b: jax.Array) -> jax.Array:
+    """bool [N]: whether rows of expert indices a, b [N, k] (k distinct each) name the same set."""
+    return jnp.all(jnp.sort(a, axis=-1) == jnp.sort(b, axis=-1), axis=-1)
+
+
+def router_stats(
+    probs: jax.Array,
+    experts: jax.Array,
+    mask: jax.Array,
+    own: jax.Array | None = None,
+    recorded: jax.Array | None = None,
+) -> RouterStats:
+    """`RouterStats` of router probabilities [N, E] and computed experts [N, k] over tokens with
+    mask [N] = 1; with `recorded` [N, k] (a row of -1: none recorded), also how many recorded rows
+    differ as a set from this router's own top-k `own` [N, k]."""
     num_experts = probs.shape[-1]
     mask = mask.astype(jnp.float32)
     named = (experts >= 0) & (experts < num_experts)
@@ -57,12 +79,17 @@ def router_stats(probs: jax.Array, experts: jax.Array, mask: jax.Array) -> Route
         jnp.zeros((num_experts,), jnp.float32).at[jnp.where(named, experts, num_experts)].add(choice_mask, mode="drop")
     )
     entropy = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(probs), 0.0), axis=-1)
+    zero = jnp.zeros((), jnp.float32)
+    has_record = zero if recorded is None else mask * (recorded[:, 0] >= 0)
+    differs = zero if recorded is None or own is None else has_record * ~same_expert_set(own, recorded)
     return RouterStats(
         expert_tokens=expert_tokens,
         expert_prob=jnp.einsum("ne,n->e", probs, mask),
         entropy=jnp.sum(entropy * mask),
         tokens=jnp.sum(mask),
         dropped=jnp.sum(jnp.where(named, 0.0, choice_mask)),
+        recorded=jnp.sum(has_record),
+        mismatched=jnp.sum(differs),
     )
 
 
@@ -89,6 +116,17 @@ def route_sigmoid_topk(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
     (largest first), each weighted sigmoid(logit) (not renormalized)."""
     top, experts = jax.lax.top_k(logits, k)
     return jax.nn.sigmoid(top), experts.astype(jnp.int32)
+
+
+def gate_weights(
+    logits: jax.Array, probs: jax.Array, experts: jax.Array, *, routing: str, normalize: bool
+) -> jax.Array:
+    """float32 [N, k]: the gate of each given expert [N, k] under this router (module docstring):
+    the weights its own top-k would give those experts."""
+    if routing == "sigmoid_topk":
+        return jax.nn.sigmoid(jnp.take_along_axis(logits, experts, axis=-1))
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True) if normalize else weights
 
 
 def experts_dense(
@@ -171,9 +209,12 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.forward_with_stats(x, None)[0]
 
-    def forward_with_stats(self, x: jax.Array, token_mask: jax.Array | None) -> tuple[jax.Array, RouterStats]:
-        """(y [..., D], `RouterStats` over the tokens of x [..., D] where token_mask [...] is 1; all
-        tokens when it is None)."""
+    def forward_with_stats(
+        self, x: jax.Array, token_mask: jax.Array | None, recorded: jax.Array | None = None
+    ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """(y [..., D], `RouterStats` over the tokens of x [..., D] where token_mask [...] is 1 (all
+        tokens when it is None), this router's own top-k experts int32 [..., k]). With `recorded`
+        int32 [..., k], a token whose row is not -1 is computed with those experts (replay)."""
         config = self.config
         tokens = x.reshape(-1, x.shape[-1])
         logits = jnp.einsum(
@@ -187,6 +228,13 @@ class MoE(nnx.Module):
             weights, experts = route_sigmoid_topk(logits, config.num_experts_per_tok)
         else:
             weights, experts = route_softmax_topk(probs, config.num_experts_per_tok, config.norm_topk_prob)
+        own = experts
+        replay = None if recorded is None else recorded.reshape(-1, config.num_experts_per_tok)
+        if replay is not None:
+            has_record = replay[:, :1] >= 0
+            experts = jnp.where(has_record, replay, own)
+            replayed = gate_weights(logits, probs, experts, routing=config.routing, normalize=config.norm_topk_prob)
+            weights = jnp.where(has_record, replayed, weights)
         impl = resolve_moe_impl(config.moe_impl, sharding.trace_platform())
         compute = experts_dense if impl == "dense" else experts_ragged
         out = compute(
@@ -201,4 +249,5 @@ class MoE(nnx.Module):
         if config.shared_expert_intermediate_size:
             out = out + self.shared_expert(tokens)
         mask = jnp.ones(tokens.shape[:1]) if token_mask is None else token_mask.reshape(-1)
-        return out.reshape(x.shape), router_stats(probs, experts, mask)
+        stats = router_stats(probs, experts, mask, own, replay)
+        return out.reshape(x.shape), stats, own.reshape(*x.shape[:-1], -1)

@@ -103,15 +103,22 @@ class DecoderLayer(nnx.Module):
         return self._feed_forward(x + self.attn(self.attn_norm(x), positions))
 
     def forward_with_routing(
-        self, x: jax.Array, positions: jax.Array, token_mask: jax.Array
+        self, x: jax.Array, positions: jax.Array, token_mask: jax.Array, recorded: jax.Array | None = None
     ) -> tuple[jax.Array, RouterStats | None]:
         """As `__call__`, with the experts' `RouterStats` over the tokens where token_mask [B, T]
-        is 1 (None in a dense layer)."""
+        is 1 (None in a dense layer); `recorded` int32 [B, T, k]: experts to replay (`moe` module)."""
         h = x + self.attn(self.attn_norm(x), positions)
         if not hasattr(self, "moe"):
             return self._feed_forward(h), None
-        y, stats = self.moe.forward_with_stats(self.mlp_norm(h), token_mask)
+        y, stats, _ = self.moe.forward_with_stats(self.mlp_norm(h), token_mask, recorded)
         return sharding.constrain(h + y, sharding.HIDDEN_AXES), stats
+
+    def _feed_forward_routed(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(`_feed_forward`, the experts each token was routed to [B, T, k], None in a dense layer)."""
+        if not hasattr(self, "moe"):
+            return self._feed_forward(h), None
+        y, _, experts = self.moe.forward_with_stats(self.mlp_norm(h), None)
+        return sharding.constrain(h + y, sharding.HIDDEN_AXES), experts
 
     def forward_cached(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
@@ -122,10 +129,12 @@ class DecoderLayer(nnx.Module):
 
     def forward_paged(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
-    ) -> tuple[jax.Array, KVCache]:
-        """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`)."""
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """As `forward_cached`, through the paged KV cache (`Attention.forward_paged`), with the
+        experts each token was routed to (`_feed_forward_routed`)."""
         attended, cache = self.attn.forward_paged(self.attn_norm(x), positions, cache, layer, pages)
-        return self._feed_forward(x + attended), cache
+        out, experts = self._feed_forward_routed(x + attended)
+        return out, cache, experts
 
 
 class Transformer(nnx.Module):
@@ -162,28 +171,39 @@ class Transformer(nnx.Module):
         return self.hidden_with_routing(tokens, jnp.ones(tokens.shape, jnp.float32), positions)[0]
 
     def hidden_with_routing(
-        self, tokens: jax.Array, token_mask: jax.Array, positions: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        token_mask: jax.Array,
+        positions: jax.Array | None = None,
+        recorded: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
         """(`hidden`, the MoE layers' `RouterStats` over the tokens where token_mask [B, T] is 1,
-        stacked in layer order: [L_moe, E] and [L_moe]; None for a dense model)."""
+        stacked in layer order: [L_moe, E] and [L_moe]; None for a dense model). `recorded` int32
+        [L_moe, B, T, k]: the experts to replay at each MoE layer (-1 rows: the layer's own choice)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         policy_name = self.config.remat_policy
 
-        def apply_layer(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> tuple[jax.Array, RouterStats | None]:
-            return layer.forward_with_routing(x, pos, token_mask)
+        def apply_layer(
+            layer: DecoderLayer, x: jax.Array, pos: jax.Array, replay: jax.Array | None
+        ) -> tuple[jax.Array, RouterStats | None]:
+            return layer.forward_with_routing(x, pos, token_mask, replay)
 
         if policy_name != "none":
             apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
         x = self.embed(tokens)
         if self.config.scan_layers:
             assert isinstance(self.layers, DecoderLayer)  # one stacked layer
-            x, stats = _scan_layers(self.layers, lambda layer, h, _: apply_layer(layer, h, positions), x, None)
+            x, stats = _scan_layers(
+                self.layers, lambda layer, h, replay: apply_layer(layer, h, positions, replay), x, recorded
+            )
             return self.final_norm(x), stats
         assert not isinstance(self.layers, DecoderLayer)  # a list of layers
         per_layer = []
-        for layer in self.layers:
-            x, layer_stats = apply_layer(layer, x, positions)
+        for index, layer in enumerate(self.layers):
+            moe_index = len(per_layer)
+            replay = recorded[moe_index] if recorded is not None and self.config.is_moe_layer(index) else None
+            x, layer_stats = apply_layer(layer, x, positions, replay)
             per_layer += [] if layer_stats is None else [layer_stats]
         stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
         return self.final_norm(x), stats
@@ -233,31 +253,36 @@ class Transformer(nnx.Module):
         block = window if block is None else int(block)
         if block < 1:
             raise ValueError(f"forward_cached: block={block} must be >= 1")
-        return self._through_layers(
-            tokens, cache, lambda layer, h, c, index: layer.forward_cached(h, positions, c, index, window, block)
+        hidden, cache, _ = self._through_layers_routed(
+            tokens,
+            cache,
+            lambda layer, h, c, index: (*layer.forward_cached(h, positions, c, index, window, block), None),
         )
+        return hidden, cache
 
     def forward_paged(
         self, tokens: jax.Array, positions: jax.Array, cache: KVCache, pages: PagedView
-    ) -> tuple[jax.Array, KVCache]:
-        """Final-normed hidden [S, 1, D] of one decode step and the updated paged cache.
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Final-normed hidden [S, 1, D] of one decode step, the updated paged cache, and the experts
+        each slot's token was routed to in each MoE layer, int32 [L_moe, S, 1, k] (None for a dense model).
 
         cache {'k', 'v'}: [L, G, N, P, K, D] page pools (`init_kv_pages`), carried whole through the
         layer loop; each layer writes this step's K/V where `pages` says and reads each slot's keys
         below `pages.lengths` (`layers.Attention.forward_paged`).
         """
-        return self._through_layers(
+        return self._through_layers_routed(
             tokens, cache, lambda layer, h, c, index: layer.forward_paged(h, positions, c, index, pages)
         )
 
-    def _through_layers(
+    def _through_layers_routed(
         self,
         tokens: jax.Array,
         cache: KVCache,
-        apply: Callable[[DecoderLayer, jax.Array, KVCache, Any], tuple[jax.Array, KVCache]],
-    ) -> tuple[jax.Array, KVCache]:
-        """Embed, fold `apply(layer, h, cache, layer_index)` over the layers (a scan when stacked),
-        final norm; the cache is carried through the loop."""
+        apply: Callable[[DecoderLayer, jax.Array, KVCache, Any], tuple[jax.Array, KVCache, jax.Array | None]],
+    ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Embed, fold `apply(layer, h, cache, layer_index) -> (h, cache, experts or None)` over the
+        layers (a scan when stacked), final norm; the cache is carried through the loop and the MoE
+        layers' experts are stacked in layer order (None when no layer returns any)."""
         x = self.embed(tokens)
         if self.config.scan_layers:
             assert isinstance(self.layers, DecoderLayer)  # one stacked layer
@@ -266,32 +291,37 @@ class Transformer(nnx.Module):
             def step(carry: tuple[jax.Array, KVCache], xs: tuple[Any, jax.Array]):
                 h, c = carry
                 layer_state, index = xs
-                return apply(nnx.merge(graphdef, layer_state), h, c, index), None
+                h, c, experts = apply(nnx.merge(graphdef, layer_state), h, c, index)
+                return (h, c), experts
 
             layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, cache), _ = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
+            (x, cache), routed = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
         else:
             assert not isinstance(self.layers, DecoderLayer)  # a list of layers
+            per_layer = []
             for index, layer in enumerate(self.layers):
-                x, cache = apply(layer, x, cache, index)
-        return self.final_norm(x), cache
+                x, cache, experts = apply(layer, x, cache, index)
+                per_layer += [] if experts is None else [experts]
+            routed = jnp.stack(per_layer) if per_layer else None
+        return self.final_norm(x), cache, routed
 
 
 def _checkpointed(
     apply_layer: Callable[..., Any], policy: Callable[..., bool] | None, *, prevent_cse: bool
 ) -> Callable[..., Any]:
-    """`apply_layer(layer, x, pos)` under `jax.checkpoint` (the layer passed functionally as its state).
+    """`apply_layer(layer, x, pos, replay)` under `jax.checkpoint` (the layer passed functionally as
+    its state).
 
     prevent_cse can be False inside `lax.scan`, which already keeps XLA from merging the recomputation.
     """
 
-    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array) -> Any:
+    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array, replay: jax.Array | None) -> Any:
         graphdef, state = nnx.split(layer)
 
-        def pure(state: Any, x: jax.Array, pos: jax.Array) -> Any:
-            return apply_layer(nnx.merge(graphdef, state), x, pos)
+        def pure(state: Any, x: jax.Array, pos: jax.Array, replay: jax.Array | None) -> Any:
+            return apply_layer(nnx.merge(graphdef, state), x, pos, replay)
 
-        return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos)
+        return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos, replay)
 
     return apply
 

@@ -68,7 +68,10 @@ class Completion:
     len(tokens) = num_think_tokens + num_answer_tokens + (len(phrase) if interrupted, unless
     truncated inside the phrase). `finish_reason`: 'stop' (a stop token, included in tokens),
     'answer_budget', or 'length' (max_new_tokens or the cache length). `think_budget` is the
-    drawn budget (-1 without interruption).
+    drawn budget (-1 without interruption). For a mixture-of-experts policy `routed_experts`
+    int32 [len(tokens), MoE layers, k] holds, for each token, the experts each MoE layer routed the
+    input that produced it to (the last prompt token for the first, then each token for the next);
+    None for a dense one.
     """
 
     request_id: Hashable
@@ -83,6 +86,7 @@ class Completion:
     num_answer_tokens: int
     finish_reason: str
     think_budget: int
+    routed_experts: np.ndarray | None = None
 
 
 class Batcher(Protocol):
@@ -124,6 +128,7 @@ class _SlotRecord:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     sampled: list[bool] = dataclasses.field(default_factory=list)
+    experts: list[np.ndarray] = dataclasses.field(default_factory=list)  # per chunk [tokens, MoE layers, k]
 
 
 @dataclasses.dataclass
@@ -429,6 +434,8 @@ class ContinuousBatcher:
             record.logprobs.extend(result.logprobs[slot, emitted].tolist())
             record.sampled.extend(result.sampled[slot, emitted].tolist())
             record.versions.extend([chunk.version] * count)
+            if result.experts is not None:
+                record.experts.append(result.experts[slot, emitted])
             self.counters["generated_tokens"] += count
             self.counters["forced_tokens"] += count - int(result.sampled[slot].sum())
             if result.active[slot]:
@@ -456,6 +463,7 @@ class ContinuousBatcher:
                     num_answer_tokens=num_answer,
                     finish_reason=reason,
                     think_budget=think_budget,
+                    routed_experts=np.concatenate(record.experts) if record.experts else None,
                 )
             )
             self._live_ids.discard(record.request.request_id)

@@ -23,7 +23,9 @@ in place.
   token at its position, writes its K/V into its page in place (one row per slot per layer),
   takes the fp32 logits of the head, and emits one token per active slot: a sampled one (see
   `sampling.py`) or, while the slot is being interrupted, the next token of the forced phrase
-  (logprob 0, sampled False).
+  (logprob 0, sampled False). A mixture-of-experts policy also reports, per step, the experts
+  each MoE layer routed the fed token to (the routing behind the emitted token's log-prob:
+  what router replay reuses in the trainer).
 
 Live window. Decode attention reads only each slot's pages below its length (the Pallas kernel)
 or, portably, its pages below a window W fixed per chunk (one compile per W): the smallest power-of-two multiple of `min_decode_window` (capped at `max_len`)
@@ -167,6 +169,9 @@ class ChunkResult(NamedTuple):
     num_answer: jax.Array
     think_budget: jax.Array
     steps: jax.Array  # int32[] decode steps actually run
+    # int32[S, C, MoE layers, k]: the experts each MoE layer routed the token fed at each step to
+    # (the input whose logits gave that step's token), -1 where nothing was emitted; None when dense.
+    experts: jax.Array | None = None
 
 
 def prefill_bucket(length: int, *, min_bucket: int, max_len: int) -> int:
@@ -632,14 +637,15 @@ class Engine:
     def _decode_step(
         self, model: Any, state: DecodeState, window: int, table: jax.Array, held: jax.Array
     ) -> tuple[DecodeState, tuple]:
-        """One token for every active slot: (new state, (token, logprob, sampled, emitted)) per slot.
+        """One token for every active slot: (new state, (token, logprob, sampled, emitted[, experts
+        [S, MoE layers, k] for a mixture-of-experts policy])) per slot.
 
         Attention reads the slot's keys below its position + 1 (inside `window`); the caller ensures
         active slots feed below the window and inside the pages they hold (`held` positions).
         """
         cfg = self.config
         feed_positions = self._feed_positions(state)
-        hidden, cache = model.forward_paged(
+        hidden, cache, routed = model.forward_paged(
             state.tokens[:, None], feed_positions[:, None], state.cache, self._paged_view(state, window, table, held)
         )
         logits = model.head(hidden[:, 0]).astype(jnp.float32)
@@ -691,7 +697,10 @@ class Engine:
         )
         emitted_token = jnp.where(active, token, PAD_TOKEN)
         emitted_logprob = jnp.where(active, logprob, 0.0)
-        return new_state, (emitted_token, emitted_logprob, active & ~forcing, active)
+        emitted = (emitted_token, emitted_logprob, active & ~forcing, active)
+        if routed is not None:  # [L_moe, S, 1, k] -> [S, L_moe, k]
+            emitted += (jnp.where(active[:, None, None], jnp.transpose(routed[:, :, 0], (1, 0, 2)), -1),)
+        return new_state, emitted
 
     def _feed_positions(self, state: DecodeState) -> jax.Array:
         """Where each slot's next token is written (its position, kept inside the cache)."""
@@ -708,6 +717,10 @@ class Engine:
             jnp.zeros((slots, chunk), bool),
             jnp.zeros((slots, chunk), bool),
         )
+        config = self.model_config
+        moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+        if moe_layers:
+            outputs += (jnp.full((slots, chunk, moe_layers, config.num_experts_per_tok), -1, jnp.int32),)
 
         def keep_going(carry):
             step, current, _ = carry
@@ -725,7 +738,8 @@ class Engine:
 
         steps, state, outputs = jax.lax.while_loop(keep_going, body, (jnp.int32(0), state, outputs))
         result = ChunkResult(
-            *outputs,
+            *outputs[:4],
+            experts=outputs[4] if len(outputs) > 4 else None,
             active=state.active,
             interrupted=state.interrupted,
             truncated=state.truncated,

@@ -129,7 +129,13 @@ def zero_accumulator(params, config: TrainStepConfig) -> Accumulator:
     if config.moe_layers:
         layers, experts = jnp.zeros((config.moe_layers, config.num_experts)), jnp.zeros((config.moe_layers,))
         routing = RouterStats(
-            expert_tokens=layers, expert_prob=layers, entropy=experts, tokens=experts, dropped=experts
+            expert_tokens=layers,
+            expert_prob=layers,
+            entropy=experts,
+            tokens=experts,
+            dropped=experts,
+            recorded=experts,
+            mismatched=experts,
         )
     return Accumulator(
         grads=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),

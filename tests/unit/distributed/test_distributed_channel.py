@@ -386,3 +386,36 @@ def test_barrier_timeout_names_the_process_that_never_arrived(two_process_result
     )
     assert timeout["seconds"] < 30.0
     assert zero["lookup_timeout"]["message"] == "process 0: key 'never published' was not published within 0.5 s"
+
+
+def test_a_completions_recorded_experts_cross_the_channel():
+    """A mixture-of-experts completion's routed experts [tokens, MoE layers, k] arrive with their
+    values, dtype and shape; a dense one's None stays None."""
+    import dataclasses
+
+    from scalerl_jax.distributed.messages import completion_from_message, completion_to_message
+    from scalerl_jax.sampler.batcher import Completion
+
+    experts = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)
+    completion = Completion(
+        request_id=7,
+        prompt_tokens=[5],
+        tokens=[2, 3, 4],
+        logprobs=[-1.0, -0.5, -0.25],
+        versions=[0, 0, 1],
+        sampled=[True] * 3,
+        interrupted=False,
+        truncated=False,
+        num_think_tokens=0,
+        num_answer_tokens=3,
+        finish_reason="stop",
+        think_budget=-1,
+    )
+    for routed in (experts, None):
+        sent = dataclasses.replace(completion, routed_experts=routed)
+        back = completion_from_message(channel.decode(channel.encode(completion_to_message(sent))), [5])
+        if routed is None:
+            assert back.routed_experts is None
+        else:
+            assert back.routed_experts is not None and back.routed_experts.dtype == np.int32
+            np.testing.assert_array_equal(back.routed_experts, experts)
