@@ -6,8 +6,10 @@ decode slots the sampler's KV cache allows on one device, with the recipe's defa
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
+from scalerl_jax.cli.errors import EXIT_INPUT_ERROR, report_error
 from scalerl_jax.config import recipes
 from scalerl_jax.hardware.facts import TARGETS
 from scalerl_jax.models.config import get_preset
@@ -39,7 +41,25 @@ def recipe_decode_defaults() -> dict[str, float]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def parse_mesh(text: str) -> list[int]:
+    """`--mesh` 'data,fsdp,tensor' as three positive sizes; ValueError naming the flag otherwise."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--mesh {text!r}: expected three positive sizes data,fsdp,tensor (e.g. 1,8,1)")
+    return [int(p) for p in parts]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prints the plans; 0, or 2 with one line naming a bad flag (an unknown preset, a mesh that
+    does not divide the model's axes)."""
+    try:
+        _plan(argv)
+    except ValueError as e:
+        return report_error(f"error: {e}", EXIT_INPUT_ERROR)
+    return 0
+
+
+def _plan(argv: Sequence[str] | None) -> None:
     defaults = recipe_decode_defaults()
     parser = argparse.ArgumentParser(
         prog="python -m scalerl_jax.cli.plan_memory", description=(__doc__ or "").split("\n\n")[0]
@@ -102,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.device_gb = args.device_gb or memory_gb(device)
     fit_devices = [device] if args.device else [facts_for_target(t) for t in DEFAULT_FIT_TARGETS]
     overrides = {k: v for k, v in (("dtype", args.dtype), ("attention_impl", args.attention_impl)) if v}
+    mesh = parse_mesh(args.mesh)
     config = get_preset(args.preset, **overrides)
     if args.report in ("all", "decode"):
         plan = plan_decode(
@@ -123,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     if args.report == "decode":
         return
-    mesh = [int(s) for s in args.mesh.split(",")]
     plan = plan_memory(
         config,
         mesh,
@@ -144,4 +164,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

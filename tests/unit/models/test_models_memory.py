@@ -177,3 +177,19 @@ def test_cli_plans_for_a_tpu_device(capsys):
     assert "TPU v5e: does NOT fit" in out and "x 16 GB" in out
     assert "-> splash on tpu" in out
     assert "H100" not in out and "H200" not in out
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--preset", "llama4-scout", "--mesh", "1,32,1"], "'expert', size 16"),  # 16 experts over fsdp=32
+        (["--preset", "llama9"], "llama9"),
+        (["--mesh", "1,8"], "--mesh"),
+        (["--mesh", "1,x,1"], "--mesh"),
+    ],
+    ids=["experts over too many devices", "unknown preset", "two mesh axes", "not a number"],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, named):
+    assert main(["--report", "train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert named in err and len(err.splitlines()) == 1, err
