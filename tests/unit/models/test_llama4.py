@@ -8,8 +8,6 @@ tuning every 4 positions, Llama 3 RoPE scaling with low = high frequency factor 
 a NoPE layer, interleaved dense and MoE layers, top-1 and top-2 sigmoid routing."""
 
 import copy
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -19,37 +17,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import moe_checkpoints  # noqa: E402  (tests/support)
+
 from scalerl_jax.models import hf  # noqa: E402
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError  # noqa: E402
 from scalerl_jax.models.layers import attention_temperature  # noqa: E402
 from scalerl_jax.sampler import generate  # noqa: E402
 
-VOCAB = 256
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=32,
-    intermediate_size_mlp=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    max_position_embeddings=256,
-    attention_chunk_size=8,
-    floor_scale=4,
-    attn_scale=0.5,
-    rope_parameters=dict(
-        rope_type="llama3",
-        rope_theta=10_000.0,
-        factor=16.0,
-        low_freq_factor=1.0,
-        high_freq_factor=1.0,
-        original_max_position_embeddings=16,
-    ),
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+VOCAB = moe_checkpoints.VOCAB
+COMMON = moe_checkpoints.LLAMA4_SMALL
 LLAMA4 = {
     # Layers 0, 1, 3 RoPE + chunked attention, layer 2 NoPE + full attention; MoE in layers 1 and 3.
     "interleaved": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], interleave_moe_layer_step=2),
@@ -58,17 +34,7 @@ LLAMA4 = {
 }
 
 
-def _randomize(model):
-    """Router, experts and norm scales away from transformers' initialisation (zero experts would
-    make every MoE layer the shared expert alone)."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("router.weight"):
-                param.copy_(torch.randn_like(param))
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                param.copy_(0.1 * torch.randn_like(param))
-            elif "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
+_randomize = moe_checkpoints.randomize_moe
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +54,7 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _tokens(batch=2, length=20, seed=0):
-    return np.random.RandomState(seed).randint(1, VOCAB, (batch, length))
+_tokens = moe_checkpoints.random_tokens
 
 
 def _torch_logits(model, tokens):
@@ -180,16 +145,7 @@ def test_greedy_tokens_through_the_sampler_equal_transformers_generate(checkpoin
     prompts = [rng.integers(1, VOCAB, size=n).tolist() for n in (3, 13, 6)]
     ours = generate(hf.load_hf(path, dtype="float32"), prompts, max_new_tokens=12, num_slots=2, chunk_size=4)
     for prompt, completion in zip(prompts, ours):
-        with torch.no_grad():
-            out = torch_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=12,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert completion.tokens == out[0, len(prompt) :].tolist(), prompt
+        assert completion.tokens == moe_checkpoints.transformers_greedy(torch_model, prompt, 12), prompt
 
 
 @pytest.mark.parametrize("kind", sorted(LLAMA4))
@@ -243,22 +199,10 @@ def test_the_image_text_checkpoint_loads_its_text_decoder(tmp_path):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(tokens))), _torch_logits(model, tokens), atol=1e-4, rtol=0)
 
 
-def _tensor_names(path):
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(path, hf.SAFETENSORS_SINGLE), "np") as f:
-        return list(f.keys())
+_tensor_names = moe_checkpoints.tensor_names
 
 
-def _rewrite_config(src, dst, edit):
-    os.makedirs(dst)
-    for name in os.listdir(src):
-        os.link(os.path.join(src, name), os.path.join(dst, name))
-    config = json.load(open(os.path.join(src, "config.json")))
-    edit(config)
-    os.unlink(os.path.join(dst, "config.json"))
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+_rewrite_config = moe_checkpoints.rewrite_config
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,6 @@ Qwen3-MoE checkpoints built by transformers (random, a few hundred thousand para
 download) against transformers: logits in float32 and bfloat16, greedy tokens through the sampler,
 the load -> export -> load round trip, the parameter count, and config.json files refused by name."""
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+
+import moe_checkpoints  # noqa: E402  (tests/support)
 
 from scalerl_jax.models import hf  # noqa: E402
 from scalerl_jax.models.hf_tokenizer import CheckpointFileError  # noqa: E402
@@ -25,22 +24,8 @@ from scalerl_jax.models.moe import (  # noqa: E402
 )
 from scalerl_jax.sampler import generate  # noqa: E402
 
-VOCAB = 256
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+VOCAB = moe_checkpoints.VOCAB
+COMMON = moe_checkpoints.QWEN3_MOE_SMALL
 # 'mixed': layer 1 keeps a dense MLP (mlp_only_layers), top-k renormalized; 'sparse': every layer
 # has experts (one scanned stack), top-k probabilities as they are.
 QWEN3_MOE = {
@@ -89,20 +74,14 @@ def checkpoints(tmp_path_factory):
     out = {}
     for kind, fields in QWEN3_MOE.items():
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **fields)).eval()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    param.copy_(torch.randn_like(param))
-                elif "norm" in name:
-                    param.add_(0.1 * torch.randn_like(param))
+        moe_checkpoints.randomize_moe(model)
         path = str(root / kind)
         model.save_pretrained(path, safe_serialization=True)
         out[kind] = (path, model)
     return out
 
 
-def _tokens(batch=2, length=20, seed=0):
-    return np.random.RandomState(seed).randint(1, VOCAB, (batch, length))
+_tokens = moe_checkpoints.random_tokens
 
 
 def _torch_logits(model, tokens):
@@ -158,11 +137,7 @@ def test_qwen3_moe_export_loads_in_transformers_and_back(checkpoints, tmp_path, 
     )
 
 
-def _tensor_names(path):
-    from safetensors import safe_open
-
-    with safe_open(os.path.join(path, hf.SAFETENSORS_SINGLE), "np") as f:
-        return list(f.keys())
+_tensor_names = moe_checkpoints.tensor_names
 
 
 @pytest.mark.parametrize("kind", sorted(QWEN3_MOE))
@@ -177,27 +152,10 @@ def test_greedy_tokens_through_the_sampler_equal_transformers_generate(checkpoin
     prompts = [rng.integers(1, VOCAB, size=n).tolist() for n in (3, 9, 5)]
     ours = generate(hf.load_hf(path, dtype="float32"), prompts, max_new_tokens=8, num_slots=2, chunk_size=4)
     for prompt, completion in zip(prompts, ours):
-        with torch.no_grad():
-            out = torch_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=8,
-                do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert completion.tokens == out[0, len(prompt) :].tolist(), prompt
+        assert completion.tokens == moe_checkpoints.transformers_greedy(torch_model, prompt, 8), prompt
 
 
-def _rewrite_config(src, dst, edit):
-    os.makedirs(dst)
-    for name in os.listdir(src):
-        os.link(os.path.join(src, name), os.path.join(dst, name))
-    config = json.load(open(os.path.join(src, "config.json")))
-    edit(config)
-    os.unlink(os.path.join(dst, "config.json"))
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
+_rewrite_config = moe_checkpoints.rewrite_config
 
 
 def test_config_files_that_are_not_what_the_loader_knows_are_refused_by_field(checkpoints, tmp_path):

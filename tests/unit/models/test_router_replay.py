@@ -18,6 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import moe_checkpoints  # noqa: E402  (tests/support)
+
 from scalerl_jax.models import get_preset, hf  # noqa: E402
 from scalerl_jax.models.logprobs import next_token_logprobs  # noqa: E402
 from scalerl_jax.models.moe import experts_dense, gate_weights, router_stats  # noqa: E402
@@ -72,41 +74,9 @@ def test_mismatch_counts_by_hand():
     assert float(stats.recorded) == 2.0 and float(stats.mismatched) == 1.0
 
 
-QWEN3_MOE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    num_hidden_layers=3,
-    mlp_only_layers=[1],
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+QWEN3_MOE = dict(moe_checkpoints.QWEN3_MOE_SMALL, num_hidden_layers=3, mlp_only_layers=[1])
 LLAMA4 = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=32,
-    intermediate_size_mlp=96,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_hidden_layers=4,
-    no_rope_layers=[1, 1, 0, 1],
-    interleave_moe_layer_step=2,
-    attention_chunk_size=8,
-    floor_scale=4,
-    max_position_embeddings=256,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
+    moe_checkpoints.LLAMA4_SMALL, num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], interleave_moe_layer_step=2
 )
 
 
@@ -118,12 +88,7 @@ def _torch_model(kind):
         config = transformers.Llama4TextConfig(**LLAMA4)
         config._attn_implementation = "eager"
         model = transformers.Llama4ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "router.weight")):
-                param.copy_(torch.randn_like(param))
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                param.copy_(0.1 * torch.randn_like(param))
+    moe_checkpoints.randomize_moe(model)
     return model.eval()
 
 
