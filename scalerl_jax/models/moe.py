@@ -24,9 +24,9 @@ still reaches the router.
 `MoE.forward_with_stats` also sums, over the tokens a mask keeps, what the router did
 (`RouterStats`): per expert the token choices it received and its router probability, the router's
 entropy -sum_e p_e log p_e, the choices naming no expert, and of the tokens with recorded experts
-how many this layer's own top-k set differs from them (routing mismatch). From one layer's sums with N kept
-tokens, transformers' load-balancing loss (Switch Transformer, as Qwen3-MoE computes it over all
-layers' tokens at once) is
+how many this layer's own top-k set differs from them (routing mismatch). From one layer's sums
+with N kept tokens, transformers' load-balancing loss (Switch Transformer, as Qwen3-MoE computes it
+over all layers' tokens at once) is
   aux = E * sum_e (sum_l tokens_{l,e} / (L N)) * (sum_l prob_{l,e} / (L N))   (`load_balancing_loss`).
 """
 
