@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import ml_collections
 
+from scalerl_jax.contracts.batch_layout import Routing
 from scalerl_jax.data import answers
 from scalerl_jax.data.code_puzzles import PuzzleConfig
 from scalerl_jax.data.ladder import LadderConfig
@@ -88,12 +89,14 @@ def pipeline_config_of(
     start_step: int,
     train_step_flops: Callable[[int, int], float] | None = None,
     peak_flops_per_s: float | None = None,
+    routing: Routing | None = None,
 ) -> PipelineConfig:
     """The run config's schedule, batch shape, sampling and stopping, for a run resumed at
     version `start_step` (0 for a fresh run): the remaining `num_steps - start_step` steps
     (at least 0), first version `start_step`. `stop_tokens`: the tokenizer's stop ids. The
-    MFU denominators come from the caller (None on a generator process, which trains
-    nothing), so the pipeline needs nothing of the model or the devices."""
+    MFU denominators and a mixture-of-experts policy's `routing` in the batches (the train
+    step's, `TrainStepConfig.routing`) come from the caller (None on a generator process, which
+    trains nothing), so the pipeline needs nothing of the model or the devices."""
     max_seq_len = max_sequence_length(config)
     return PipelineConfig(
         max_new_tokens=config.sampler.max_new_tokens,
@@ -119,6 +122,7 @@ def pipeline_config_of(
         mask_truncated=config.rl.mask_truncated_completions,
         train_step_flops=train_step_flops,
         peak_flops_per_s=peak_flops_per_s,
+        routing=routing,
     )
 
 
@@ -181,8 +185,10 @@ def optimizer_config_of(config: ml_collections.ConfigDict) -> OptimizerConfig:
 def train_step_config_of(config: ml_collections.ConfigDict, model_config: ModelConfig) -> TrainStepConfig:
     """The step's knobs from a run config: `rl.{objective, aggregation, advantage_normalization,
     eps_low, eps_high, eps_max}`, `batch.{microbatches, sort_by_length}`, `sampler.temperature`,
-    `model.{logprob_chunk, router_aux_loss_coef}`, and `nan_policy` ('skip': a non-finite step
-    keeps the old state); the policy's MoE layers and experts from `model_config`."""
+    `model.{logprob_chunk, router_aux_loss_coef}`, `rl.router_replay`, and `nan_policy` ('skip':
+    a non-finite step keeps the old state); the policy's MoE layers and experts from
+    `model_config` (a mixture-of-experts policy's batches always carry the sampler's routing, so
+    that its mismatch with the trainer's is logged)."""
     rl = config.rl
     moe_layers = sum(model_config.is_moe_layer(i) for i in range(model_config.num_layers))
     return TrainStepConfig(
@@ -200,4 +206,6 @@ def train_step_config_of(config: ml_collections.ConfigDict, model_config: ModelC
         moe_layers=moe_layers,
         num_experts=model_config.num_experts,
         router_aux_loss_coef=config.model.router_aux_loss_coef,
+        experts_per_token=model_config.num_experts_per_tok if moe_layers else 0,
+        router_replay=rl.router_replay,
     )

@@ -278,6 +278,12 @@ KEYS: tuple[Key, ...] = (
     number("rl.length_penalty_max", 14_336, COUNT, "Length penalty's L_max (Eq. 9)."),
     number("rl.length_penalty_cache", 2_048, COUNT, "Length penalty's L_cache (Eq. 9)."),
     flag("rl.mask_truncated_completions", False, "Completions cut by the token limit leave the loss."),
+    flag(
+        "rl.router_replay",
+        False,
+        "Mixture-of-experts policies: the trainer computes each generated token with the experts the sampler "
+        "routed it to (router replay); train/routing_mismatch_frac is logged either way.",
+    ),
     # ------------------------------------------------------------------ sampler
     number("sampler.temperature", 1.0, POSITIVE, "Sampling temperature (the train step's log-probs use it too)."),
     number("sampler.top_p", 1.0, HALF_OPEN_UNIT, "Nucleus sampling mass."),

@@ -68,9 +68,7 @@ def completion_to_message(completion: Completion) -> dict[str, Any]:
         "num_answer_tokens": int(completion.num_answer_tokens),
         "finish_reason": completion.finish_reason,
         "think_budget": int(completion.think_budget),
-        "routed_experts": None
-        if completion.routed_experts is None
-        else np.asarray(completion.routed_experts, np.int32),
+        "routed_experts": None if completion.routed_experts is None else np.asarray(completion.routed_experts),
     }
 
 

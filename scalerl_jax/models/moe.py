@@ -210,11 +210,17 @@ class MoE(nnx.Module):
         return self.forward_with_stats(x, None)[0]
 
     def forward_with_stats(
-        self, x: jax.Array, token_mask: jax.Array | None, recorded: jax.Array | None = None
+        self,
+        x: jax.Array,
+        token_mask: jax.Array | None,
+        recorded: jax.Array | None = None,
+        *,
+        replay: bool = True,
     ) -> tuple[jax.Array, RouterStats, jax.Array]:
         """(y [..., D], `RouterStats` over the tokens of x [..., D] where token_mask [...] is 1 (all
         tokens when it is None), this router's own top-k experts int32 [..., k]). With `recorded`
-        int32 [..., k], a token whose row is not -1 is computed with those experts (replay)."""
+        integer [..., k] (rows of -1: none recorded), the stats count the tokens whose own top-k
+        set differs from it, and with `replay` the tokens it names are computed with those experts."""
         config = self.config
         tokens = x.reshape(-1, x.shape[-1])
         logits = jnp.einsum(
@@ -229,10 +235,10 @@ class MoE(nnx.Module):
         else:
             weights, experts = route_softmax_topk(probs, config.num_experts_per_tok, config.norm_topk_prob)
         own = experts
-        replay = None if recorded is None else recorded.reshape(-1, config.num_experts_per_tok)
-        if replay is not None:
-            has_record = replay[:, :1] >= 0
-            experts = jnp.where(has_record, replay, own)
+        given = None if recorded is None else recorded.reshape(-1, config.num_experts_per_tok).astype(jnp.int32)
+        if given is not None and replay:
+            has_record = given[:, :1] >= 0
+            experts = jnp.where(has_record, given, own)
             replayed = gate_weights(logits, probs, experts, routing=config.routing, normalize=config.norm_topk_prob)
             weights = jnp.where(has_record, replayed, weights)
         impl = resolve_moe_impl(config.moe_impl, sharding.trace_platform())
@@ -249,5 +255,5 @@ class MoE(nnx.Module):
         if config.shared_expert_intermediate_size:
             out = out + self.shared_expert(tokens)
         mask = jnp.ones(tokens.shape[:1]) if token_mask is None else token_mask.reshape(-1)
-        stats = router_stats(probs, experts, mask, own, replay)
+        stats = router_stats(probs, experts, mask, own, given)
         return out.reshape(x.shape), stats, own.reshape(*x.shape[:-1], -1)

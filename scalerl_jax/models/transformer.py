@@ -103,14 +103,21 @@ class DecoderLayer(nnx.Module):
         return self._feed_forward(x + self.attn(self.attn_norm(x), positions))
 
     def forward_with_routing(
-        self, x: jax.Array, positions: jax.Array, token_mask: jax.Array, recorded: jax.Array | None = None
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        token_mask: jax.Array,
+        recorded: jax.Array | None = None,
+        *,
+        replay: bool = True,
     ) -> tuple[jax.Array, RouterStats | None]:
         """As `__call__`, with the experts' `RouterStats` over the tokens where token_mask [B, T]
-        is 1 (None in a dense layer); `recorded` int32 [B, T, k]: experts to replay (`moe` module)."""
+        is 1 (None in a dense layer); `recorded` [B, T, k]: another program's experts, compared
+        with this layer's and, with `replay`, used in their place (`MoE.forward_with_stats`)."""
         h = x + self.attn(self.attn_norm(x), positions)
         if not hasattr(self, "moe"):
             return self._feed_forward(h), None
-        y, stats, _ = self.moe.forward_with_stats(self.mlp_norm(h), token_mask, recorded)
+        y, stats, _ = self.moe.forward_with_stats(self.mlp_norm(h), token_mask, recorded, replay=replay)
         return sharding.constrain(h + y, sharding.HIDDEN_AXES), stats
 
     def _feed_forward_routed(self, h: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -176,18 +183,21 @@ class Transformer(nnx.Module):
         token_mask: jax.Array,
         positions: jax.Array | None = None,
         recorded: jax.Array | None = None,
+        *,
+        replay: bool = True,
     ) -> tuple[jax.Array, RouterStats | None]:
         """(`hidden`, the MoE layers' `RouterStats` over the tokens where token_mask [B, T] is 1,
-        stacked in layer order: [L_moe, E] and [L_moe]; None for a dense model). `recorded` int32
-        [L_moe, B, T, k]: the experts to replay at each MoE layer (-1 rows: the layer's own choice)."""
+        stacked in layer order: [L_moe, E] and [L_moe]; None for a dense model). `recorded`
+        [L_moe, B, T, k]: another program's experts at each MoE layer (-1 rows: none), counted in
+        the stats where they differ from the layer's own and, with `replay`, computed in their place."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         policy_name = self.config.remat_policy
 
         def apply_layer(
-            layer: DecoderLayer, x: jax.Array, pos: jax.Array, replay: jax.Array | None
+            layer: DecoderLayer, x: jax.Array, pos: jax.Array, given: jax.Array | None
         ) -> tuple[jax.Array, RouterStats | None]:
-            return layer.forward_with_routing(x, pos, token_mask, replay)
+            return layer.forward_with_routing(x, pos, token_mask, given, replay=replay)
 
         if policy_name != "none":
             apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
@@ -195,15 +205,15 @@ class Transformer(nnx.Module):
         if self.config.scan_layers:
             assert isinstance(self.layers, DecoderLayer)  # one stacked layer
             x, stats = _scan_layers(
-                self.layers, lambda layer, h, replay: apply_layer(layer, h, positions, replay), x, recorded
+                self.layers, lambda layer, h, given: apply_layer(layer, h, positions, given), x, recorded
             )
             return self.final_norm(x), stats
         assert not isinstance(self.layers, DecoderLayer)  # a list of layers
         per_layer = []
         for index, layer in enumerate(self.layers):
             moe_index = len(per_layer)
-            replay = recorded[moe_index] if recorded is not None and self.config.is_moe_layer(index) else None
-            x, layer_stats = apply_layer(layer, x, positions, replay)
+            given = recorded[moe_index] if recorded is not None and self.config.is_moe_layer(index) else None
+            x, layer_stats = apply_layer(layer, x, positions, given)
             per_layer += [] if layer_stats is None else [layer_stats]
         stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
         return self.final_norm(x), stats
@@ -309,19 +319,19 @@ class Transformer(nnx.Module):
 def _checkpointed(
     apply_layer: Callable[..., Any], policy: Callable[..., bool] | None, *, prevent_cse: bool
 ) -> Callable[..., Any]:
-    """`apply_layer(layer, x, pos, replay)` under `jax.checkpoint` (the layer passed functionally as
+    """`apply_layer(layer, x, pos, given)` under `jax.checkpoint` (the layer passed functionally as
     its state).
 
     prevent_cse can be False inside `lax.scan`, which already keeps XLA from merging the recomputation.
     """
 
-    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array, replay: jax.Array | None) -> Any:
+    def apply(layer: DecoderLayer, x: jax.Array, pos: jax.Array, given: jax.Array | None) -> Any:
         graphdef, state = nnx.split(layer)
 
-        def pure(state: Any, x: jax.Array, pos: jax.Array, replay: jax.Array | None) -> Any:
-            return apply_layer(nnx.merge(graphdef, state), x, pos, replay)
+        def pure(state: Any, x: jax.Array, pos: jax.Array, given: jax.Array | None) -> Any:
+            return apply_layer(nnx.merge(graphdef, state), x, pos, given)
 
-        return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos, replay)
+        return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, x, pos, given)
 
     return apply
 

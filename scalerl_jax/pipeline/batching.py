@@ -16,6 +16,10 @@ is row s:
   rewards[r], group_ids[r]   = reward of completion j, g
   sample_valid[r]            = the zero-variance filter's verdict ('drop'), or True ('none');
                                rows beyond the groups (when `rows` > G n) are False padding.
+and for a mixture-of-experts policy (`routing`), the sampler's routing (`batch_layout.ROUTING_KEY`):
+  routed_experts[r, P-1+i]   = the experts the completion recorded for token i (those the input
+                               producing it was routed to: the last prompt token, then token i-1);
+                               -1 elsewhere (earlier prompt tokens, the last token, padding).
 
 Masking truncated completions (`mask_truncated=True`, the recipe's
 `rl.mask_truncated_completions`): a completion cut by the token limit (`cut_by_length`) keeps
@@ -36,7 +40,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from scalerl_jax.contracts.batch_layout import sorted_batch_key
+from scalerl_jax.contracts.batch_layout import ROUTING_KEY, Routing, sorted_batch_key
 from scalerl_jax.data import zero_variance_filter
 from scalerl_jax.pipeline.group import Group
 
@@ -172,20 +176,41 @@ def cut_by_length(completion) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Sample:
-    """One completion as a token row: prompt + completion, its loss mask and behaviour log-probs."""
+    """One completion as a token row: prompt + completion, its loss mask and behaviour log-probs,
+    and (MoE) the sampler's routing [tokens, MoE layers, k], -1 where none was recorded."""
 
     tokens: np.ndarray
     loss_mask: np.ndarray
     behavior_logp: np.ndarray
+    routed_experts: np.ndarray | None = None
 
 
-def _pad_rows(samples: Sequence[_Sample | None], length: int) -> dict[str, np.ndarray]:
-    """tokens / loss_mask / behavior_logp [len(samples), length], right padded (None: all 0)."""
+def routing_row(completion, prompt_length: int, routing: Routing, where: str) -> np.ndarray:
+    """[P + n, MoE layers, k] in `routing.dtype`: the completion's recorded experts of its n tokens
+    at positions P-1 .. P+n-2 (module docstring), -1 elsewhere; ValueError naming `where` when the
+    completion's record has another shape."""
+    length = prompt_length + len(completion.tokens)
+    row = np.full((length, routing.moe_layers, routing.experts_per_token), -1, routing.dtype)
+    recorded = completion.routed_experts
+    want = (len(completion.tokens), routing.moe_layers, routing.experts_per_token)
+    if recorded is None or tuple(recorded.shape) != want:
+        got = None if recorded is None else tuple(recorded.shape)
+        raise ValueError(f"{where}: routed_experts of shape {got}, expected {want} (tokens, MoE layers, k)")
+    row[prompt_length - 1 : length - 1] = recorded
+    return row
+
+
+def _pad_rows(samples: Sequence[_Sample | None], length: int, routing: Routing | None) -> dict[str, np.ndarray]:
+    """tokens / loss_mask / behavior_logp [len(samples), length] (and with `routing`,
+    routed_experts [len(samples), length, MoE layers, k]), right padded (None: all 0, routing -1)."""
     arrays = {
         "tokens": np.zeros((len(samples), length), np.int32),
         "loss_mask": np.zeros((len(samples), length), np.float32),
         "behavior_logp": np.zeros((len(samples), length), np.float32),
     }
+    if routing is not None:
+        shape = (len(samples), length, routing.moe_layers, routing.experts_per_token)
+        arrays[ROUTING_KEY] = np.full(shape, -1, routing.dtype)
     for row, sample in enumerate(samples):
         if sample is not None:
             for name, array in arrays.items():
@@ -202,9 +227,11 @@ def build_train_batch(
     zero_variance: str = "drop",
     mask_truncated: bool = False,
     microbatches: int | None = None,
+    routing: Routing | None = None,
 ) -> tuple[dict[str, np.ndarray], BatchInfo]:
     """The train batch dict (module docstring) and its `BatchInfo`; with `mask_truncated`, the
-    completions `cut_by_length` get loss_mask 0 (module docstring).
+    completions `cut_by_length` get loss_mask 0 (module docstring); with `routing`, the sampler's
+    routing, which every completion must carry.
 
     `microbatches` None: the unsorted layout (`batch_layout.BATCH_SPEC`), [rows, T] with T the
     bucket of the longest sequence. `microbatches` M: the sorted layout of
@@ -242,10 +269,12 @@ def build_train_batch(
             truncated_masked += 1
         prompt = np.asarray(group.prompt.tokens, np.int32)
         no_loss = np.zeros(len(prompt), np.float32)
+        where = f"group {group.group_id} completion {j}"
         sequences[index] = _Sample(
             tokens=np.concatenate([prompt, np.asarray(completion.tokens, np.int32)]),
             loss_mask=np.concatenate([no_loss, sampled.astype(np.float32)]),
             behavior_logp=np.concatenate([no_loss, np.where(sampled, completion.logprobs, 0.0)]),
+            routed_experts=None if routing is None else routing_row(completion, len(prompt), routing, where),
         )
         lengths[index] = len(prompt) + len(completion.tokens)
         rewards[index] = group.rewards[j]
@@ -260,7 +289,7 @@ def build_train_batch(
     if microbatches is None:
         length = pick_bucket(int(lengths.max()), length_buckets)
         batch = {
-            **_pad_rows(sequences, length),
+            **_pad_rows(sequences, length, routing),
             "rewards": rewards,
             "group_ids": group_ids,
             "sample_valid": sample_valid,
@@ -275,6 +304,7 @@ def build_train_batch(
             microbatches,
             length_buckets,
             {"rewards": rewards, "group_ids": group_ids, "sample_valid": sample_valid},
+            routing,
         )
         sampled_tokens = int(batch["loss_tokens"].sum())
     completions = [c for _, _, _, c in samples]
@@ -301,6 +331,7 @@ def _sorted_layout(
     microbatches: int,
     length_buckets: Sequence[int],
     per_row: dict[str, np.ndarray],
+    routing: Routing | None,
 ) -> tuple[dict[str, np.ndarray], tuple[tuple[int, int], ...], int]:
     """The sorted layout (`build_train_batch`), its padded (R, T_m) shapes and the tokens of the
     samples it computes. A sample that contributes nothing (not `sample_valid`, or no loss
@@ -313,7 +344,7 @@ def _sorted_layout(
     batch = {name: array[dealt] for name, array in {**per_row, "loss_tokens": loss_tokens}.items()}
     for m, (chunk, length) in enumerate(zip(plan.order, plan.lengths)):
         computed = [sequences[i] if contributes[i] else None for i in chunk]
-        for name, array in _pad_rows(computed, length).items():
+        for name, array in _pad_rows(computed, length, routing).items():
             batch[sorted_batch_key(name, m)] = array
     shapes = tuple((len(chunk), length) for chunk, length in zip(plan.order, plan.lengths))
     return batch, shapes, int(lengths[contributes].sum())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from scalerl_jax.contracts.batch_layout import Routing
+
 ZERO_VARIANCE_MODES = ("drop", "refill", "none")
 
 
@@ -32,6 +34,8 @@ class PipelineConfig:
     `functools.partial(train.flops.train_step_flops, model_config)`; gives
     compute/model_flops_per_s. `peak_flops_per_s`: summed peak FLOP/s of the trainer's devices
     (`train.flops.devices_peak_flops_per_s`); with both, compute/mfu.
+    `routing`: a mixture-of-experts policy's batches carry the sampler's routing in this layout
+    (`batch_layout.Routing`; the train step's `TrainStepConfig.routing`); None: they carry none.
     """
 
     max_new_tokens: int
@@ -59,6 +63,7 @@ class PipelineConfig:
     mask_truncated: bool = False
     train_step_flops: Callable[[int, int], float] | None = None
     peak_flops_per_s: float | None = None
+    routing: Routing | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in ("pipeline", "ppo_off_policy"):

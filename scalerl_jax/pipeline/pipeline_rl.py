@@ -384,6 +384,7 @@ class Pipeline:
                 zero_variance="none" if cfg.zero_variance == "none" else "drop",
                 mask_truncated=cfg.mask_truncated,
                 microbatches=cfg.microbatches if cfg.sort_by_length else None,
+                routing=cfg.routing,
             )
             step_start = self.clock()
             self._train_state = None  # the step may donate the state's buffers

@@ -50,7 +50,15 @@ from scalerl_jax.distributed.roles import Roles
 from scalerl_jax.distributed.transport import TRAIN, Routes
 from scalerl_jax.distributed.weight_push import ParamsReceiver, ParamsSender
 from scalerl_jax.distributed.wiring import start_transfer_server, trainer_transfer_addresses
-from scalerl_jax.models import CheckpointTokenizer, load_checkpoint_tokenizer, load_hf, make_mesh, param_shardings
+from scalerl_jax.models import (
+    CheckpointTokenizer,
+    get_preset,
+    load_checkpoint_tokenizer,
+    load_hf,
+    load_hf_config,
+    make_mesh,
+    param_shardings,
+)
 from scalerl_jax.models.config import ModelConfig
 from scalerl_jax.pipeline.batching import MIN_LENGTH_BUCKET, octave_buckets
 from scalerl_jax.pipeline.config import PipelineConfig
@@ -83,6 +91,31 @@ class PolicySource:
     tokens: CheckpointTokenizer
     encoder: data_lib.PromptEncoder
     code_encoder: data_lib.PromptEncoder | None = None
+
+
+def check_moe_keys(config: ml_collections.ConfigDict) -> None:
+    """The keys that only mean something for a mixture-of-experts policy (`rl.router_replay`,
+    `model.router_aux_loss_coef` > 0) are refused when the policy is dense, naming them and the
+    key that chose the policy (`model.preset` for a warm start, else `model.checkpoint`, whose
+    config.json is read only then)."""
+    asked = (["`rl.router_replay` = True"] if config.rl.router_replay else []) + (
+        [f"`model.router_aux_loss_coef` = {config.model.router_aux_loss_coef}"]
+        if config.model.router_aux_loss_coef
+        else []
+    )
+    if not asked:
+        return
+    if "warm_start" in config:
+        model_config, policy_key = get_preset(config.model.preset), f"`model.preset` = {config.model.preset!r}"
+    else:
+        checkpoint = config.model.checkpoint
+        model_config, policy_key = load_hf_config(checkpoint), f"`model.checkpoint` = {checkpoint!r}"
+    if not model_config.num_experts:
+        keys, need = ("keys", "need") if len(asked) > 1 else ("key", "needs")
+        raise ConfigError(
+            f"config {keys} {' and '.join(asked)} {need} a mixture-of-experts policy, but config key "
+            f"{policy_key} is a dense one (no experts)"
+        )
 
 
 def build_policy_source(config: ml_collections.ConfigDict, workdir: str) -> PolicySource:
@@ -581,7 +614,7 @@ def pipeline_config(
     config: ml_collections.ConfigDict, tokens: CheckpointTokenizer, trainer: Trainer, roles: Roles, start_step: int
 ) -> PipelineConfig:
     """The leader's pipeline: the run config's schedule and batch, with the MFU denominators of
-    its model on the trainer devices."""
+    its model on the trainer devices and the train step's layout of the sampler's routing."""
     devices = list(roles.trainer_devices)
     return pipeline_config_of(
         config,
@@ -589,6 +622,7 @@ def pipeline_config(
         start_step=start_step,
         train_step_flops=functools.partial(train_step_flops, trainer.model_config),
         peak_flops_per_s=devices_peak_flops_per_s(devices) if devices else None,
+        routing=train_step_config_of(config, trainer.model_config).routing,
     )
 
 

@@ -136,7 +136,7 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
     import jax
     from flax import nnx
 
-    from scalerl_jax.contracts.batch_layout import BATCH_SPEC
+    from scalerl_jax.contracts.batch_layout import ROUTING_KEY, batch_spec, shapes_by_rank
     from scalerl_jax.models import Transformer, make_mesh
     from scalerl_jax.run.programs import model_config_of
     from scalerl_jax.sampler import generate
@@ -206,7 +206,10 @@ def measure_rates(config: ml_collections.ConfigDict, devices: Sequence[Any], *, 
         "group_ids": (np.arange(rows) // 2).astype(np.int32),
         "sample_valid": np.ones((rows,), bool),
     }
-    assert set(batch) == set(BATCH_SPEC)
+    routing = step_config.routing
+    if routing:  # a mixture-of-experts policy: nothing recorded, the trainer routes every token
+        batch[ROUTING_KEY] = np.full(shapes_by_rank(rows, length, routing)[4], -1, routing.dtype)
+    assert set(batch) == set(batch_spec(routing))
     holder = {"state": state}
 
     def train() -> None:

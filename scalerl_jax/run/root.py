@@ -33,6 +33,7 @@ from scalerl_jax.run.build import (
     build_meshes,
     build_policy_source,
     build_transfer,
+    check_moe_keys,
     code_verifier_of,
     dataset_builder,
 )
@@ -106,12 +107,13 @@ def run_capacities(*, timeout_s: float) -> dict[int, tuple[int, str]]:
 
 def prepare_shared_files(config: ml_collections.ConfigDict, workdir: str, stack: contextlib.ExitStack) -> None:
     """Process 0 (the leader), once for the run: holds the workdir lock (for the run's life, in
-    `stack`); refuses, before any work, a workdir whose checkpoints belong to another config and a
-    custom reward that does not load; writes `config.json`; builds the warm-started policy and the
-    TFDS dataset that every process reads."""
+    `stack`); refuses, before any work, a workdir whose checkpoints belong to another config, a
+    custom reward that does not load and mixture-of-experts keys on a dense policy; writes
+    `config.json`; builds the warm-started policy and the TFDS dataset that every process reads."""
     stack.enter_context(hold_workdir(workdir))
     check_workdir_config(config, workdir)
     check_custom_reward(config)
+    check_moe_keys(config)
     if "warm_start" in config:
         build_warm_start(config, workdir)
     dataset_builder(config, workdir)

@@ -69,9 +69,9 @@ class Completion:
     truncated inside the phrase). `finish_reason`: 'stop' (a stop token, included in tokens),
     'answer_budget', or 'length' (max_new_tokens or the cache length). `think_budget` is the
     drawn budget (-1 without interruption). For a mixture-of-experts policy `routed_experts`
-    int32 [len(tokens), MoE layers, k] holds, for each token, the experts each MoE layer routed the
-    input that produced it to (the last prompt token for the first, then each token for the next);
-    None for a dense one.
+    [len(tokens), MoE layers, k] (`batch_layout.routing_dtype`) holds, for each token, the experts
+    each MoE layer routed the input that produced it to (the last prompt token for the first, then
+    each token for the next); None for a dense one.
     """
 
     request_id: Hashable

@@ -75,6 +75,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from scalerl_jax.contracts.batch_layout import routing_dtype
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
 from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
@@ -169,8 +170,9 @@ class ChunkResult(NamedTuple):
     num_answer: jax.Array
     think_budget: jax.Array
     steps: jax.Array  # int32[] decode steps actually run
-    # int32[S, C, MoE layers, k]: the experts each MoE layer routed the token fed at each step to
-    # (the input whose logits gave that step's token), -1 where nothing was emitted; None when dense.
+    # [S, C, MoE layers, k] (`batch_layout.routing_dtype`): the experts each MoE layer routed the
+    # token fed at each step to (the input whose logits gave that step's token), -1 where nothing
+    # was emitted; None when dense.
     experts: jax.Array | None = None
 
 
@@ -698,8 +700,9 @@ class Engine:
         emitted_token = jnp.where(active, token, PAD_TOKEN)
         emitted_logprob = jnp.where(active, logprob, 0.0)
         emitted = (emitted_token, emitted_logprob, active & ~forcing, active)
-        if routed is not None:  # [L_moe, S, 1, k] -> [S, L_moe, k]
-            emitted += (jnp.where(active[:, None, None], jnp.transpose(routed[:, :, 0], (1, 0, 2)), -1),)
+        if routed is not None:  # [L_moe, S, 1, k] -> [S, L_moe, k], in the batch's narrow dtype
+            experts = jnp.where(active[:, None, None], jnp.transpose(routed[:, :, 0], (1, 0, 2)), -1)
+            emitted += (experts.astype(routing_dtype(self.model_config.num_experts)),)
         return new_state, emitted
 
     def _feed_positions(self, state: DecodeState) -> jax.Array:
@@ -720,7 +723,8 @@ class Engine:
         config = self.model_config
         moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
         if moe_layers:
-            outputs += (jnp.full((slots, chunk, moe_layers, config.num_experts_per_tok), -1, jnp.int32),)
+            shape = (slots, chunk, moe_layers, config.num_experts_per_tok)
+            outputs += (jnp.full(shape, -1, routing_dtype(config.num_experts)),)
 
         def keep_going(carry):
             step, current, _ = carry

@@ -27,9 +27,12 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalerl_jax.contracts.batch_layout import (
-    BATCH_SPEC,
-    MICROBATCH_SPEC,
+    ROUTING_KEY,
     SORTED_ROW_SPEC,
+    Routing,
+    batch_spec,
+    microbatch_spec,
+    shapes_by_rank,
     split_sorted_batch,
     validate_batch,
 )
@@ -98,11 +101,21 @@ def init_train_state(
 _ABSTRACT_DTYPES = {"int": np.int32, "float": np.float32, "bool": np.bool_}  # what `pipeline.batching` builds
 
 
-def abstract_arrays(spec: dict[str, tuple[int, str]], shape_of_rank: dict[int, tuple[int, ...]], sharding) -> dict:
+def abstract_arrays(
+    spec: dict[str, tuple[int, str]],
+    shape_of_rank: dict[int, tuple[int, ...]],
+    sharding,
+    routing: Routing | None = None,
+) -> dict:
     """ShapeDtypeStructs of a batch layout's arrays (`batch_layout` spec: name -> (rank, kind)), the
-    shape by rank, every array on `sharding` (None: no sharding)."""
+    shape by rank, every array on `sharding` (None: no sharding); the sampler's routing, if in
+    `spec`, in `routing`'s dtype."""
     return {
-        name: jax.ShapeDtypeStruct(shape_of_rank[rank], _ABSTRACT_DTYPES[kind], sharding=sharding)
+        name: jax.ShapeDtypeStruct(
+            shape_of_rank[rank],
+            routing.dtype if name == ROUTING_KEY and routing else _ABSTRACT_DTYPES[kind],
+            sharding=sharding,
+        )
         for name, (rank, kind) in spec.items()
     }
 
@@ -259,22 +272,25 @@ class TrainStep(_JittedStep):
         self._jitted = jax.jit(self._counted(step, "train_step"), **jit_kwargs)
 
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        rows, length = validate_batch(batch)
+        rows, length = validate_batch(batch, self.config.routing)
         self._check_rows(rows)
         return self._run("train/step", _step_shape(rows, length), self._jitted, state, batch)
 
     def lower(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
         """Ahead-of-time lowering for these shapes (`.compile()` it to time compilation or to read
         `memory_analysis()`); the arrays may be jax.ShapeDtypeStruct."""
-        self._check_rows(validate_batch(batch)[0])
+        self._check_rows(validate_batch(batch, self.config.routing)[0])
         with use_mesh_rules(self.mesh, self.rules):
             return self._jitted.lower(state, batch)
 
     def aot_programs(self, state: TrainState, rows: int, lengths: Sequence[int]) -> Iterator[AotProgram]:
         """The step for every batch shape a run can produce, to lower ahead of time: [rows, T] for
         each length bucket T in `lengths`; `state` may be abstract (ShapeDtypeStructs with shardings)."""
+        routing = self.config.routing
         for length in lengths:
-            batch = abstract_arrays(BATCH_SPEC, {1: (rows,), 2: (rows, length)}, self.batch_sharding)
+            batch = abstract_arrays(
+                batch_spec(routing), shapes_by_rank(rows, length, routing), self.batch_sharding, routing
+            )
             yield AotProgram("train/step", _step_shape(rows, length), functools.partial(self.lower, state, batch))
 
 
@@ -326,7 +342,7 @@ class SortedTrainStep(_JittedStep):
         self._update = jax.jit(self._counted(update, "train_update"), **update_kw)
 
     def __call__(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        rows, microbatches = split_sorted_batch(batch, self.config.num_microbatches)
+        rows, microbatches = split_sorted_batch(batch, self.config.num_microbatches, self.config.routing)
         num_rows = rows["rewards"].shape[0]
         self._check_rows(num_rows)
         terms, row_stats = self._run("train/prepare_rows", f"B={num_rows}", self._prepare, rows)
@@ -360,8 +376,11 @@ class SortedTrainStep(_JittedStep):
         yield AotProgram("train/zero_accumulator", "params", lambda: zeros)
         (terms, row_stats), accumulator = prepare.out_info, zeros.out_info
         index = jax.ShapeDtypeStruct((), np.int32)
+        routing = self.config.routing
         for length in lengths:
-            microbatch = abstract_arrays(MICROBATCH_SPEC, {2: (per_microbatch, length)}, self.batch_sharding)
+            microbatch = abstract_arrays(
+                microbatch_spec(routing), shapes_by_rank(per_microbatch, length, routing), self.batch_sharding, routing
+            )
             lower = functools.partial(
                 self._lower, self._accumulate, accumulator, state.params, terms, index, microbatch
             )

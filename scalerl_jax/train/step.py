@@ -15,7 +15,10 @@ rows (layouts in `scalerl_jax.contracts.batch_layout`) dealt into M microbatches
      microbatch's real tokens (prompt and completion of valid rows, `routed_token_mask`) and, with
      `router_aux_loss_coef` = c > 0, adds c aux_m / M to L_m (aux_m its load-balancing loss,
      `moe.load_balancing_loss`; the mean over microbatches, as gradient accumulation averages
-     it). Since A and s were fixed over the whole batch and x[b, :] depends on row b only,
+     it). With the sampler's routing in the batch (`TrainStepConfig.routing`), each MoE
+     layer counts the recorded tokens whose own top-k set differs from the sampler's, and with
+     `router_replay` computes them with the sampler's experts (router replay, `moe` module).
+     Since A and s were fixed over the whole batch and x[b, :] depends on row b only,
      L = sum_m L_m and grad L = sum_m grad L_m exactly, for every aggregation.
   3. Metrics from the combined sums (`policy_metrics`, `train_step_metrics`), then the AdamW update
      (fp32 master weights, see optimizer.py). If the loss or the gradient norm is not finite and
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from scalerl_jax.contracts.batch_layout import MICROBATCH_SPEC, deal_microbatches
+from scalerl_jax.contracts.batch_layout import ROUTING_KEY, deal_microbatches, microbatch_spec
 from scalerl_jax.models.logprobs import next_token_logprobs
 from scalerl_jax.models.moe import RouterStats, load_balancing_loss
 from scalerl_jax.rl import (
@@ -164,7 +167,10 @@ def _microbatch_loss(graphdef, params, microbatch: dict, row_terms: RowTerms, co
     model = nnx.merge(graphdef, params)
     tokens = microbatch["tokens"].astype(jnp.int32)
     routed = routed_token_mask(microbatch["loss_mask"], row_terms.valid)
-    hidden, routing = model.hidden_with_routing(tokens, routed)
+    recorded = None
+    if config.routing:  # [R, T, L_moe, k] -> [L_moe, R, T, k]
+        recorded = jnp.moveaxis(microbatch[ROUTING_KEY], 2, 0).astype(jnp.int32)
+    hidden, routing = model.hidden_with_routing(tokens, routed, recorded=recorded, replay=config.router_replay)
     logp, entropy = next_token_logprobs(
         model.head,
         hidden,
@@ -202,8 +208,8 @@ def accumulate_microbatch(
     index: jax.Array,
     microbatch: dict,
 ) -> Accumulator:
-    """Step 2 (module docstring): adds grad L_m of microbatch `index` (arrays [R, T_m] of
-    `batch_layout.MICROBATCH_SPEC`) and its sums to `accumulator`."""
+    """Step 2 (module docstring): adds grad L_m of microbatch `index` (arrays [R, T_m, ...] of
+    `batch_layout.microbatch_spec`) and its sums to `accumulator`."""
     row_terms = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False), terms)
     loss_of = lambda p: _microbatch_loss(graphdef, p, microbatch, row_terms, config)
     grads, (sums, entropy, routing, aux) = jax.grad(loss_of, has_aux=True)(params)
@@ -247,6 +253,12 @@ def train_step_metrics(config: TrainStepConfig, accumulator: Accumulator, row_st
     moe/dropped_tokens      token choices no expert computed (dropless routing: 0)
     moe/aux_loss            the load-balancing loss, mean over microbatches (in the loss when
                             router_aux_loss_coef > 0)
+    train/routing_mismatch_frac   with the sampler's routing in the batch: of the (token, MoE
+                            layer) pairs with recorded experts, the share whose trainer top-k set
+                            differs from the sampler's, replayed or not (with replay a layer sees
+                            the sampler's routing before it, so each layer's own disagreement
+                            counts; without, one layer's flips also move the later layers' inputs)
+    moe/recorded_pairs      the (token, MoE layer) pairs of real tokens with the sampler's experts
     """
     totals, first = accumulator.totals, accumulator.first
     policy = policy_metrics(totals, row_stats.num_samples, row_stats.num_prompts)
@@ -278,6 +290,9 @@ def train_step_metrics(config: TrainStepConfig, accumulator: Accumulator, row_st
                 "moe/aux_loss": accumulator.aux_loss / config.num_microbatches,
             }
         )
+        if config.routing:
+            metrics["train/routing_mismatch_frac"] = safe_divide(jnp.sum(routing.mismatched), jnp.sum(routing.recorded))
+            metrics["moe/recorded_pairs"] = jnp.sum(routing.recorded)
     if config.objective == "cispo":
         metrics["train/cispo_truncated_frac"] = policy["clip_frac_high"]
     else:
@@ -299,7 +314,7 @@ def accumulate_gradients(
     per_row = {name: batch[name] for name in ("rewards", "group_ids", "sample_valid")}
     per_row["loss_tokens"] = jnp.sum(batch["loss_mask"].astype(jnp.float32), axis=1)
     terms, row_stats = prepare_rows(per_row, config)
-    microbatches = {name: deal_microbatches(batch[name], num_microbatches) for name in MICROBATCH_SPEC}
+    microbatches = {name: deal_microbatches(batch[name], num_microbatches) for name in microbatch_spec(config.routing)}
 
     def body(accumulator, indexed):
         index, microbatch = indexed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from scalerl_jax.contracts.batch_layout import Routing
 from scalerl_jax.rl import AGGREGATIONS, NORMALIZATIONS, OBJECTIVES
 
 NAN_POLICIES = ("skip", "stop")  # `nan_policy`: keep the old state (`skip_nonfinite`), or the run loop raises
@@ -29,6 +30,11 @@ class TrainStepConfig:
     moe_layers: int = 0
     num_experts: int = 0
     router_aux_loss_coef: float = 0.0
+    # experts_per_token k > 0: batches carry the sampler's routing (`batch_layout.ROUTING_KEY`), its
+    # mismatch with the trainer's is logged, and with router_replay the trainer computes the recorded
+    # experts in place of its own.
+    experts_per_token: int = 0
+    router_replay: bool = False
 
     def __post_init__(self):
         for name, allowed in (
@@ -48,5 +54,14 @@ class TrainStepConfig:
             )
         if self.router_aux_loss_coef and not self.moe_layers:
             raise ValueError("TrainStepConfig.router_aux_loss_coef is for mixture-of-experts policies (moe_layers=0)")
+        if self.experts_per_token and not self.moe_layers:
+            raise ValueError("TrainStepConfig.experts_per_token is for mixture-of-experts policies (moe_layers=0)")
+        if self.router_replay and not self.experts_per_token:
+            raise ValueError("TrainStepConfig.router_replay needs the sampler's routing (experts_per_token > 0)")
         if self.logprob_chunk_size < 1:
             raise ValueError(f"TrainStepConfig.logprob_chunk_size must be >= 1, got {self.logprob_chunk_size}")
+
+    @property
+    def routing(self) -> Routing | None:
+        """The sampler's routing in the batches (`batch_layout.Routing`); None: the batches carry none."""
+        return Routing(self.moe_layers, self.experts_per_token, self.num_experts) if self.experts_per_token else None

@@ -1,6 +1,6 @@
 """The main job on configs/tiny_moe.py, a mixture-of-experts policy (8 experts, 2 per token): a
-few steps with the routing metrics in every train row, the warm start written as a Qwen3-MoE
-checkpoint with one tensor per expert; and (slow) a shortened run that learns."""
+few steps with router replay and the routing metrics in every train row, the warm start written
+as a Qwen3-MoE checkpoint with one tensor per expert; and (slow) a shortened run that learns."""
 
 import json
 import math
@@ -23,10 +23,11 @@ def run_tiny_moe(workdir, overrides, timeout):
     )
 
 
-def test_a_moe_policy_runs_with_its_routing_metrics(tmp_path):
+def test_a_moe_policy_runs_with_router_replay_and_its_routing_metrics(tmp_path):
     # Every group stays in the loss (a barely warm-started policy gets all-zero groups, which the
     # zero-variance filter would drop, leaving no token to route).
-    result = run_tiny_moe(tmp_path, {**SMALL, "rl.zero_variance_filter": False}, timeout=600)
+    overrides = {**SMALL, "rl.zero_variance_filter": False, "rl.router_replay": True}
+    result = run_tiny_moe(tmp_path, overrides, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -36,6 +37,9 @@ def test_a_moe_policy_runs_with_its_routing_metrics(tmp_path):
         assert row["moe/tokens_per_expert_max"] > 0
         assert 0 < row["moe/router_entropy"] <= math.log(EXPERTS) + 1e-6
         assert row["moe/aux_loss"] > 0
+        # the sampler's routing reached the trainer: some pairs recorded, few of them differing
+        assert row["moe/recorded_pairs"] > 0 and 0 <= row["train/routing_mismatch_frac"] < 0.2
+    print("routing mismatch per step:", [row["train/routing_mismatch_frac"] for row in rows[1:]])
     base = tmp_path / "warm_start"
     checkpoints = [dirpath for dirpath, _, files in os.walk(base) if "config.json" in files]
     assert checkpoints, sorted(os.listdir(base))

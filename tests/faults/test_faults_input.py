@@ -402,3 +402,31 @@ def test_i10_main_on_a_checkpoint_missing_a_file_or_with_a_bad_field_exits_2(bas
         f"--config.data.path={data}",
     )
     assert one_line(result, 2) == expected
+
+
+def test_i11_mixture_of_experts_keys_on_a_dense_policy_are_refused_naming_both_keys(base, tmp_path):
+    """`rl.router_replay` (and a load-balancing loss) on a dense policy: refused before any work,
+    naming the key and the one that chose the policy, for a warm start and for a checkpoint."""
+    result = cli(
+        "scalerl_jax.main", "--config=configs/tiny.py", f"--workdir={tmp_path / 'a'}", "--config.rl.router_replay=True"
+    )
+    assert one_line(result, 2) == (
+        "config error: config key `rl.router_replay` = True needs a mixture-of-experts policy, but config key "
+        "`model.preset` = 'tiny-llama' is a dense one (no experts)"
+    )
+    assert not (tmp_path / "a" / "warm_start").exists()
+    config = tmp_path / "run_config.py"
+    config.write_text(DATA_RUN_CONFIG)
+    result = cli(
+        "scalerl_jax.main",
+        f"--config={config}",
+        f"--workdir={tmp_path / 'b'}",
+        f"--config.model.checkpoint={base[0]}",
+        f"--config.data.path={base[2]}",
+        "--config.rl.router_replay=True",
+        "--config.model.router_aux_loss_coef=0.01",
+    )
+    assert one_line(result, 2) == (
+        "config error: config keys `rl.router_replay` = True and `model.router_aux_loss_coef` = 0.01 need a "
+        f"mixture-of-experts policy, but config key `model.checkpoint` = {base[0]!r} is a dense one (no experts)"
+    )

@@ -33,12 +33,12 @@ ALLOWED = {
     "telemetry": set(),  # metrics rows, W&B, compile events, the console
     "sandbox": set(),  # untrusted code contained by bubblewrap, and the code verifier on it
     "models": {"hardware"},
-    "sampler": {"models"},
+    "sampler": {"contracts", "models"},  # contracts: the routing it records is in the batch's dtype
     "train": {"contracts", "hardware", "models", "rl"},
     "data": {"rl", "sandbox"},
     "pipeline": {"contracts", "data", "rl", "sampler"},
     "distributed": {"models", "pipeline", "sampler"},
-    "config": {"data", "models", "pipeline", "rl", "sampler", "telemetry", "train"},
+    "config": {"contracts", "data", "models", "pipeline", "rl", "sampler", "telemetry", "train"},
     "study": {"config", "contracts", "data", "scaling", "telemetry"},
     "run": LIBRARIES | {"config", "distributed"},
     "cli": LIBRARIES | {"config", "distributed", "run", "study"},

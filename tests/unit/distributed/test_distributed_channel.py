@@ -390,13 +390,14 @@ def test_barrier_timeout_names_the_process_that_never_arrived(two_process_result
 
 def test_a_completions_recorded_experts_cross_the_channel():
     """A mixture-of-experts completion's routed experts [tokens, MoE layers, k] arrive with their
-    values, dtype and shape; a dense one's None stays None."""
+    values, narrow dtype (int8, as the engine emits for up to 128 experts) and shape; a dense
+    one's None stays None."""
     import dataclasses
 
     from scalerl_jax.distributed.messages import completion_from_message, completion_to_message
     from scalerl_jax.sampler.batcher import Completion
 
-    experts = np.arange(3 * 2 * 2, dtype=np.int32).reshape(3, 2, 2)
+    experts = np.arange(3 * 2 * 2, dtype=np.int8).reshape(3, 2, 2)
     completion = Completion(
         request_id=7,
         prompt_tokens=[5],
@@ -417,5 +418,5 @@ def test_a_completions_recorded_experts_cross_the_channel():
         if routed is None:
             assert back.routed_experts is None
         else:
-            assert back.routed_experts is not None and back.routed_experts.dtype == np.int32
+            assert back.routed_experts is not None and back.routed_experts.dtype == np.int8
             np.testing.assert_array_equal(back.routed_experts, experts)

@@ -7,7 +7,8 @@ trainer's forward can compute those tokens with the recorded experts (weighted b
 - a near tie: two experts whose router columns differ by a hair, so that the sampler's decode
   program and the trainer's full forward pick different experts for some tokens at the same
   weights; the trainer's log-probs then differ from the sampler's, and with the recorded experts
-  replayed they equal them.
+  replayed they equal them: in the model's forward, and through the train batch and train step
+  (`rl.router_replay`), where the mismatch share is logged either way.
 """
 
 import jax
@@ -19,12 +20,18 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import moe_checkpoints  # noqa: E402  (tests/support)
+from flax import nnx  # noqa: E402
 
+from scalerl_jax.contracts.batch_layout import Routing  # noqa: E402
 from scalerl_jax.models import get_preset, hf  # noqa: E402
 from scalerl_jax.models.logprobs import next_token_logprobs  # noqa: E402
 from scalerl_jax.models.moe import experts_dense, gate_weights, router_stats  # noqa: E402
 from scalerl_jax.models.transformer import DecoderLayer, init_transformer  # noqa: E402
+from scalerl_jax.pipeline.batching import build_train_batch  # noqa: E402
+from scalerl_jax.pipeline.group import Group, Prompt  # noqa: E402
 from scalerl_jax.sampler import generate  # noqa: E402
+from scalerl_jax.train import TrainStepConfig  # noqa: E402
+from scalerl_jax.train.step import accumulate_gradients  # noqa: E402
 
 
 def _numpy_replayed(x, router, gate, up, down, experts, routing, normalize):
@@ -106,6 +113,7 @@ def test_the_engine_records_the_experts_transformers_routes_to(tmp_path, kind):
     for prompt, completion in zip(prompts, completions):
         recorded = completion.routed_experts
         assert recorded is not None and recorded.shape == (10, 2, k)  # two MoE layers in each config
+        assert recorded.dtype == np.int8  # the batch's narrow dtype for a few experts
         sequence = torch.tensor([prompt + completion.tokens])
         with torch.no_grad():
             router_logits = torch_model(sequence, output_router_logits=True).router_logits
@@ -138,28 +146,73 @@ def _trainer_logprobs(model, tokens, recorded=None):
     return np.asarray(logp), stats
 
 
-def test_replay_makes_the_trainers_logprobs_equal_the_samplers_on_a_near_tie():
-    """A one-token prompt, so every position whose output scores a completion token was fed by a
-    decode step and has recorded experts. Over a few tie widths and prompts, find one where the
-    decode program and the full forward route some token differently (the test asserts it finds
-    one); there the trainer's own log-probs differ from the sampler's, and with replay they equal
-    them."""
+def _recorded_of(completion) -> jax.Array:
+    """The completion's recorded experts [L, 1, P + n, k] at the trainer's positions: the first
+    prompt token has none (the prompts are one token), the last token none (nothing fed it)."""
+    recorded = jnp.asarray(completion.routed_experts, jnp.int32)[None].transpose(2, 0, 1, 3)  # [L, 1, n, k]
+    return jnp.pad(recorded, ((0, 0), (0, 0), (0, 1), (0, 0)), constant_values=-1)
+
+
+def _flipped_near_tie():
+    """(model, completions, index) of a near tie (`_near_tie_model`) where the decode program and
+    the full forward route some token of completion `index` differently. One-token prompts, so
+    every position whose output scores a completion token was fed by a decode step and has
+    recorded experts. Tries a few tie widths; fails the test if none flips."""
     for eps in (1e-8, 1e-7, 1e-6, 1e-5):
         model = _near_tie_model(eps)
         completions = generate(
             model, [[t] for t in range(1, 9)], max_new_tokens=24, num_slots=8, chunk_size=8, temperature=1.0
         )
-        for completion in completions:
+        for index, completion in enumerate(completions):
             tokens = jnp.asarray([completion.prompt_tokens + completion.tokens])
-            recorded = jnp.asarray(completion.routed_experts)[None].transpose(2, 0, 1, 3)  # [L, 1, n, k]
-            recorded = jnp.pad(recorded, ((0, 0), (0, 0), (0, 1), (0, 0)), constant_values=-1)  # the last token
-            own, _ = _trainer_logprobs(model, tokens)
-            replayed, stats = _trainer_logprobs(model, tokens, recorded=recorded)
+            _, stats = _trainer_logprobs(model, tokens, recorded=_recorded_of(completion))
             assert stats is not None  # a mixture-of-experts policy
-            if float(jnp.sum(stats.mismatched)) == 0:
-                continue
-            sampler = np.asarray(completion.logprobs)
-            assert np.abs(own[0, 1:] - sampler).max() > 1e-2  # routing noise, not rounding
-            np.testing.assert_allclose(replayed[0, 1:], sampler, atol=2e-5, rtol=0)
-            return
+            if float(jnp.sum(stats.mismatched)) > 0:
+                return model, completions, index
     pytest.fail("no near tie flipped between the decode program and the full forward")
+
+
+def test_replay_makes_the_trainers_logprobs_equal_the_samplers_on_a_near_tie():
+    """Where the routing flipped, the trainer's own log-probs differ from the sampler's, and with
+    the recorded experts replayed they equal them."""
+    model, completions, index = _flipped_near_tie()
+    completion = completions[index]
+    tokens = jnp.asarray([completion.prompt_tokens + completion.tokens])
+    own, _ = _trainer_logprobs(model, tokens)
+    replayed, _ = _trainer_logprobs(model, tokens, recorded=_recorded_of(completion))
+    sampler = np.asarray(completion.logprobs)
+    assert np.abs(own[0, 1:] - sampler).max() > 1e-2  # routing noise, not rounding
+    np.testing.assert_allclose(replayed[0, 1:], sampler, atol=2e-5, rtol=0)
+
+
+def test_the_train_step_replays_the_samplers_routing_on_a_near_tie():
+    """The same near tie through the run's path: the completions as a train batch
+    (`build_train_batch` with the sampler's routing) into the train step. The mismatch share is
+    logged with and without replay; only with `router_replay` do the trainer's log-probs
+    equal the sampler's (train/logp_mismatch_max, over every loss token of the batch)."""
+    model, completions, _ = _flipped_near_tie()
+    config = model.config
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    routing = Routing(moe_layers, config.num_experts_per_tok, config.num_experts)
+    groups = [
+        Group(i, Prompt(str(i), tuple(c.prompt_tokens)), 0, completions=(c,), rewards=np.asarray([i % 2], np.float32))
+        for i, c in enumerate(completions)
+    ]
+    batch, _ = build_train_batch(groups, rows=8, length_buckets=(32,), zero_variance="none", routing=routing)
+    graphdef, params = nnx.split(model)
+    metrics = {}
+    for replay in (False, True):
+        step_config = TrainStepConfig(
+            moe_layers=moe_layers,
+            num_experts=config.num_experts,
+            experts_per_token=config.num_experts_per_tok,
+            router_replay=replay,
+            logprob_chunk_size=64,
+        )
+        step = jax.jit(lambda p, b, c=step_config: accumulate_gradients(graphdef, p, b, c)[1])
+        metrics[replay] = {name: float(value) for name, value in step(params, batch).items()}
+    # Replayed, a later layer sees the sampler's inputs, so only its own disagreement counts;
+    # without, layer 0's flips also move what the later layers see.
+    assert 0 < metrics[True]["train/routing_mismatch_frac"] <= metrics[False]["train/routing_mismatch_frac"] < 0.5
+    assert metrics[False]["train/logp_mismatch_max"] > 1e-2
+    assert metrics[True]["train/logp_mismatch_max"] < 2e-5

@@ -1,9 +1,11 @@
 """Groups -> padded train batch (pipeline/batching.py), checked against arrays written out by hand."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from scalerl_jax.contracts.batch_layout import validate_batch
+from scalerl_jax.contracts.batch_layout import ROUTING_KEY, Routing, routing_dtype, split_sorted_batch, validate_batch
 from scalerl_jax.pipeline.batching import build_train_batch, cut_by_length, pick_bucket, power_of_two_buckets
 from scalerl_jax.pipeline.group import Group, Prompt, lags
 from scalerl_jax.sampler import Completion
@@ -164,6 +166,78 @@ def test_errors_name_the_problem():
             rows=1,
             length_buckets=(8,),
         )
+
+
+# One MoE layer, k = 2 of 4 experts: int8 in the batch.
+ROUTING = Routing(moe_layers=1, experts_per_token=2, num_experts=4)
+
+
+def routed_groups():
+    """`two_groups` with each completion's recorded experts: token i of completion c of group g
+    recorded as the pair [g, 10 c + i] (not real expert ids: only their places are checked)."""
+    groups = []
+    for g, group in enumerate(two_groups()):
+        completions = tuple(
+            dataclasses.replace(
+                c, routed_experts=np.asarray([[[g, 10 * j + i]] for i in range(len(c.tokens))], np.int32)
+            )
+            for j, c in enumerate(group.completions)
+        )
+        groups.append(dataclasses.replace(group, completions=completions))
+    return groups
+
+
+def test_routing_dtype_holds_every_expert_id_and_minus_one():
+    """Expert ids 0 .. E-1 and -1: int8 up to E = 128 (ids <= 127), int16 up to 32768."""
+    assert [routing_dtype(e) for e in (1, 128, 129, 32768, 32769)] == [np.int8, np.int8, np.int16, np.int16, np.int32]
+
+
+def test_routing_by_hand():
+    """Completion token i was produced from the input at position P-1+i: its record goes there;
+    the earlier prompt tokens, the last token and padding hold -1."""
+    batch, _ = build_train_batch(routed_groups(), rows=6, length_buckets=(8,), routing=ROUTING)
+    validate_batch(batch, ROUTING)
+    routed = batch[ROUTING_KEY]
+    assert routed.dtype == np.int8 and routed.shape == (6, 8, 1, 2)
+    none = [-1, -1]
+    want = [
+        [none, [0, 0], [0, 1], none, none, none, none, none],  # prompt [5, 6] + [7, 8]
+        [none, [0, 10], [0, 11], [0, 12], none, none, none, none],  # prompt [5, 6] + [9, 10, 11]
+        [[1, 0], none, none, none, none, none, none, none],  # prompt [1] + [2]
+        [[1, 10], [1, 11], [1, 12], [1, 13], none, none, none, none],  # prompt [1] + [3, 4, 5, 6]
+        [none] * 8,
+        [none] * 8,
+    ]
+    np.testing.assert_array_equal(routed[:, :, 0], want)
+
+
+def test_sorted_layout_carries_each_rows_routing():
+    """Each microbatch row's routing is its sample's (as in the unsorted layout, cut to T_m); the
+    rows that add nothing (group 1 has zero variance) are empty, routing -1 included."""
+    unsorted, _ = build_train_batch(routed_groups(), rows=4, length_buckets=(4, 8), routing=ROUTING)
+    batch, info = build_train_batch(routed_groups(), rows=4, length_buckets=(4, 8), microbatches=2, routing=ROUTING)
+    _, microbatches = split_sorted_batch(batch, 2, ROUTING)
+    seen = 0
+    for microbatch, (_, length) in zip(microbatches, info.padded_shapes):
+        for tokens, routed in zip(microbatch["tokens"], microbatch[ROUTING_KEY]):
+            if not tokens.any():
+                assert (routed == -1).all()
+                continue
+            (sample,) = [b for b in range(4) if (unsorted["tokens"][b, :length] == tokens).all()]
+            np.testing.assert_array_equal(routed, unsorted[ROUTING_KEY][sample, :length])
+            seen += 1
+    assert seen == 2  # group 0's two completions
+
+
+def test_routing_of_another_shape_is_refused_naming_the_completion():
+    groups = routed_groups()
+    with pytest.raises(
+        ValueError, match=r"group 0 completion 0: routed_experts of shape \(2, 1, 2\), expected \(2, 2, 2\)"
+    ):
+        build_train_batch(groups, rows=4, length_buckets=(8,), routing=ROUTING._replace(moe_layers=2))
+    dense = [dataclasses.replace(g, completions=two_groups()[i].completions) for i, g in enumerate(groups)]
+    with pytest.raises(ValueError, match="group 0 completion 0: routed_experts of shape None"):
+        build_train_batch(dense, rows=4, length_buckets=(8,), routing=ROUTING)
 
 
 def test_buckets():

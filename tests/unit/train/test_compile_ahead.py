@@ -6,6 +6,8 @@ batches of several bucket lengths and give the same state and metrics as the jit
 bucket left out of the ahead-of-time set must show up as a compile (so the count can fail).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,8 @@ import pytest
 from flax import nnx
 from small_models import small_llama
 
-from scalerl_jax.contracts.batch_layout import sorted_batch_key
-from scalerl_jax.models import Transformer, make_mesh
+from scalerl_jax.contracts.batch_layout import Routing, sorted_batch_key
+from scalerl_jax.models import Transformer, get_preset, make_mesh
 from scalerl_jax.pipeline.batching import build_train_batch
 from scalerl_jax.pipeline.group import Group, Prompt
 from scalerl_jax.run.build import RunTrainStep
@@ -137,6 +139,38 @@ def test_no_compile_after_compiling_ahead(graphdef_params, sort):
         assert g == pytest.approx(w, rel=1e-6, abs=1e-7)
     for g, w in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-7)
+
+
+def test_a_moe_step_with_the_samplers_routing_runs_what_it_compiled_ahead():
+    """A mixture-of-experts policy's batches carry the sampler's routing (int8 for 8 experts):
+    the programs compiled ahead take it as built, so no step compiles."""
+    model_config = get_preset("tiny-qwen3-moe", vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16)
+    graphdef, params = nnx.split(Transformer(model_config, rngs=nnx.Rngs(0)))
+    routing = Routing(moe_layers=2, experts_per_token=2, num_experts=8)
+    config = dataclasses.replace(
+        STEP_CONFIG, sort_by_length=True, moe_layers=2, num_experts=8, experts_per_token=2, router_replay=True
+    )
+    rng = np.random.default_rng(0)
+
+    def recorded(completion):  # random expert pairs per MoE layer, as a sampler records them
+        pairs = [[rng.permutation(8)[:2] for _ in range(2)] for _ in completion.tokens]
+        return dataclasses.replace(completion, routed_experts=np.asarray(pairs, np.int8))
+
+    batches = []
+    for seed, lengths in enumerate(BATCH_LENGTHS[:2]):
+        groups = [
+            dataclasses.replace(g, completions=tuple(recorded(c) for c in g.completions))
+            for g in _groups(lengths, seed)
+        ]
+        batch, _ = build_train_batch(
+            groups, rows=ROWS, length_buckets=BUCKETS, microbatches=MICROBATCHES, routing=routing
+        )
+        batches.append(batch)
+    step, state = _make(graphdef, params, config)
+    step.compile_ahead(abstract_state(state), ROWS, BUCKETS)
+    _, metrics, compiles = _steps(step, state, batches)
+    assert compiles == [], summary(compiles)
+    assert all(m["train/routing_mismatch_frac"] > 0.5 for m in metrics)  # random records rarely agree
 
 
 def test_a_bucket_not_compiled_ahead_compiles_on_use(graphdef_params):

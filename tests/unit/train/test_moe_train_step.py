@@ -119,3 +119,50 @@ def test_routing_metrics_and_aux_gradient_equal_transformers(moe_checkpoint):
         torch_grad = torch_model.model.layers[layer].mlp.gate.weight.grad.double().numpy().T  # [D, E] as ours
         assert np.abs(torch_grad).max() > 1e-4  # the aux loss moves the router
         np.testing.assert_allclose(router_grad[layer], coef * torch_grad, rtol=1e-3, atol=1e-6)
+
+
+def test_routing_mismatch_frac_counts_the_pairs_that_differ_from_transformers_routing(moe_checkpoint):
+    """The sampler's routing taken from transformers' router top-k at every position, then changed
+    by hand: 5 (token, layer) pairs of real tokens to the two least likely experts (a different
+    set), 2 pairs cut to -1 (not recorded), and pairs of the invalid row and the padding changed
+    too (not real tokens: not counted). train/routing_mismatch_frac = 5 / (recorded real pairs).
+    Without replay the loss is that of the step without routing; replaying transformers' own
+    routing leaves it (the same experts and gates), replaying the changed pairs moves the log-probs."""
+    path, torch_model = moe_checkpoint
+    batch = _batch()
+    model = hf.load_hf(path, dtype="float32")
+    graphdef, params = nnx.split(model)
+    with torch.no_grad():
+        router_logits = torch_model(torch.tensor(batch["tokens"]).long(), output_router_logits=True).router_logits
+    order = np.stack([np.argsort(-logits.double().numpy(), axis=-1) for logits in router_logits])  # [L, B*T, E]
+    order = order.reshape(LAYERS, len(ROWS), LENGTH, EXPERTS).transpose(1, 2, 0, 3)  # [B, T, L, E]
+    routed = np.ascontiguousarray(order[..., :TOP_K]).astype(np.int8)
+    real = np.zeros((len(ROWS), LENGTH), bool)
+    for b, (prompt, completion) in enumerate(ROWS[:3]):
+        real[b, : prompt + completion] = True
+    changed = [(0, 1, 0), (0, 5, 1), (1, 0, 0), (1, 11, 1), (2, 6, 0)]  # (row, position, layer), real tokens
+    unrecorded = [(0, 2, 1), (2, 3, 0)]
+    elsewhere = [(3, 0, 0), (3, 7, 1), (0, 11, 0)]  # the invalid row 3, row 0's padding
+    assert all(real[b, t] for b, t, _ in changed + unrecorded) and not any(real[b, t] for b, t, _ in elsewhere)
+    replayed_own = routed.copy()
+    for b, t, layer in changed + elsewhere:
+        routed[b, t, layer] = order[b, t, layer, -TOP_K:]
+    for b, t, layer in unrecorded:
+        routed[b, t, layer] = -1
+    base = TrainStepConfig(moe_layers=LAYERS, num_experts=EXPERTS)
+    step = lambda config, b: jax.jit(lambda p: accumulate_gradients(graphdef, p, b, config)[1])(params)
+    with_routing = dataclasses.replace(base, experts_per_token=TOP_K)
+    replay = dataclasses.replace(with_routing, router_replay=True)
+    plain = step(base, batch)
+    logged = step(with_routing, {**batch, "routed_experts": routed})
+    own = step(replay, {**batch, "routed_experts": replayed_own})
+    moved = step(replay, {**batch, "routed_experts": routed})
+    recorded_pairs = real.sum() * LAYERS - len(unrecorded)
+    assert float(logged["train/routing_mismatch_frac"]) == pytest.approx(len(changed) / recorded_pairs, rel=1e-6)
+    assert float(logged["moe/recorded_pairs"]) == recorded_pairs
+    assert float(own["train/routing_mismatch_frac"]) == 0.0
+    assert float(logged["train/loss"]) == pytest.approx(float(plain["train/loss"]), abs=1e-7)
+    assert float(own["train/loss"]) == pytest.approx(float(plain["train/loss"]), abs=1e-7)
+    # logp of every loss token after a replayed change moves (train/loss, weighted by small
+    # advantages, moves less)
+    assert abs(float(moved["train/logp_mismatch"]) - float(plain["train/logp_mismatch"])) > 1e-5

@@ -19,7 +19,7 @@ from small_models import small_llama
 
 from scalerl_jax.config import recipes
 from scalerl_jax.config.adapters import train_step_config_of
-from scalerl_jax.contracts.batch_layout import validate_batch
+from scalerl_jax.contracts.batch_layout import Routing, validate_batch
 from scalerl_jax.models import Transformer, get_preset, make_mesh, param_shardings
 from scalerl_jax.train import (
     OptimizerConfig,
@@ -469,6 +469,23 @@ def test_step_config_from_the_run_config():
     )
     config.nan_policy = "stop"
     assert not train_step_config_of(config, model_config).skip_nonfinite
+
+
+def test_step_config_of_a_moe_run_carries_the_samplers_routing():
+    """configs/tiny_moe.py: 2 MoE layers of 8 experts, 2 per token, so its batches carry the
+    sampler's routing [B, T, 2, 2] in int8; `rl.router_replay` turns replay on. The step refuses
+    routing or replay without experts."""
+    config = recipes.tiny_moe()
+    config.rl.router_replay = True
+    step_config = train_step_config_of(config, get_preset(config.model.preset))
+    assert (step_config.moe_layers, step_config.num_experts, step_config.experts_per_token) == (2, 8, 2)
+    routing = step_config.routing
+    assert routing is not None and routing == Routing(2, 2, 8) and routing.dtype == np.int8
+    assert step_config.router_replay
+    with pytest.raises(ValueError, match="experts_per_token is for mixture-of-experts policies"):
+        TrainStepConfig(experts_per_token=2)
+    with pytest.raises(ValueError, match="router_replay needs the sampler's routing"):
+        TrainStepConfig(moe_layers=2, num_experts=8, router_replay=True)
 
 
 @pytest.mark.slow
