@@ -15,6 +15,13 @@ For a token x [D], router weights W_r [D, E] and experts e = 1..E with SwiGLU we
 
 Every token reaches each of its k experts (no capacity limit, so nothing is dropped).
 
+Expert parallelism (`experts_dispatched`): with the experts split over a mesh axis of size P that
+also splits the tokens, each device gathers the tokens (and their routing) of its P-device group,
+computes the (token, expert) pairs of its own E / P experts, and the partial outputs are summed
+back to the devices that hold the tokens by a reduce-scatter: per device, P n D values in each
+direction for its n tokens, as much as an all-to-all of the n k routed copies when k = P, with
+static shapes and nothing dropped.
+
 Router replay: given the experts another program chose for some tokens (the sampler's, recorded as
 it generated them), `MoE.forward_with_stats` computes those tokens with the recorded experts in
 place of its own top-k, each weighted by this layer's own gate for that expert (softmax_topk: p_e,
@@ -32,11 +39,14 @@ over all layers' tokens at once) is
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from scalerl_jax.models import sharding
 from scalerl_jax.models.config import ModelConfig
@@ -142,10 +152,10 @@ def experts_dense(
     """y [N, D] = sum_j weights[:, j] * expert_{experts[:, j]}(x) (with `scale_input`:
     sum_j expert_{experts[:, j]}(weights[:, j] * x)), computed by running all E experts on every
     token with a [N, E] combine matrix that is zero off the chosen experts (an expert given a zero
-    input returns zero: SwiGLU has no bias)."""
+    input returns zero: SwiGLU has no bias). An expert index E names no expert: the pair adds 0."""
     num_experts = gate.shape[0]
     combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights, mode="drop")
     if scale_input:
         rows = (x.astype(jnp.float32)[:, None, :] * combine[:, :, None]).astype(x.dtype)  # [N, E, D]
         hidden = jax.nn.silu(jnp.einsum("ned,edf->nef", rows, gate)) * jnp.einsum("ned,edf->nef", rows, up)
@@ -168,12 +178,14 @@ def experts_ragged(
     """As `experts_dense`, with each (token, expert) pair computed once: the N*k pairs are sorted by
     expert, each projection is one grouped matmul over the sorted rows (`jax.lax.ragged_dot`, group
     sizes = tokens per expert), and the rows, weighted (on the way in with `scale_input`, else on
-    the way out), are added back to their tokens."""
+    the way out), are added back to their tokens. Pairs naming expert E sort last, outside every
+    group: the grouped matmul leaves their rows 0."""
     num_tokens, k = experts.shape
+    num_experts = gate.shape[0]
     flat_experts = experts.reshape(-1)
     order = jnp.argsort(flat_experts, stable=True)
     token_of = order // k
-    group_sizes = jnp.bincount(flat_experts, length=gate.shape[0]).astype(jnp.int32)
+    group_sizes = jnp.bincount(flat_experts, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     pair_weights = weights.reshape(-1)[order][:, None]
     rows = x[token_of]
     if scale_input:
@@ -183,6 +195,49 @@ def experts_ragged(
     if not scale_input:
         out = out * pair_weights
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
+
+
+def experts_dispatched(
+    x: jax.Array,
+    weights: jax.Array,
+    experts: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    down: jax.Array,
+    *,
+    layout: sharding.ExpertParallel,
+    compute: Callable[..., jax.Array],
+    scale_input: bool = False,
+) -> jax.Array:
+    """`compute(x, weights, experts, gate, up, down)` (`experts_dense` or `experts_ragged`) with the
+    experts split over `layout.expert_axis` (module docstring), under `jax.shard_map`: each device
+    all-gathers the tokens [n, D], weights and experts [n, k] of its expert group, computes the
+    pairs naming its own experts (the others renamed to 'no expert'), and its [P n, D] partial
+    output (summed over the expert width when that is split over `layout.mlp_axis`) is
+    reduce-scattered back to the tokens' devices."""
+    axis, mlp_axis = layout.expert_axis, layout.mlp_axis
+
+    def local(x, weights, experts, gate, up, down):
+        num_local = gate.shape[0]
+        xs, ws, es = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, experts))
+        es = es - jax.lax.axis_index(axis) * num_local
+        mine = (es >= 0) & (es < num_local)
+        y = compute(
+            xs, jnp.where(mine, ws, 0.0), jnp.where(mine, es, num_local), gate, up, down, scale_input=scale_input
+        )
+        if mlp_axis is not None:
+            y = jax.lax.psum(y, mlp_axis)
+        return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+
+    tokens = PartitionSpec(layout.token_axes, None)
+    expert_in, expert_out = PartitionSpec(axis, None, mlp_axis), PartitionSpec(axis, mlp_axis, None)
+    return jax.shard_map(
+        local,
+        mesh=layout.mesh,
+        in_specs=(tokens, tokens, tokens, expert_in, expert_in, expert_out),
+        out_specs=tokens,
+        check_vma=False,  # the output is the same on every `mlp_axis` shard once summed there
+    )(x, weights, experts, gate, up, down)
 
 
 def resolve_moe_impl(name: str, platform: str) -> str:
@@ -243,6 +298,9 @@ class MoE(nnx.Module):
             weights = jnp.where(has_record, replayed, weights)
         impl = resolve_moe_impl(config.moe_impl, sharding.trace_platform())
         compute = experts_dense if impl == "dense" else experts_ragged
+        layout = sharding.expert_parallel(tokens.shape[0], config.num_experts)
+        if layout is not None:
+            compute = functools.partial(experts_dispatched, layout=layout, compute=compute)
         out = compute(
             tokens,
             weights,

@@ -251,6 +251,41 @@ def active_mesh() -> Mesh | None:
     return _ACTIVE.mesh
 
 
+class ExpertParallel(NamedTuple):
+    """Where a mixture-of-experts layer's tokens and experts live on the active mesh: tokens split
+    over `token_axes`, experts over `expert_axis` (one of them), expert width over `mlp_axis`."""
+
+    mesh: Mesh
+    token_axes: tuple[str, ...]
+    expert_axis: str
+    mlp_axis: str | None
+
+
+def expert_parallel(num_tokens: int, num_experts: int) -> ExpertParallel | None:
+    """The active mesh's expert parallelism (`use_mesh_rules`) for `num_tokens` tokens [N, D] and
+    `num_experts` experts: None without a mesh, when the 'expert' rule names no axis of size > 1,
+    when the tokens are not split over that axis too ('batch'), or when N or the experts do not
+    divide over their axes (the caller then leaves the layout to XLA's partitioner)."""
+    mesh, rules = _ACTIVE.mesh, _ACTIVE.rules
+    if mesh is None:
+        return None
+    table = _rules_dict(rules)
+
+    def axes_of(name: str) -> tuple[str, ...]:
+        axes = table.get(name)
+        named = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        return tuple(a for a in named if a in mesh.shape)
+
+    expert_axes, token_axes, mlp_axes = axes_of("expert"), axes_of("batch"), axes_of("mlp")
+    if len(expert_axes) != 1 or mesh.shape[expert_axes[0]] == 1 or expert_axes[0] not in token_axes:
+        return None
+    expert_axis = expert_axes[0]
+    mlp_axis = mlp_axes[0] if len(mlp_axes) == 1 and mlp_axes[0] not in token_axes else None
+    if num_tokens % math.prod(mesh.shape[a] for a in token_axes) or num_experts % mesh.shape[expert_axis]:
+        return None
+    return ExpertParallel(mesh, token_axes, expert_axis, mlp_axis)
+
+
 def trace_platform() -> str:
     """The platform being traced for: that of the active mesh's devices (`use_mesh_rules`), else
     `jax.default_backend()`. Kernels are chosen by it, so a program compiled on a CPU host for a

@@ -1,6 +1,9 @@
 """Expert parallelism on 8 fake CPU devices (tests/conftest.py): a Qwen3-MoE policy's experts are
-split whole over the fsdp mesh axis (2 or 4 experts' shares per device), and the sharded forward
-and gradient equal the single-device ones in float32, for both ways of computing the experts."""
+split whole over the fsdp mesh axis (2 or 4 experts' shares per device) and computed by the
+shard_map dispatch (`moe.experts_dispatched`), and the sharded forward and gradient equal the
+single-device ones in float32, for both ways of computing the experts; the layout the dispatch
+reads off the mesh and rules, by hand; the 'no expert' index the dispatch gives other devices'
+pairs, against a numpy loop."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from scalerl_jax.models import get_preset, init_transformer, make_mesh, param_shardings, use_mesh_rules
 from scalerl_jax.models.logprobs import next_token_logprobs
+from scalerl_jax.models.moe import experts_dense, experts_ragged
+from scalerl_jax.models.sharding import ExpertParallel, expert_parallel
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in tests/conftest.py)")
 
@@ -48,6 +53,8 @@ def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_sh
         grads, logits = jax.jit(
             jax.grad(objective, has_aux=True), in_shardings=(shardings, batch), out_shardings=(shardings, None)
         )(jax.device_put(params, shardings), jax.device_put(tokens, batch))
+    with use_mesh_rules(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(objective)(params, tokens))  # the dispatch, not XLA's partitioner
     experts_per_device = config.num_experts // mesh.shape["fsdp"]
     gate = grads["layers"]["moe"]["gate_proj"].get_value()
     assert gate.sharding.shard_shape(gate.shape)[1] == experts_per_device
@@ -55,3 +62,40 @@ def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_sh
     for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
         scale = float(np.abs(np.asarray(ref)).max())
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
+
+
+def test_expert_parallel_layout_by_hand():
+    """Tokens over data x fsdp, experts over fsdp, width over tensor (the default rules); no layout
+    without a mesh, with experts over one device, or when the tokens or experts do not divide."""
+    mesh = make_mesh((2, 2, 2))
+    with use_mesh_rules(mesh):
+        assert expert_parallel(16, 8) == ExpertParallel(mesh, ("data", "fsdp"), "fsdp", "tensor")
+        assert expert_parallel(6, 8) is None  # 6 tokens over 4 shards
+        assert expert_parallel(16, 3) is None  # 3 experts over 2
+    with use_mesh_rules(make_mesh((2, 1, 4))):
+        assert expert_parallel(16, 8) is None  # fsdp of 1: every device holds every expert
+    assert expert_parallel(16, 8) is None  # no mesh
+
+
+@pytest.mark.parametrize("compute", [experts_dense, experts_ragged])
+@pytest.mark.parametrize("scale_input", [False, True])
+def test_pairs_naming_no_expert_add_nothing(compute, scale_input):
+    """Expert index E (one past the last) marks a pair another device computes: the result is the
+    numpy sum over the other pairs alone."""
+    rng = np.random.default_rng(1)
+    n, d, e, f, k = 10, 6, 4, 5, 2
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    gate, up, down = (rng.normal(size=s).astype(np.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    weights = rng.uniform(0.1, 1.0, size=(n, k)).astype(np.float32)
+    experts = np.stack([rng.choice(e, size=k, replace=False) for _ in range(n)]).astype(np.int32)
+    experts[rng.uniform(size=(n, k)) < 0.4] = e
+    want = np.zeros((n, d))
+    for t in range(n):
+        for w, j in zip(weights[t], experts[t]):
+            if j < e:
+                inp = w * x[t] if scale_input else x[t]
+                g, u = inp @ gate[j], inp @ up[j]
+                y = (g / (1 + np.exp(-g)) * u) @ down[j]
+                want[t] += y if scale_input else w * y
+    got = compute(*(jnp.asarray(a) for a in (x, weights, experts, gate, up, down)), scale_input=scale_input)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
