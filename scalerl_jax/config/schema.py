@@ -184,7 +184,11 @@ KEYS: tuple[Key, ...] = (
         "Training / prefill attention: 'auto' is cuDNN flash attention on GPU (no T x T scores), 'xla' on CPU.",
         sizes=(PREFILL, *TRAIN_STEP),
     ),
-    flag("model.scan_layers", True, "Scan over the layers (one compiled layer) instead of unrolling them."),
+    flag(
+        "model.scan_layers",
+        True,
+        "Scan over the layers (one compiled period of layer kinds, ModelConfig.layer_period) instead of unrolling them.",
+    ),
     choice("model.remat_policy", "full", REMAT_POLICIES, "What the train step keeps per layer.", sizes=TRAIN_STEP),
     number("model.logprob_chunk", 1024, COUNT, "Tokens per chunk of the log-prob head.", sizes=TRAIN_STEP),
     choice(

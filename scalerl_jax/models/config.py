@@ -60,7 +60,8 @@ class ModelConfig:
     'ragged' sorts the token-expert pairs by expert and runs one grouped matmul per projection
     (`jax.lax.ragged_dot`: k x the MLP's FLOPs on GPU / TPU), 'auto' is 'dense' on CPU and
     'ragged' elsewhere. Both are dropless: no token is ever dropped for capacity. Layers stack for
-    `scan_layers` only when they are all of one kind (`layer_kind`).
+    `scan_layers` when their kinds (`layer_kind`) repeat with a period p shorter than the model
+    (`layer_period`): p stacks of num_layers / p layers, each scan step applying one layer of each.
     """
 
     family: str
@@ -156,12 +157,11 @@ class ModelConfig:
         if self.attn_temperature_tuning and self.attn_floor_scale <= 0:
             raise ValueError(f"ModelConfig.attn_floor_scale={self.attn_floor_scale} must be positive")
         self._check_moe()
-        kinds = {self.layer_kind(i) for i in range(self.num_layers)}
-        if self.scan_layers and len(kinds) > 1:
+        if self.scan_layers and not self.stackable:
             raise ValueError(
-                "ModelConfig: the layers are not all of one kind (dense / MoE, RoPE / NoPE, chunked / "
-                "full attention), so they cannot be stacked for scan_layers; set scan_layers=False "
-                "(a run: model.scan_layers=False)"
+                "ModelConfig: the layers' kinds (dense / MoE, RoPE / NoPE, chunked / full attention) do "
+                "not repeat with a period shorter than the model, so they cannot be stacked for "
+                "scan_layers; set scan_layers=False (a run: model.scan_layers=False)"
             )
 
     def _check_moe(self) -> None:
@@ -198,6 +198,23 @@ class ModelConfig:
             raise ValueError(
                 "ModelConfig: routing='sigmoid_topk' weights are not renormalized; set norm_topk_prob=False"
             )
+
+    @property
+    def layer_period(self) -> int:
+        """The smallest p dividing num_layers with layer_kind(i) == layer_kind(i mod p) for every layer:
+        1 when all layers are alike, 4 for Llama 4 Scout (three chunked RoPE layers, then one NoPE)."""
+        kinds = [self.layer_kind(i) for i in range(self.num_layers)]
+        return next(
+            p
+            for p in range(1, self.num_layers + 1)
+            if self.num_layers % p == 0 and all(kinds[i] == kinds[i % p] for i in range(self.num_layers))
+        )
+
+    @property
+    def stackable(self) -> bool:
+        """Whether `scan_layers` can stack the layers: the kinds repeat (`layer_period` < num_layers)
+        or the model has one layer."""
+        return self.layer_period < self.num_layers or self.num_layers == 1
 
     def layer_kind(self, layer: int) -> tuple[bool, bool, bool]:
         """(has experts, uses RoPE, chunked attention) of layer `layer`: layers stack only when equal."""
@@ -334,7 +351,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # meta-llama/Llama-4-Scout-17B-16E, text decoder: 16 experts of width 8192 in every layer, 1
     # per token, beside a shared expert; every 4th layer NoPE with full attention, the others RoPE
-    # with attention in chunks of 8192. Layers of two kinds: unscanned.
+    # with attention in chunks of 8192: scanned in periods of 4 layers.
     "llama4-scout": dict(
         family="llama4",
         vocab_size=202_048,
@@ -355,7 +372,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         max_position_embeddings=10_485_760,
         dtype="bfloat16",
-        scan_layers=False,
         bos_token_id=200_000,
         eos_token_id=(200_001, 200_007, 200_008),
         num_experts=16,

@@ -287,8 +287,6 @@ def _moe_fields_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
         dense_layers=tuple(sorted(dense)),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         routing="softmax_topk",
-        # A mix of dense and MoE layers cannot be one scanned stack (`ModelConfig`).
-        scan_layers=not 0 < len(dense) < num_layers,
     )
 
 
@@ -379,7 +377,6 @@ def _llama4_fields_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any
         raise CheckpointFileError("config.json: chunked_attention layers need 'attention_chunk_size'")
     dense = tuple(i for i in range(num_layers) if i not in moe_layers)
     nope = tuple(i for i in range(num_layers) if not uses_rope[i])
-    kinds = {(i in moe_layers, i in nope, i in chunked) for i in range(num_layers)}
     return dict(
         intermediate_size=_as_number("intermediate_size_mlp", hf["intermediate_size_mlp"], int),
         num_experts=_as_number("num_local_experts", hf["num_local_experts"], int),
@@ -397,8 +394,6 @@ def _llama4_fields_from_hf(hf: dict[str, Any], num_layers: int) -> dict[str, Any
         attn_floor_scale=_as_number("floor_scale", hf["floor_scale"], float),
         attn_scale=_as_number("attn_scale", hf["attn_scale"], float),
         rms_norm_eps=_as_number("rms_norm_eps", hf["rms_norm_eps"], float),
-        # Layers of different kinds cannot be one scanned stack (`ModelConfig`).
-        scan_layers=len(kinds) == 1,
     )
 
 
@@ -476,7 +471,9 @@ def config_from_hf(
         fields.update(_moe_fields_from_hf(hf, _as_number("num_hidden_layers", hf["num_hidden_layers"], int)))
     if family == "llama4":
         fields.update(_llama4_fields_from_hf(hf, _as_number("num_hidden_layers", hf["num_hidden_layers"], int)))
-    return ModelConfig(**{**fields, **overrides})
+    # Scanned unless the layer kinds do not repeat (`ModelConfig.stackable`).
+    stackable = ModelConfig(**{**fields, "scan_layers": False}).stackable
+    return ModelConfig(**{**fields, "scan_layers": stackable, **overrides})
 
 
 def _llama3_scaling_to_hf(scaling: dict[str, float]) -> dict[str, Any]:
@@ -706,8 +703,15 @@ def _targets(config: ModelConfig, paths: list[str]) -> list[_Target]:
         if parts[0] != "layers":
             targets.append(_Target(path, path, (None,), False))
             continue
-        if config.scan_layers:
+        period = config.layer_period
+        if config.scan_layers and period == 1:
             layer_path, layers, stacked = ".".join(parts[1:]), tuple(range(config.num_layers)), True
+        elif config.scan_layers:  # stack j of a period-p scan holds layers j, j + p, j + 2p, ...
+            layer_path, layers, stacked = (
+                ".".join(parts[2:]),
+                tuple(range(int(parts[1]), config.num_layers, period)),
+                True,
+            )
         else:
             layer_path, layers, stacked = ".".join(parts[2:]), (int(parts[1]),), False
         per_expert = {nnx_path for pattern, nnx_path, _ in _COMPILED[config.family] if pattern.groups == 2}

@@ -1,10 +1,12 @@
 """Decoder-only transformer (Llama 3 / Qwen2.5 / Qwen3 / Qwen3-MoE / Llama 4 text) in Flax NNX, with a
 KV-cached forward.
 
-Layers are either stacked (`config.scan_layers`: one `DecoderLayer` holding [L, ...] params,
-applied with `jax.lax.scan` over `nnx.split` state slices, so compile time does not grow with
-depth) or a list of L separate layers (unrolled). Both apply `jax.checkpoint` per layer with the
-policy named by `config.remat_policy` when gradients are taken through `__call__`/`hidden`.
+Layers are either stacked (`config.scan_layers`: one `DecoderLayer` holding [L, ...] params, or,
+when the layer kinds repeat with a period p > 1 (`ModelConfig.layer_period`), a list of p such
+stacks of L / p layers; applied with `jax.lax.scan` over `nnx.split` state slices, one period per
+step, so compile time does not grow with depth) or a list of L separate layers (unrolled). Both
+apply `jax.checkpoint` per layer with the policy named by `config.remat_policy` when gradients are
+taken through `__call__`/`hidden`.
 """
 
 from __future__ import annotations
@@ -153,8 +155,13 @@ class Transformer(nnx.Module):
         self.embed_tokens = make_param(
             rngs, (v, d), ("vocab", "embed"), dtype=_embedding_dtype(config), stddev=config.initializer_range
         )
-        if config.scan_layers:  # one kind of layer (`ModelConfig` refuses a mix with scan_layers)
+        period = config.layer_period
+        if config.scan_layers and period == 1:
             self.layers = DecoderLayer(config, rngs=rngs, stack=config.num_layers)
+        elif config.scan_layers:  # stack j holds layers j, j + p, j + 2p, ... (all of layer j's kind)
+            self.layers = _NnxList(
+                [DecoderLayer(config, rngs=rngs, stack=config.num_layers // period, layer=j) for j in range(period)]
+            )
         else:
             self.layers = _NnxList([DecoderLayer(config, rngs=rngs, layer=i) for i in range(config.num_layers)])
         self.final_norm = RMSNorm(d, eps=config.rms_norm_eps, dtype=dtype_of(config.dtype))
@@ -203,9 +210,12 @@ class Transformer(nnx.Module):
             apply_layer = _checkpointed(apply_layer, remat_policy(policy_name), prevent_cse=not self.config.scan_layers)
         x = self.embed(tokens)
         if self.config.scan_layers:
-            assert isinstance(self.layers, DecoderLayer)  # one stacked layer
-            x, stats = _scan_layers(
-                self.layers, lambda layer, h, given: apply_layer(layer, h, positions, given), x, recorded
+            x, stats = _scan_stacks(
+                self._stacks(),
+                self.config,
+                lambda layer, h, _, given: apply_layer(layer, h, positions, given),
+                x,
+                recorded,
             )
             return self.final_norm(x), stats
         assert not isinstance(self.layers, DecoderLayer)  # a list of layers
@@ -217,6 +227,10 @@ class Transformer(nnx.Module):
             per_layer += [] if layer_stats is None else [layer_stats]
         stats = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if per_layer else None
         return self.final_norm(x), stats
+
+    def _stacks(self) -> list[DecoderLayer]:
+        """The stacked layers of a scanned model, one per position in the layer period."""
+        return [self.layers] if isinstance(self.layers, DecoderLayer) else list(self.layers)
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Unembedding [..., D] -> float32 [..., V].
@@ -295,17 +309,12 @@ class Transformer(nnx.Module):
         layers' experts are stacked in layer order (None when no layer returns any)."""
         x = self.embed(tokens)
         if self.config.scan_layers:
-            assert isinstance(self.layers, DecoderLayer)  # one stacked layer
-            graphdef, stacked = nnx.split(self.layers)
 
-            def step(carry: tuple[jax.Array, KVCache], xs: tuple[Any, jax.Array]):
-                h, c = carry
-                layer_state, index = xs
-                h, c, experts = apply(nnx.merge(graphdef, layer_state), h, c, index)
+            def body(layer: DecoderLayer, carry: tuple[jax.Array, KVCache], index: jax.Array, _: None):
+                h, c, experts = apply(layer, *carry, index)
                 return (h, c), experts
 
-            layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-            (x, cache), routed = jax.lax.scan(step, (x, cache), (stacked, layer_ids))
+            (x, cache), routed = _scan_stacks(self._stacks(), self.config, body, (x, cache), None)
         else:
             assert not isinstance(self.layers, DecoderLayer)  # a list of layers
             per_layer = []
@@ -336,20 +345,34 @@ def _checkpointed(
     return apply
 
 
-def _scan_layers(
-    stacked: DecoderLayer,
-    body: Callable[[DecoderLayer, jax.Array, Any], tuple[jax.Array, Any]],
-    x: jax.Array,
-    per_layer: Any,
-) -> tuple[jax.Array, Any]:
-    """Fold `body(layer_i, x, per_layer[i]) -> (x, out_i)` over the stacked layers with lax.scan."""
-    graphdef, state = nnx.split(stacked)
+def _scan_stacks(
+    stacks: list[DecoderLayer],
+    config: ModelConfig,
+    body: Callable[[DecoderLayer, Any, jax.Array, Any], tuple[Any, Any]],
+    carry: Any,
+    per_moe_layer: Any,
+) -> tuple[Any, Any]:
+    """Fold `body(layer_i, carry, i, per_moe_layer[m(i)] or None) -> (carry, out_i or None)` over
+    layers i = 0..L-1 of a scanned model with one `lax.scan` of L / p steps, p = len(stacks): step g
+    applies layer g p + j from stack j for j = 0..p-1. m(i) is layer i's rank among the MoE layers
+    (`per_moe_layer`: a pytree of [L_moe, ...] arrays, or None); the outs that are not None, layer
+    order, are stacked as [L_out, ...]."""
+    period, steps = len(stacks), config.num_layers // len(stacks)
+    moe_rank = {j: rank for rank, j in enumerate(j for j in range(period) if config.is_moe_layer(j))}
+    graphdefs, states = zip(*(nnx.split(stack) for stack in stacks))
+    per_step = jax.tree.map(lambda a: a.reshape(steps, len(moe_rank), *a.shape[1:]), per_moe_layer)
 
-    def step(carry: jax.Array, xs: tuple[Any, Any]) -> tuple[jax.Array, Any]:
-        layer_state, layer_extra = xs
-        return body(nnx.merge(graphdef, layer_state), carry, layer_extra)
+    def step(carry: Any, xs: tuple[Any, jax.Array, Any]) -> tuple[Any, Any]:
+        layer_states, g, given = xs
+        outs = []
+        for j in range(period):
+            layer_given = None if j not in moe_rank else jax.tree.map(lambda a, r=moe_rank[j]: a[r], given)
+            carry, out = body(nnx.merge(graphdefs[j], layer_states[j]), carry, g * period + j, layer_given)
+            outs += [] if out is None else [out]
+        return carry, (jax.tree.map(lambda *o: jnp.stack(o), *outs) if outs else None)
 
-    return jax.lax.scan(step, x, (state, per_layer))
+    carry, outs = jax.lax.scan(step, carry, (list(states), jnp.arange(steps, dtype=jnp.int32), per_step))
+    return carry, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outs)
 
 
 def _check_cache(config: ModelConfig, cache: KVCache, batch: int) -> None:

@@ -29,6 +29,8 @@ COMMON = moe_checkpoints.LLAMA4_SMALL
 LLAMA4 = {
     # Layers 0, 1, 3 RoPE + chunked attention, layer 2 NoPE + full attention; MoE in layers 1 and 3.
     "interleaved": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 0, 1], interleave_moe_layer_step=2),
+    # The interleaved pattern twice: kinds repeat every 4 layers, so 4 stacks of 2 scanned.
+    "periodic": dict(num_hidden_layers=8, no_rope_layers=[1, 1, 0, 1] * 2, interleave_moe_layer_step=2),
     # Two alike layers (RoPE, chunked, MoE, top-2): one scanned stack.
     "uniform": dict(num_hidden_layers=2, no_rope_layers=[1, 1], num_experts_per_tok=2),
 }
@@ -74,6 +76,35 @@ def test_the_config_reads_every_layer_kind(checkpoints):
     )
     assert config.qk_l2_norm and config.attn_temperature_tuning and not config.scan_layers
     assert hf.load_hf_config(checkpoints["uniform"][0]).scan_layers
+    periodic = hf.load_hf_config(checkpoints["periodic"][0])
+    assert periodic.scan_layers and periodic.layer_period == 4 and periodic.nope_layers == (2, 6)
+
+
+def test_a_periodic_model_scans_one_period_per_step(checkpoints):
+    """8 layers of period 4: 4 stacks of 2, one scan of 2 steps; the same hidden states, router
+    statistics and replayed experts as the 8 layers unrolled (whose logits the parity tests check)."""
+    from flax import nnx
+
+    path = checkpoints["periodic"][0]
+    scanned, unrolled = (hf.load_hf(path, dtype="float32", scan_layers=scan) for scan in (True, False))
+    assert [stack.attn.q_proj.shape[0] for stack in scanned.layers] == [2, 2, 2, 2]
+    tokens = jnp.asarray(_tokens())
+    mask = jnp.ones(tokens.shape, jnp.float32)
+    recorded = jax.random.randint(jax.random.key(0), (4, *tokens.shape, 1), -1, 4)  # [MoE layers, B, T, k]
+
+    def forward(model, replay):
+        return jax.jit(lambda m, t, r: m.hidden_with_routing(t, mask, recorded=r, replay=replay))(
+            model, tokens, recorded
+        )
+
+    graphdef, state = nnx.split(scanned)
+    jaxpr = str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s).hidden(tokens))(state))
+    assert "length=2" in jaxpr and "length=8" not in jaxpr
+    for replay in (False, True):
+        (h_scan, stats_scan), (h_unrolled, stats_unrolled) = forward(scanned, replay), forward(unrolled, replay)
+        np.testing.assert_allclose(np.asarray(h_scan), np.asarray(h_unrolled), atol=1e-5, rtol=0)
+        for a, b in zip(stats_scan, stats_unrolled):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
 def test_attention_temperature_by_hand():
