@@ -10,7 +10,8 @@ q `[embed, heads, head_dim]`, k/v `[embed, kv_heads, head_dim]`, o `[heads, head
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -257,6 +258,30 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         check_vma=False,
     )
     return local(q, k, v)
+
+
+def attend_in_chunks(
+    attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array], q: jax.Array, k: jax.Array, v: jax.Array, chunk: int
+) -> jax.Array:
+    """Chunked causal attention (query t sees keys s <= t with floor(s / chunk) = floor(t / chunk),
+    positions 0..T-1) by `attend`, plain causal attention over [B', C, ...] inputs.
+
+    q [B, T, H, D], k/v [B, T, K, D]: T is padded with zeros to n * chunk (a padded key comes after
+    every real query of its chunk, so the causal mask hides it; padded queries are cut off), the n
+    chunks are folded into the batch as [B n, chunk, ...], attended, and unfolded. T <= chunk is one
+    chunk: `attend` directly.
+    """
+    batch, length = q.shape[:2]
+    if length <= chunk:
+        return attend(q, k, v)
+    num_chunks = -(-length // chunk)
+
+    def fold(x: jax.Array) -> jax.Array:
+        padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - length)) + ((0, 0),) * (x.ndim - 2))
+        return padded.reshape(batch * num_chunks, chunk, *x.shape[2:])
+
+    out = attend(fold(q), fold(k), fold(v))
+    return out.reshape(batch, num_chunks * chunk, *out.shape[2:])[:, :length]
 
 
 def decode_attention(
@@ -548,24 +573,26 @@ class Attention(nnx.Module):
         """Causal self-attention within x [B, T, D] (query t attends to keys s <= t; in a chunked
         layer only those in t's chunk of `positions`), by
         `resolve_attention_impl(config, sharding.trace_platform(), T)`: cuDNN flash attention and
-        the splash kernel never build the T x T scores; 'xla' (`grouped_attention`) does, in float32,
-        and is what a chunked layer always uses (the flash kernels here take a plain causal mask)."""
+        the splash kernel never build the T x T scores (a chunked layer runs them on its chunks
+        folded into the batch, `attend_in_chunks`, which takes `positions` to be 0..T-1, as in
+        training and the engine's prefill); 'xla' (`grouped_attention`) builds them in float32."""
         q, k, v = self._project(x, positions)
         return self._output(self._causal_attention(q, k, v, positions))
 
     def _causal_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
         """Query t attends to keys s <= t of the same call (see `__call__`)."""
         batch, length = q.shape[:2]
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), dtype=bool)), (batch, length, length))
-        if self.chunk:
-            starts = chunk_start(positions, self.chunk)
-            return grouped_attention(q, k, v, causal & (positions[:, None, :] >= starts[:, :, None]))
-        impl = resolve_attention_impl(self.config, sharding.trace_platform(), length)
+        impl = resolve_attention_impl(self.config, sharding.trace_platform(), min(length, self.chunk or length))
         if impl == "cudnn":
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-        if impl == "splash":
-            return splash_attention(q, k, v)
-        return grouped_attention(q, k, v, causal)
+            flash = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+        elif impl == "splash":
+            flash = splash_attention
+        else:
+            causal = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), dtype=bool)), (batch, length, length))
+            if self.chunk:
+                causal &= positions[:, None, :] >= chunk_start(positions, self.chunk)[:, :, None]
+            return grouped_attention(q, k, v, causal)
+        return attend_in_chunks(flash, q, k, v, self.chunk) if self.chunk else flash(q, k, v)
 
     def forward_cached(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, window: int, block: int
@@ -593,7 +620,7 @@ class Attention(nnx.Module):
             attended = decode_attention(
                 q, cache["k"], cache["v"], layer, positions, window=window, block=block, first_key=first_key
             )
-        elif flash and not self.chunk:
+        elif flash:
             attended = self._causal_attention(q, k, v, positions)  # a prefill: positions 0..T-1, nothing before
         else:
             keys, values = (read_kv_window(cache[name], layer, window).astype(q.dtype) for name in ("k", "v"))

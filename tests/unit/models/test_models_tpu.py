@@ -20,6 +20,7 @@ from jax.typing import ArrayLike
 
 from scalerl_jax.models import Transformer, get_preset, init_kv_cache, sequence_logprobs, sharding
 from scalerl_jax.models.layers import (
+    attend_in_chunks,
     grouped_attention,
     resolve_attention_impl,
     resolve_decode_kernel,
@@ -204,6 +205,88 @@ def test_splash_model_on_a_cpu_mesh_matches_xla():
     np.testing.assert_allclose(float(splash_loss), float(xla_loss), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(splash_grads), jax.tree.leaves(xla_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=FLOAT32_ATOL)
+
+
+def _chunked_reference64(q: ArrayLike, k: ArrayLike, v: ArrayLike, chunk: int) -> np.ndarray:
+    """Llama 4's chunked causal attention in float64: each chunk of `chunk` positions attends
+    causally within itself (`_causal_reference64` on every slice)."""
+    length = q.shape[1]
+    pieces = [slice(start, min(start + chunk, length)) for start in range(0, length, chunk)]
+    return np.concatenate([_causal_reference64(q[:, p], k[:, p], v[:, p]) for p in pieces], axis=1)
+
+
+def test_chunked_attention_by_splash_on_chunks_folded_into_the_batch():
+    """T = 300 in chunks of 128 (two whole chunks and 44 positions): splash on the folded chunks
+    (interpret mode) equals the float64 chunked reference, forward and the gradient of the XLA mask."""
+    q, k, v = _random_qkv(2, 300, 4, 2, 16, seed=3)
+    got = attend_in_chunks(splash_attention, q, k, v, 128)
+    np.testing.assert_allclose(np.asarray(got), _chunked_reference64(q, k, v, 128), atol=FLOAT32_ATOL)
+    starts = (jnp.arange(300) // 128) * 128
+    mask = (jnp.arange(300)[None, :] <= jnp.arange(300)[:, None]) & (jnp.arange(300)[None, :] >= starts[:, None])
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=q.shape).astype(np.float32))
+
+    def grads(attend):
+        return jax.grad(lambda *qkv: jnp.sum(attend(*qkv) * weights), argnums=(0, 1, 2))(q, k, v)
+
+    folded = grads(lambda *qkv: attend_in_chunks(splash_attention, *qkv, 128))
+    masked = grads(lambda *qkv: grouped_attention(*qkv, jnp.broadcast_to(mask, (2, 300, 300))))
+    for a, b in zip(folded, masked):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=FLOAT32_ATOL)
+
+
+def _chunked_config(**overrides):
+    """`_tpu_config` as a Llama 4 text decoder: layers 0 and 2 chunked (chunks of 512), 1 and 3 NoPE."""
+    fields = dict(
+        family="llama4",
+        num_layers=4,
+        nope_layers=(1, 3),
+        chunked_attention_layers=(0, 2),
+        attention_chunk_size=512,
+        qk_l2_norm=True,
+        attn_temperature_tuning=True,
+    )
+    return _tpu_config(**{**fields, **overrides})
+
+
+def test_a_chunked_model_trains_by_splash_on_v5e_without_a_t_by_t_buffer():
+    """jit(grad(loss)) of a chunked-attention model at T = 2048 (4 chunks of 512) on a v5e 2x2 mesh,
+    scanned in periods of 2: every layer takes the Pallas kernel and no [.., 2048, 2048] or
+    [.., 512, 512] float32 array is built; the 'xla' lowering does build the chunk mask's 2048 x 2048."""
+    config = _chunked_config(remat_policy="full")
+    assert config.scan_layers and config.layer_period == 2
+    mesh = _v5e_mesh()
+    graphdef, params = _abstract_params(config, mesh)
+    tokens = jax.ShapeDtypeStruct((4, 2048), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    loss = lambda p, t: jnp.sum(sequence_logprobs(nnx.merge(graphdef, p), t, chunk_size=512))  # noqa: E731
+    with sharding.use_mesh_rules(mesh):
+        text = jax.jit(jax.grad(loss)).lower(params, tokens).as_text()
+    assert "tpu_custom_call" in text
+    assert not re.search(r"(2048|512)x(2048|512)xf32", text)
+    xla_graphdef, _ = _abstract_params(config.replace(attention_impl="xla"), mesh)
+    xla_loss = lambda p, t: jnp.sum(sequence_logprobs(nnx.merge(xla_graphdef, p), t, chunk_size=512))  # noqa: E731
+    with sharding.use_mesh_rules(mesh):
+        xla_text = jax.jit(jax.grad(xla_loss)).lower(params, tokens).as_text()
+    assert "2048x2048xf32" in xla_text and "tpu_custom_call" not in xla_text
+
+
+def test_a_chunked_splash_model_on_a_cpu_mesh_matches_xla():
+    """Float32, chunks of 128, T = 300 under a (1, 2, 2) CPU mesh (splash interpreted in shard_map
+    on the folded chunks): log-probs and gradients equal the 'xla' model's (its chunk mask)."""
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 256, size=(2, 300)), jnp.int32)
+    mesh = sharding.make_mesh((1, 2, 2), devices=jax.devices()[:4])
+
+    def logprobs_and_grads(impl):
+        config = _chunked_config(dtype="float32", attention_impl=impl, attention_chunk_size=128)
+        graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+        loss = lambda p: jnp.sum(sequence_logprobs(nnx.merge(graphdef, p), tokens, chunk_size=64))  # noqa: E731
+        with sharding.use_mesh_rules(mesh):
+            return jax.jit(jax.value_and_grad(loss))(params)
+
+    splash_loss, splash_grads = logprobs_and_grads("splash")
+    xla_loss, xla_grads = logprobs_and_grads("xla")
+    np.testing.assert_allclose(float(splash_loss), float(xla_loss), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(splash_grads), jax.tree.leaves(xla_grads)):  # gradients up to ~25
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=FLOAT32_ATOL, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- compiled for v5e
