@@ -197,6 +197,11 @@ def experts_ragged(
     return jnp.zeros((num_tokens, x.shape[-1]), jnp.float32).at[token_of].add(out).astype(x.dtype)
 
 
+# Tokens one device gathers from its expert group per dispatch block (`experts_dispatched`): bounds
+# the [tokens, expert width] buffers of the grouped matmuls, forward and backward.
+DISPATCH_GATHERED_TOKENS = 32_768
+
+
 def experts_dispatched(
     x: jax.Array,
     weights: jax.Array,
@@ -208,16 +213,22 @@ def experts_dispatched(
     layout: sharding.ExpertParallel,
     compute: Callable[..., jax.Array],
     scale_input: bool = False,
+    max_gathered_tokens: int = DISPATCH_GATHERED_TOKENS,
 ) -> jax.Array:
     """`compute(x, weights, experts, gate, up, down)` (`experts_dense` or `experts_ragged`) with the
     experts split over `layout.expert_axis` (module docstring), under `jax.shard_map`: each device
     all-gathers the tokens [n, D], weights and experts [n, k] of its expert group, computes the
     pairs naming its own experts (the others renamed to 'no expert'), and its [P n, D] partial
     output (summed over the expert width when that is split over `layout.mlp_axis`) is
-    reduce-scattered back to the tokens' devices."""
+    reduce-scattered back to the tokens' devices.
+
+    The n local tokens go in c consecutive blocks (c the smallest divisor of n with P n / c <=
+    `max_gathered_tokens`), one after another under `jax.checkpoint`: every token's output depends
+    on that token alone, and a device's buffers then hold P n / c gathered tokens, not P n (Scout's
+    16-device group at 16k tokens a device would gather 262,144)."""
     axis, mlp_axis = layout.expert_axis, layout.mlp_axis
 
-    def local(x, weights, experts, gate, up, down):
+    def block(x, weights, experts, gate, up, down):
         num_local = gate.shape[0]
         xs, ws, es = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x, weights, experts))
         es = es - jax.lax.axis_index(axis) * num_local
@@ -228,6 +239,16 @@ def experts_dispatched(
         if mlp_axis is not None:
             y = jax.lax.psum(y, mlp_axis)
         return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+
+    def local(x, weights, experts, gate, up, down):
+        n = x.shape[0]
+        group = layout.mesh.shape[axis]
+        blocks = next(c for c in range(1, n + 1) if n % c == 0 and (group * n // c <= max_gathered_tokens or c == n))
+        if blocks == 1:
+            return block(x, weights, experts, gate, up, down)
+        per_block = jax.checkpoint(lambda xwe: block(xwe[0], xwe[1], xwe[2], gate, up, down))
+        split = tuple(a.reshape(blocks, n // blocks, *a.shape[1:]) for a in (x, weights, experts))
+        return jax.lax.map(per_block, split).reshape(x.shape)
 
     tokens = PartitionSpec(layout.token_axes, None)
     expert_in, expert_out = PartitionSpec(axis, None, mlp_axis), PartitionSpec(axis, mlp_axis, None)
@@ -310,8 +331,9 @@ class MoE(nnx.Module):
             self.down_proj[...],
             scale_input=config.routing == "sigmoid_topk",
         )
-        if config.shared_expert_intermediate_size:
-            out = out + self.shared_expert(tokens)
+        out = out.reshape(x.shape)
+        if config.shared_expert_intermediate_size:  # on x [B, T, D]: the MLP's activation layout is per (B, T)
+            out = out + self.shared_expert(x)
         mask = jnp.ones(tokens.shape[:1]) if token_mask is None else token_mask.reshape(-1)
         stats = router_stats(probs, experts, mask, own, given)
-        return out.reshape(x.shape), stats, own.reshape(*x.shape[:-1], -1)
+        return out, stats, own.reshape(*x.shape[:-1], -1)

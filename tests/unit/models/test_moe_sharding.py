@@ -5,6 +5,8 @@ single-device ones in float32, for both ways of computing the experts; the layou
 reads off the mesh and rules, by hand; the 'no expert' index the dispatch gives other devices'
 pairs, against a numpy loop."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +36,31 @@ def _objective(graphdef, weights, mask):
     return objective
 
 
+# Llama 4's layer kinds at tiny size: a shared expert beside sigmoid top-1 routing, layers 0 and 2
+# chunked RoPE, 1 and 3 NoPE (scanned as 2 stacks of 2).
+TINY_LLAMA4_MOE = dict(
+    family="llama4",
+    num_layers=4,
+    routing="sigmoid_topk",
+    norm_topk_prob=False,
+    num_experts_per_tok=1,
+    shared_expert_intermediate_size=32,
+    qk_norm=False,
+    qk_l2_norm=True,
+    nope_layers=(1, 3),
+    chunked_attention_layers=(0, 2),
+    attention_chunk_size=8,
+    attn_temperature_tuning=True,
+    attn_floor_scale=4.0,
+)
+
+
 @pytest.mark.parametrize("moe_impl", ["dense", "ragged"])
 @pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 4, 2)], ids=["experts_over_2", "experts_over_4"])
-def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_shape):
-    config = get_preset("tiny-qwen3-moe", scan_layers=True, moe_impl=moe_impl)
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_shape, family):
+    fields = TINY_LLAMA4_MOE if family == "llama4" else {}
+    config = get_preset("tiny-qwen3-moe", scan_layers=True, moe_impl=moe_impl, **fields)
     graphdef, params = nnx.split(init_transformer(config, seed=0))
     rng = np.random.RandomState(0)
     tokens = jnp.asarray(rng.randint(0, config.vocab_size, (8, 16)))
@@ -46,7 +69,8 @@ def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_sh
 
     mesh = make_mesh(mesh_shape)
     shardings = param_shardings(params, mesh)
-    expert_spec = shardings["layers"]["moe"]["gate_proj"].get_value().spec
+    stacked = shardings["layers"][0] if family == "llama4" else shardings["layers"]  # period 2: stacks 0 and 1
+    expert_spec = stacked["moe"]["gate_proj"].get_value().spec
     assert tuple(expert_spec) == (None, "fsdp", None, "tensor")  # [layers, expert, embed, mlp]
     batch = NamedSharding(mesh, P(("data", "fsdp")))
     with use_mesh_rules(mesh):
@@ -56,7 +80,7 @@ def test_expert_parallel_forward_and_grads_equal_single_device(moe_impl, mesh_sh
     with use_mesh_rules(mesh):
         assert "shard_map" in str(jax.make_jaxpr(objective)(params, tokens))  # the dispatch, not XLA's partitioner
     experts_per_device = config.num_experts // mesh.shape["fsdp"]
-    gate = grads["layers"]["moe"]["gate_proj"].get_value()
+    gate = (grads["layers"][0] if family == "llama4" else grads["layers"])["moe"]["gate_proj"].get_value()
     assert gate.sharding.shard_shape(gate.shape)[1] == experts_per_device
     np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
     for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
@@ -99,3 +123,37 @@ def test_pairs_naming_no_expert_add_nothing(compute, scale_input):
                 want[t] += y if scale_input else w * y
     got = compute(*(jnp.asarray(a) for a in (x, weights, experts, gate, up, down)), scale_input=scale_input)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("max_gathered", [32, 8])
+def test_the_dispatch_in_blocks_equals_one_device(max_gathered):
+    """32 tokens over fsdp 4 (8 a device), 8 experts over the same 4 devices, width over tensor 2:
+    gathering all 32 at once, or in 4 blocks of 8 (max_gathered 8: 2 tokens a device per block,
+    under jax.checkpoint), gives the single-device output and gradients."""
+    from scalerl_jax.models.moe import experts_dispatched
+
+    rng = np.random.default_rng(2)
+    n, d, e, f, k = 32, 8, 8, 6, 2
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(e, size=k, replace=False) for _ in range(n)]), jnp.int32)
+    gate, up, down = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d)))
+    cotangent = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+
+    def loss(compute):
+        return lambda x, gate, up, down: jnp.sum(compute(x, weights, experts, gate, up, down) * cotangent)
+
+    want_loss, want_grads = jax.value_and_grad(loss(experts_dense), argnums=(0, 1, 2, 3))(x, gate, up, down)
+    mesh = make_mesh((1, 4, 2))
+    with use_mesh_rules(mesh):
+        layout = expert_parallel(n, e)
+        assert layout is not None and layout.expert_axis == "fsdp"
+        dispatched = functools.partial(
+            experts_dispatched, layout=layout, compute=experts_dense, max_gathered_tokens=max_gathered
+        )
+        got_loss, got_grads = jax.jit(jax.value_and_grad(loss(dispatched), argnums=(0, 1, 2, 3)))(x, gate, up, down)
+        jaxpr = str(jax.make_jaxpr(loss(dispatched))(x, gate, up, down))
+    assert ("scan" in jaxpr) == (max_gathered < 32)  # blocks run one after another only when asked
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
