@@ -38,10 +38,14 @@ def split_problem(
     (and KV pages) into equal groups, one per device of its batch axes (data x fsdp)."""
     b, m, s = config.batch, config.mesh, config.sampler
     rows_per_microbatch = b.prompts_per_step * b.generations_per_prompt // b.microbatches
-    if rows_per_microbatch % num_trainers:
-        return f"{rows_per_microbatch} sequences per microbatch do not divide over {num_trainers} trainer devices"
-    if mesh_shape(m.trainer_shape, num_trainers) is None:
+    trainer_mesh = mesh_shape(m.trainer_shape, num_trainers)
+    if trainer_mesh is None:
         return f"`mesh.trainer_shape` {tuple(m.trainer_shape)} does not fit {num_trainers} trainer devices"
+    if rows_per_microbatch % batch_devices(trainer_mesh):
+        return (
+            f"{rows_per_microbatch} sequences per microbatch do not divide over the {batch_devices(trainer_mesh)} "
+            f"batch devices (data x fsdp) of {num_trainers} trainer devices"
+        )
     for local in sorted(set(generators_per_process) - {0}):
         shape = mesh_shape(m.generator_shape, local)
         if shape is None:
@@ -92,13 +96,22 @@ def check_devices(config: ml_collections.ConfigDict, num_devices: int) -> tuple[
     generators, trainers = len(generator_devices), len(trainer_devices)
     rows = config.batch.prompts_per_step * config.batch.generations_per_prompt
     rows_per_microbatch = rows // config.batch.microbatches
-    if rows_per_microbatch % trainers:
+    trainer_mesh = mesh_shape(config.mesh.trainer_shape, trainers)
+    row_devices = trainers if trainer_mesh is None else batch_devices(trainer_mesh)
+    if rows_per_microbatch % row_devices:
         raise ConfigError(
             f"config keys `batch.*`: {rows_per_microbatch} sequences per microbatch do not divide "
-            f"over {trainers} trainer devices (`mesh.generator_fraction` = {config.mesh.generator_fraction} "
-            f"of {num_devices} devices)"
+            f"over the {row_devices} batch devices (data x fsdp) of {trainers} trainer devices "
+            f"(`mesh.generator_fraction` = {config.mesh.generator_fraction} of {num_devices} devices, "
+            f"`mesh.trainer_shape` = {tuple(config.mesh.trainer_shape)})"
         )
     return generators, trainers
+
+
+def batch_devices(mesh: tuple[int, ...]) -> int:
+    """Devices a (data, fsdp, tensor) mesh splits the batch rows over: data x fsdp (tensor splits
+    heads and widths, each of its devices sees the same rows)."""
+    return mesh[0] * mesh[1]
 
 
 def check_backend(config: ml_collections.ConfigDict, platform: str) -> None:

@@ -195,6 +195,34 @@ def test_gpu_route_compiles_the_tiny_run_for_an_h200_node(tmp_path):
     assert all(r["device_bytes"] == 141 * 10**9 for r in rows)
 
 
+# Llama 4 Scout's text decoder (configs/scalerl_scout.py), counted by hand in
+# tests/unit/config/test_configs.py; its untied head is float32 (the FP32 head).
+SCOUT_PARAMS, SCOUT_HEAD = 107_769_861_120, 202_048 * 5_120
+
+
+@pytest.mark.slow
+def test_the_scout_train_step_compiles_for_a_v5p_slice_and_fits(tmp_path, capsys):
+    """configs/scalerl_scout.py:v5p on v5p:4x4x4, the trainer's programs at their largest: the
+    microbatch gradient of 16 rows x 16,384 tokens (ragged experts dispatched over fsdp 16 in
+    blocks, splash on the folded chunks) fits a v5p chip; the AdamW update takes the bfloat16 body
+    and float32 head (2 N + 2 H bytes), the float32 master, mu and nu (12 N) and the float32
+    gradient (4 N), over 32 trainer chips."""
+    status, rows, captured = run_check(
+        [
+            "--config=configs/scalerl_scout.py:v5p",
+            "--target=v5p:4x4x4",
+            "--programs=accumulate R=16 T=16384$|train/update",
+        ],
+        tmp_path,
+        capsys,
+    )
+    assert status == 0, captured.err[-3000:]
+    assert set(rows) == {("train/accumulate", "R=16 T=16384"), ("train/update", "params")}
+    hand = (18 * SCOUT_PARAMS + 2 * SCOUT_HEAD) / 32
+    assert abs(rows[("train/update", "params")]["argument_bytes"] - hand) < 0.001 * hand
+    assert all(not r["error"] and r["total_bytes"] <= r["device_bytes"] for r in rows.values())
+
+
 def test_a_trainer_over_two_hosts_pushes_by_collective_replication(tmp_path, capsys):
     # v5e:4x4 is 4 hosts of 4 chips; half of the 16 chips train, on hosts 0 and 1, so a generator
     # host's slice (a whole leaf: its params are replicated) is held by no single trainer process

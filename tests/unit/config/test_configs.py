@@ -83,6 +83,31 @@ def test_every_8b_config_builds_abstractly(name, arg):
     assert float_bytes == expected
 
 
+def test_the_scout_config_runs_on_nine_h100_nodes_with_the_period_scanned_policy():
+    """configs/scalerl_scout.py: 72 devices split 8 generating / 64 training (fsdp 16 x tensor 4, the
+    16 rows of a microbatch over fsdp), its ':v5p' layout 64 chips split 32 / 32; the policy is Llama
+    4 Scout's text decoder, 4 stacks of 12
+    layers (3 chunked RoPE layers then 1 NoPE), with the parameter count of its config by hand."""
+    config = load_config_file("scalerl_scout.py")
+    validate(config, num_devices=72, check_files=False)
+    assert check_devices(config, 72) == (8, 64)
+    on_v5p = load_config_file("scalerl_scout.py", "v5p")  # 64 chips: 32 generate, 32 train (fsdp 16 x tensor 2)
+    validate(on_v5p, num_devices=64, check_files=False)
+    assert check_devices(on_v5p, 64) == (32, 32)
+    with pytest.raises(ValueError, match="unknown Scout layout 'h200'"):
+        load_config_file("scalerl_scout.py", "h200")
+    state = abstract_train_state(config)
+    stacks = state.params["layers"]
+    assert [stacks[j]["attn"]["q_proj"].shape for j in range(4)] == [(12, 5120, 40, 128)] * 4
+    assert stacks[0]["moe"]["gate_proj"].shape == (12, 16, 5120, 8192)
+    d, heads, kv, hd, experts, width, vocab, layers = 5120, 40, 8, 128, 16, 8192, 202_048, 48
+    attention = 2 * d * heads * hd + 2 * d * kv * hd
+    layer = attention + 2 * d + d * experts + experts * 3 * d * width + 3 * d * width  # + router, experts, shared
+    hand = layers * layer + 2 * vocab * d + d  # untied embedding and head, final norm
+    assert hand == 107_769_861_120
+    assert sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params)) == hand
+
+
 def test_leave_one_out_changes_exactly_one_choice():
     base = recipes.scalerl_8b()
     assert recipes.leave_one_out("dapo").rl.objective == "dapo" and base.rl.objective == "cispo"
@@ -178,6 +203,17 @@ def test_batch_that_does_not_divide_trainers_is_named():
     with pytest.raises(ConfigError, match="5 trainer devices"):
         validate(config, num_devices=25, check_files=False)
     validate(config, num_devices=20, check_files=False)  # 16 generators, 4 trainers: 48 % 4 == 0
+
+
+def test_rows_divide_over_the_trainers_batch_axes_not_their_tensor_axis():
+    """16 rows per microbatch on 64 trainers: (1, 64, 1) splits rows 64 ways and is refused; (1, 16, 4)
+    splits them over data x fsdp = 16 (tensor 4 sees the same rows) and runs."""
+    config = recipes.scalerl_8b()
+    config.mesh.generator_fraction = 0.2  # 80 devices: 16 generate, 64 train
+    with pytest.raises(ConfigError, match="over the 64 batch devices"):
+        validate(config, num_devices=80, check_files=False)
+    config.mesh.trainer_shape = (1, -1, 4)
+    validate(config, num_devices=80, check_files=False)
 
 
 def test_missing_dataset_path_is_named(tmp_path):
