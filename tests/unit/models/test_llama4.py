@@ -85,9 +85,13 @@ def test_a_periodic_model_scans_one_period_per_step(checkpoints):
     statistics and replayed experts as the 8 layers unrolled (whose logits the parity tests check)."""
     from flax import nnx
 
+    from scalerl_jax.models.transformer import DecoderLayer
+
     path = checkpoints["periodic"][0]
     scanned, unrolled = (hf.load_hf(path, dtype="float32", scan_layers=scan) for scan in (True, False))
-    assert [stack.attn.q_proj.shape[0] for stack in scanned.layers] == [2, 2, 2, 2]
+    stacks = scanned.layers
+    assert not isinstance(stacks, DecoderLayer)  # period 4: a list of 4 stacks
+    assert [stack.attn.q_proj.shape[0] for stack in stacks] == [2, 2, 2, 2]
     tokens = jnp.asarray(_tokens())
     mask = jnp.ones(tokens.shape, jnp.float32)
     recorded = jax.random.randint(jax.random.key(0), (4, *tokens.shape, 1), -1, 4)  # [MoE layers, B, T, k]

@@ -215,6 +215,7 @@ def _splash_matches_xla_on_a_cpu_mesh(config_of, tokens, *, rtol):
 def _chunked_reference64(q: ArrayLike, k: ArrayLike, v: ArrayLike, chunk: int) -> np.ndarray:
     """Llama 4's chunked causal attention in float64: each chunk of `chunk` positions attends
     causally within itself (`_causal_reference64` on every slice)."""
+    q, k, v = (np.asarray(x) for x in (q, k, v))
     length = q.shape[1]
     pieces = [slice(start, min(start + chunk, length)) for start in range(0, length, chunk)]
     return np.concatenate([_causal_reference64(q[:, p], k[:, p], v[:, p]) for p in pieces], axis=1)
@@ -233,8 +234,8 @@ def test_chunked_attention_by_splash_on_chunks_folded_into_the_batch():
     def grads(attend):
         return jax.grad(lambda *qkv: jnp.sum(attend(*qkv) * weights), argnums=(0, 1, 2))(q, k, v)
 
-    folded = grads(lambda *qkv: attend_in_chunks(splash_attention, *qkv, 128))
-    masked = grads(lambda *qkv: grouped_attention(*qkv, jnp.broadcast_to(mask, (2, 300, 300))))
+    folded = grads(lambda q_, k_, v_: attend_in_chunks(splash_attention, q_, k_, v_, 128))
+    masked = grads(lambda q_, k_, v_: grouped_attention(q_, k_, v_, jnp.broadcast_to(mask, (2, 300, 300))))
     for a, b in zip(folded, masked):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=FLOAT32_ATOL)
 
