@@ -41,9 +41,10 @@ def split_problem(
     trainer_mesh = mesh_shape(m.trainer_shape, num_trainers)
     if trainer_mesh is None:
         return f"`mesh.trainer_shape` {tuple(m.trainer_shape)} does not fit {num_trainers} trainer devices"
-    if rows_per_microbatch % batch_devices(trainer_mesh):
+    row_devices = batch_devices(trainer_mesh)
+    if rows_per_microbatch % row_devices:
         return (
-            f"{rows_per_microbatch} sequences per microbatch do not divide over the {batch_devices(trainer_mesh)} "
+            f"{rows_per_microbatch} sequences per microbatch do not divide over the {row_devices} "
             f"batch devices (data x fsdp) of {num_trainers} trainer devices"
         )
     for local in sorted(set(generators_per_process) - {0}):

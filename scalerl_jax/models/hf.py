@@ -698,12 +698,12 @@ class _Target:
 def _targets(config: ModelConfig, paths: list[str]) -> list[_Target]:
     """How each parameter path maps onto HF layer (and expert) indices."""
     targets = []
+    period = config.layer_period
     for path in paths:
         parts = path.split(".")
         if parts[0] != "layers":
             targets.append(_Target(path, path, (None,), False))
             continue
-        period = config.layer_period
         if config.scan_layers and period == 1:
             layer_path, layers, stacked = ".".join(parts[1:]), tuple(range(config.num_layers)), True
         elif config.scan_layers:  # stack j of a period-p scan holds layers j, j + p, j + 2p, ...
