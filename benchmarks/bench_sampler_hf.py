@@ -9,13 +9,25 @@ all prompts), ours with `generate(..., num_slots=batch)`. Reported: generated to
 median over `--repeats` after one warm-up run each (ours compiles in the warm-up; the engine is
 cached across calls), and whether the tokens agree.
 
+The RL shape (`--gsm8k FILE --samples G`, with `--checkpoint`): the first `--batch` questions of a
+GSM8K jsonl, each the one user message of the checkpoint's chat template (prompts of their own
+lengths, left padded for transformers), each sampled G times at `--temperature` up to `--max_new`
+tokens, stopping at the checkpoint's end-of-sequence id (so completion lengths are long-tailed,
+as in a run). transformers: one `generate` with `num_return_sequences=G`; ours: the batch x G
+requests on as many slots, once with the samples of a prompt sharing its KV pages (one prefill per
+prompt) and once each prefilling its own copy (`share_prompts=False`). Rates count completion
+tokens up to and including the end-of-sequence token.
+
   .venv/bin/python benchmarks/bench_sampler_hf.py
   .venv/bin/python benchmarks/bench_sampler_hf.py --checkpoint DIR --batch 64 --prompt_len 160 --max_new 64
+  .venv/bin/python benchmarks/bench_sampler_hf.py --checkpoint DIR --gsm8k ../shared/data/gsm8k/train.jsonl \
+      --batch 8 --samples 8 --max_new 128 --temperature 1.0
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -39,7 +51,15 @@ def main() -> None:
     parser.add_argument("--chunk_size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpoint", default="", help="a local HF directory both sides load (default: random)")
+    parser.add_argument("--gsm8k", default="", help="RL shape: GSM8K jsonl whose questions are the prompts")
+    parser.add_argument("--samples", type=int, default=8, help="RL shape: samples per prompt")
+    parser.add_argument("--temperature", type=float, default=1.0, help="RL shape: sampling temperature")
     args = parser.parse_args()
+    if args.gsm8k:
+        if not args.checkpoint:
+            parser.error("--gsm8k needs --checkpoint (its tokenizer, chat template and end-of-sequence id)")
+        rl_shape(args)
+        return
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -107,6 +127,89 @@ def main() -> None:
     print(
         f"ratio scalerl_jax/transformers: {rates['scalerl_jax'] / rates['transformers']:.2f}x "
         f"(target >= 2x); token agreement {agree:.3f}"
+    )
+
+
+def rl_shape(args: argparse.Namespace) -> None:
+    """The RL shape (module docstring): prompts of their own lengths, G samples each, EOS stops."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.checkpoint)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32).eval()
+    model = load_hf(args.checkpoint, dtype="float32")
+    eos = int(hf_model.generation_config.eos_token_id or hf_model.config.eos_token_id)
+    with open(args.gsm8k) as f:
+        questions = [json.loads(line)["question"] for _, line in zip(range(args.batch), f)]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(len(p) for p in prompts)
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    padded = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def completion_tokens(rows: list[list[int]]) -> int:
+        """Tokens of each row up to and including its first end-of-sequence token."""
+        return sum(row.index(eos) + 1 if eos in row else len(row) for row in rows)
+
+    def run_hf() -> int:
+        with torch.no_grad():
+            out = hf_model.generate(  # pyright: ignore[reportAttributeAccessIssue]
+                padded,
+                attention_mask=mask,
+                max_new_tokens=args.max_new,
+                do_sample=True,
+                temperature=args.temperature,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=args.samples,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        return completion_tokens(out[:, width:].tolist())
+
+    def run_ours(share: bool) -> int:
+        repeated = [prompt for prompt in prompts for _ in range(args.samples)]
+        completions = generate(
+            model,
+            repeated,
+            max_new_tokens=args.max_new,
+            temperature=args.temperature,
+            num_slots=len(repeated),
+            chunk_size=args.chunk_size,
+            stop_tokens=(eos,),
+            share_prompts=share,
+        )
+        return completion_tokens([c.tokens for c in completions])
+
+    runs = {
+        "transformers": run_hf,
+        "ours, shared prompts": lambda: run_ours(True),
+        "ours, unshared": lambda: run_ours(False),
+    }
+    rates, tokens = {}, {}
+    for name, run in runs.items():
+        run()  # warm-up (ours: compiles)
+        times, counts = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            counts.append(run())
+            times.append(time.perf_counter() - start)
+        rates[name] = statistics.median(c / t for c, t in zip(counts, times))
+        tokens[name] = statistics.median(counts)
+    lengths = sorted(len(p) for p in prompts)
+    print(
+        f"{args.batch} GSM8K prompts ({lengths[0]}-{lengths[-1]} tokens, median {lengths[len(lengths) // 2]}) x "
+        f"{args.samples} samples at temperature {args.temperature}, up to {args.max_new} new tokens, stop at EOS; "
+        f"{args.checkpoint}; torch threads {torch.get_num_threads()}; median of {args.repeats}"
+    )
+    for name, rate in rates.items():
+        print(f"{name:>22}: {rate:8.1f} completion tokens/s ({tokens[name]:.0f} tokens a run)")
+    hf = rates["transformers"]
+    print(
+        f"ratio ours/transformers: shared {rates['ours, shared prompts'] / hf:.2f}x (target >= 2x), "
+        f"unshared {rates['ours, unshared'] / hf:.2f}x; shared/unshared "
+        f"{rates['ours, shared prompts'] / rates['ours, unshared']:.2f}x"
     )
 
 

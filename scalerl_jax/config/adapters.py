@@ -164,6 +164,7 @@ def sampler_engine_config_of(
         page_size=s.page_size,
         num_pages=s.num_pages,
         decode_kernel=s.decode_kernel,
+        share_prompts=s.share_prompts,
     )
 
 

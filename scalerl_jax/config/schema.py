@@ -322,6 +322,12 @@ KEYS: tuple[Key, ...] = (
         "Paged attention: 'xla', 'pallas' (GPU), 'auto' (= 'xla' until measured).",
         resumable=True,
     ),
+    flag(
+        "sampler.share_prompts",
+        True,
+        "Samples of one prompt share its KV pages: the prompt is prefilled once per group.",
+        resumable=True,
+    ),
     flag("sampler.compile_ahead", True, "Compile every decode-path shape before the first request.", resumable=True),
     # ------------------------------------------------------------------ train
     flag(

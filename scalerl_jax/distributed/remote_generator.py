@@ -69,6 +69,8 @@ class RemoteLink:
                 "completions": [completion_to_message(c) for c in completions],
                 "chunks": now.chunks - self._reported.chunks,
                 "busy_s": now.busy_s - self._reported.busy_s,
+                "prefill_tokens": now.prefill_tokens - self._reported.prefill_tokens,
+                "shared_prompt_pages": now.shared_prompt_pages - self._reported.shared_prompt_pages,
             }
         )
         self._reported = now
@@ -110,7 +112,12 @@ class LinkService:
             admission = admission_from_message(message["admission"])
             completions = [completion_from_message(c, list(admission.prompt.tokens)) for c in message["completions"]]
             link.finish(admission, completions)
-            link.record_generator_time(int(message["chunks"]), float(message["busy_s"]))
+            link.record_generator_work(
+                int(message["chunks"]),
+                float(message["busy_s"]),
+                int(message["prefill_tokens"]),
+                int(message["shared_prompt_pages"]),
+            )
             return {}
         if op == "take_evaluations":
             items = link.take_evaluations(int(message["version"]), int(message["limit"]))

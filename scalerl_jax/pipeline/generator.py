@@ -104,6 +104,8 @@ class GeneratorStats:
     groups_finished: int = 0
     groups_discarded: int = 0  # zero-variance groups dropped on arrival ('refill')
     score_s: float = 0.0  # time inside reward_fn (on the scoring thread)
+    prefill_tokens: int = 0  # prompt tokens prefilled (a prompt shared by its samples counts once)
+    shared_prompt_pages: int = 0  # KV pages samples took from another sample of their prompt
 
 
 class GeneratorCounters:
@@ -313,9 +315,12 @@ class LocalLink:
         self.buffer.put(admission.group_id, group)
         self._counters.add(groups_finished=1, **produced)
 
-    def record_generator_time(self, chunks: int, busy_s: float) -> None:
-        """Chunks run and seconds spent in them by a generator of another process."""
-        self._counters.add(chunks=chunks, busy_s=busy_s)
+    def record_generator_work(self, chunks: int, busy_s: float, prefill_tokens: int, shared_prompt_pages: int) -> None:
+        """Chunks run, seconds spent in them, prompt tokens prefilled and prompt pages shared by a
+        generator of another process."""
+        self._counters.add(
+            chunks=chunks, busy_s=busy_s, prefill_tokens=prefill_tokens, shared_prompt_pages=shared_prompt_pages
+        )
 
     @contextlib.contextmanager
     def hold_admission(self) -> Iterator[None]:
@@ -514,8 +519,14 @@ class GeneratorLoop:
 
     def _run_chunk(self, batcher: Batcher) -> list[Completion]:
         start = self._clock()
+        prefilled, shared = (batcher.counters[name] for name in ("prefill_tokens", "shared_prompt_pages"))
         completions = batcher.run_chunk()
-        self._counters.add(chunks=1, busy_s=self._clock() - start)
+        self._counters.add(
+            chunks=1,
+            busy_s=self._clock() - start,
+            prefill_tokens=batcher.counters["prefill_tokens"] - prefilled,
+            shared_prompt_pages=batcher.counters["shared_prompt_pages"] - shared,
+        )
         evaluated = [c for c in completions if is_evaluation(c.request_id)]
         if evaluated:
             self.link.finish_evaluations(evaluated)

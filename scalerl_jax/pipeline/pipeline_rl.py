@@ -403,6 +403,7 @@ class Pipeline:
                 totals.tokens += info.completion_tokens + sum(len(g.prompt.tokens) * len(g.completions) for g in groups)
                 waits = self.buffer.waits()
                 metrics = dict(train_metrics)
+                generator_stats = self._generator_stats.snapshot()
                 metrics.update(
                     pipeline_step_metrics(
                         groups,
@@ -410,7 +411,7 @@ class Pipeline:
                         version=version,
                         counts=counts,
                         waits=waits,
-                        generator=self._generator_stats.snapshot(),
+                        generator=generator_stats,
                         totals=totals,
                         elapsed=max(self.clock() - totals.start, 1e-9),
                         wait_s=waits.trainer_waiting_for_data - wait_before,
@@ -426,6 +427,8 @@ class Pipeline:
                 )
                 metrics["pipeline/groups_trained"] = float(len(self._trained_ids))
                 totals.discarded = counts.discarded
+                totals.prefill_tokens = generator_stats.prefill_tokens
+                totals.shared_prompt_pages = generator_stats.shared_prompt_pages
                 if self._on_step is not None:
                     self._on_step(
                         StepRecord(

@@ -43,6 +43,8 @@ class RunTotals:
     completions: int = 0
     tokens: int = 0  # prompt + completion tokens trained on
     discarded: int = 0  # buffer's discarded count at the previous step
+    prefill_tokens: int = 0  # the generators' count at the previous step
+    shared_prompt_pages: int = 0  # the generators' count at the previous step
     step_s: float = 0.0  # seconds spent in train steps
 
 
@@ -69,7 +71,10 @@ def pipeline_step_metrics(
     in anything else: waits, pushes, evaluations and checkpoints in the trainer thread, metrics). Over the batch's
     completions (every completion of `groups`, whether or not in the loss): train/reward_std is
     the population std of their rewards, train/completion_len_mean / _max their generated
-    tokens (forced phrase tokens included). pipeline/sequence_length: the longest padded length
+    tokens (forced phrase tokens included). sampler/prefill_tokens: prompt tokens the generators
+    prefilled since the previous step (a prompt its samples share counted once);
+    sampler/shared_prompt_pages: KV pages samples took from another sample of their prompt
+    instead of filling their own, since the previous step. pipeline/sequence_length: the longest padded length
     of the step; pipeline/padding_frac: the share of padding among the token positions the step
     computes (`BatchInfo.padding_frac`); pipeline/skipped_microbatches: sorted microbatches
     without a row in the loss, not computed. data/truncated_masked: completions masked out of
@@ -113,6 +118,8 @@ def pipeline_step_metrics(
         "sampler/interrupted_frac": info.interrupted / info.num_completions,
         "sampler/truncated_frac": info.truncated / info.num_completions,
         "sampler/score_s": generator.score_s,
+        "sampler/prefill_tokens": float(generator.prefill_tokens - totals.prefill_tokens),
+        "sampler/shared_prompt_pages": float(generator.shared_prompt_pages - totals.shared_prompt_pages),
         "data/zero_variance_dropped": float(info.zero_variance_groups + counts.discarded - totals.discarded),
         "data/truncated_masked": float(info.truncated_masked),
         "train/reward_std": float(rewards.std()),

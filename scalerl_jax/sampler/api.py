@@ -34,6 +34,7 @@ def generate(
     max_len: int | None = None,
     interruption: InterruptionConfig | None = None,
     min_prefill_bucket: int = 16,
+    share_prompts: bool = True,
 ) -> list[Completion]:
     """Complete every prompt with `num_slots` decode slots; returns Completions in prompt order.
 
@@ -41,6 +42,8 @@ def generate(
     `num_slots` or `chunk_size`. `max_len` (KV cache length) defaults to the longest prompt plus
     `max_new_tokens`, rounded up to a power-of-two multiple of `min_prefill_bucket`. Engines
     are cached (`cached_engine`), so calls with the same shapes and knobs reuse the compiles.
+    Equal prompts decoding at the same time share their prompt's KV pages unless
+    `share_prompts=False` (`EngineConfig.share_prompts`).
     """
     if not prompts:
         return []
@@ -60,6 +63,7 @@ def generate(
             max_stop_tokens=max(1, len(stop_tokens)),
             min_prefill_bucket=min_prefill_bucket,
             interruption=interruption,
+            share_prompts=share_prompts,
         ),
     )
     batcher = ContinuousBatcher(engine, params, seed=seed)

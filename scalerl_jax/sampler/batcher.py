@@ -7,7 +7,11 @@
 3. prefill pending requests (FIFO) into free slots, grouped by prefill length bucket, each group
    split into calls of at most `max_prefill_rows` rows padded to a power of two (bounded compiles);
    a request is admitted only while its slot's page group can hold its prompt and first chunk and
-   still cover the next chunk of the sequences already running there;
+   still cover the next chunk of the sequences already running there. A request whose prompt a
+   live slot of the group already holds, prefilled under the current params (another sample of
+   the same prompt), is not prefilled: it shares that slot's prompt pages (`Engine.fork`), so a
+   group of G samples prefills its prompt once and holds one copy of it
+   (`EngineConfig.share_prompts`);
 4. if a page group cannot cover the next chunk of its running sequences (they grew), preempt the
    youngest there until it can: the request goes back to the front of the queue and starts over
    (`sampler/preempted` counts them; never happens with the default, fully provisioned pool);
@@ -96,8 +100,11 @@ class Batcher(Protocol):
     The loop keeps `num_pending` below `num_free_slots` plus a slack, queues requests with
     `add_request`, and calls `run_chunk` (one loop turn: adopt pushed params, decode one chunk,
     return the completions that finished) until `idle`. `update_params` may be called from
-    another thread; `version` is the params version the latest chunk decoded with.
+    another thread; `version` is the params version the latest chunk decoded with; `counters`
+    are running counts of its work (`ContinuousBatcher.stats` names them).
     """
+
+    counters: collections.Counter[str]
 
     @property
     def version(self) -> int: ...
@@ -166,6 +173,9 @@ class ContinuousBatcher:
         self._queue: collections.deque[Request] = collections.deque()
         self._live_ids: set[Hashable] = set()
         self._inflight: _Chunk | None = None
+        # Live slots holding each prompt, prefilled under the current params: what a request with
+        # the same prompt can share (`Engine.fork`).
+        self._prompt_holders: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
         self._admissions = 0
         self.last_push_seconds = 0.0
         self.counters = collections.Counter()
@@ -280,7 +290,7 @@ class ContinuousBatcher:
                 slot for slot, record in enumerate(previous.records) if record is not None and not still_active[slot]
             ]
             for slot in finished:
-                self._slots[slot] = None
+                self._vacate(slot)
             self.engine.release_slots(finished)
         self._adopt_pending_params()
         self._fill_free_slots()
@@ -337,37 +347,78 @@ class ContinuousBatcher:
             if pending is not None:
                 self._params, self._version = pending
         if pending is not None:
+            self._prompt_holders.clear()  # their prompts' K/V came from older params
             self.counters["param_swaps"] += 1
 
     def _fill_free_slots(self) -> None:
         cfg = self.engine.config
         free = [slot for slot, record in enumerate(self._slots) if record is None]
         groups: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
+        forks: list[tuple[int, int, Request]] = []
+        admitted: list[tuple[int, Request]] = []
         while self._queue and free:
             request = self._queue[0]
-            slot = next((slot for slot in free if self._reserve(slot, len(request.prompt_tokens))), None)
-            if slot is None:
+            placed = self._place(request, free)
+            if placed is None:
                 break  # FIFO: later requests wait for the pages this one needs
+            slot, source = placed
             self._queue.popleft()
             free.remove(slot)
-            bucket = prefill_bucket(len(request.prompt_tokens), min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
-            groups[bucket].append((slot, request))
+            if source is None:
+                length = len(request.prompt_tokens)
+                groups[prefill_bucket(length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)].append(
+                    (slot, request)
+                )
+            else:
+                forks.append((slot, source, request))
+            admitted.append((slot, request))
+            if cfg.share_prompts:
+                self._prompt_holders[tuple(request.prompt_tokens)].append(slot)
         for bucket, group in sorted(groups.items()):
             for start in range(0, len(group), cfg.max_prefill_rows):
                 self._insert_group(bucket, group[start : start + cfg.max_prefill_rows])
-            for slot, request in group:
-                self._slots[slot] = _SlotRecord(request, admitted=self._admissions)
-                self._admissions += 1
+        # After the prefills: a fork copies its source's page, which may have been prefilled just now.
+        for start in range(0, len(forks), cfg.max_prefill_rows):
+            self._fork_group(forks[start : start + cfg.max_prefill_rows])
+        for slot, request in admitted:
+            self._slots[slot] = _SlotRecord(request, admitted=self._admissions)
+            self._admissions += 1
 
-    def _reserve(self, slot: int, prompt_length: int) -> bool:
-        """Pages for a request in `slot`, kept only if its group still covers the next chunk of the
-        sequences running there."""
-        if not self.engine.reserve(slot, prompt_length):
+    def _place(self, request: Request, free: list[int]) -> tuple[int, int | None] | None:
+        """(free slot, live slot whose prompt pages it shares, or None to prefill) for `request`,
+        its pages taken; None if no free slot's group can hold them."""
+        length = len(request.prompt_tokens)
+        holders = self._prompt_holders.get(tuple(request.prompt_tokens), ())
+        group_of = self.engine.pages.group_of
+        for source in holders:
+            for slot in (slot for slot in free if group_of(slot) == group_of(source)):
+                if self._kept(slot, self.engine.share_prompt(slot, source, length)):
+                    return slot, source
+        slot = next((slot for slot in free if self._kept(slot, self.engine.reserve(slot, length))), None)
+        return None if slot is None else (slot, None)
+
+    def _kept(self, slot: int, reserved: bool) -> bool:
+        """Whether pages just `reserved` for `slot` are kept: only if its group still covers the
+        next chunk of the sequences running there."""
+        if not reserved:
             return False
         if self.engine.pages.group_of(slot) in self.engine.chunk_shortfall():
             self.engine.release_slots([slot])
             return False
         return True
+
+    def _vacate(self, slot: int) -> None:
+        """`slot`'s request is over (finished or preempted): it no longer offers its prompt."""
+        record = self._slots[slot]
+        self._slots[slot] = None
+        if record is None:
+            return
+        key = tuple(record.request.prompt_tokens)
+        holders = self._prompt_holders.get(key)
+        if holders is not None and slot in holders:
+            holders.remove(slot)
+            if not holders:
+                del self._prompt_holders[key]
 
     def _preempt_for_pages(self) -> None:
         """Evict the youngest running sequence of each page group short of pages for the next chunk
@@ -381,9 +432,9 @@ class ContinuousBatcher:
             _, slot = max(candidates)
             evicted = self._slots[slot]
             assert evicted is not None  # a candidate
+            self._vacate(slot)
             self._state = self.engine.evict(self._state, [slot])
             self._queue.appendleft(evicted.request)
-            self._slots[slot] = None
             self.counters["preempted"] += 1
 
     def _insert_group(self, bucket: int, group: list[tuple[int, Request]]) -> None:
@@ -392,22 +443,50 @@ class ContinuousBatcher:
         tokens = np.zeros((rows, bucket), np.int32)
         lengths = np.ones((rows,), np.int32)
         slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows are dropped
-        stops = np.full((rows, cfg.max_stop_tokens), -1, np.int32)
-        max_new = np.ones((rows,), np.int32)
-        temperature = np.zeros((rows,), np.float32)
-        streams = np.zeros((rows,), np.uint32)
-        interrupt = np.zeros((rows,), bool)
         for row, (slot, request) in enumerate(group):
             prompt = np.asarray(request.prompt_tokens, np.int32)
             tokens[row, : len(prompt)] = prompt
             lengths[row] = len(prompt)
             slots[row] = slot
+        settings = self._settings([request for _, request in group], rows)
+        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots, settings)
+        self.counters["prefill_calls"] += 1
+        self.counters["prefill_rows_padded"] += rows - len(group)
+        self.counters["prefill_tokens"] += int(lengths[: len(group)].sum())
+        self.counters["prefill_computed_tokens"] += rows * bucket
+
+    def _fork_group(self, forks: list[tuple[int, int, Request]]) -> None:
+        """Start `forks` ((slot, source slot, request)) on their sources' prompt pages
+        (`Engine.fork`), in one call padded to a power of two rows."""
+        cfg = self.engine.config
+        rows = row_bucket(len(forks), max_rows=cfg.max_prefill_rows)
+        slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows are dropped
+        sources = np.zeros((rows,), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        last_tokens = np.zeros((rows,), np.int32)
+        for row, (slot, source, request) in enumerate(forks):
+            slots[row], sources[row] = slot, source
+            lengths[row], last_tokens[row] = len(request.prompt_tokens), request.prompt_tokens[-1]
+            self.counters["shared_prompt_pages"] += (len(request.prompt_tokens) - 1) // cfg.page_size
+        settings = self._settings([request for _, _, request in forks], rows)
+        self._state = self.engine.fork(self._state, slots, sources, lengths, last_tokens, settings)
+        self.counters["forked_requests"] += len(forks)
+
+    def _settings(self, requests: list[Request], rows: int) -> SlotSettings:
+        """The per-request settings of `requests`, padded to `rows` rows."""
+        cfg = self.engine.config
+        stops = np.full((rows, cfg.max_stop_tokens), -1, np.int32)
+        max_new = np.ones((rows,), np.int32)
+        temperature = np.zeros((rows,), np.float32)
+        streams = np.zeros((rows,), np.uint32)
+        interrupt = np.zeros((rows,), bool)
+        for row, request in enumerate(requests):
             stops[row, : len(request.stop_tokens)] = request.stop_tokens
             max_new[row] = request.max_new_tokens
             temperature[row] = request.temperature
             streams[row] = request.seed
             interrupt[row] = request.interrupt
-        settings: SlotSettings = host_settings(
+        return host_settings(
             seeds=np.full((rows,), self.seed, np.uint32),
             streams=streams,
             max_new_tokens=max_new,
@@ -415,9 +494,6 @@ class ContinuousBatcher:
             stop_tokens=stops,
             interrupt=interrupt,
         )
-        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots, settings)
-        self.counters["prefill_calls"] += 1
-        self.counters["prefill_rows_padded"] += rows - len(group)
 
     def _absorb(self, chunk: _Chunk) -> list[Completion]:
         result = jax.tree.map(np.asarray, chunk.result)

@@ -18,6 +18,11 @@ in place.
 - `insert(prefix, state, slots[N], settings) -> state`: copies the prefix caches into the slots'
   pages (positions < Tb that the slot holds pages for) and resets the slots' per-slot fields. Rows
   whose slot index is `num_slots` (padding of the request batch to a power of two) are dropped.
+- `fork(state, slots[M], sources[M], ...) -> state`: starts requests whose prompt another slot
+  of the same page group already holds (the samples of one prompt): they share that slot's pages
+  wholly below the prompt's last token (`share_prompt`, reference counted), get a copy of the
+  page holding it (which they will write), and start decoding with their own PRNG stream. The
+  prompt is prefilled once however many samples it has.
 - `generate(params, state) -> (state, ChunkResult)`: up to `chunk_size` decode steps in one
   `lax.while_loop` (it stops early once every slot is idle). Each step feeds every slot's last
   token at its position, writes its K/V into its page in place (one row per slot per layer),
@@ -231,6 +236,7 @@ class Engine:
             "prefill": 0,
             "insert": 0,
             "prefill_insert": 0,
+            "fork": 0,
             "generate": 0,
             "evict": 0,
         }
@@ -238,6 +244,7 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill)
         self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
         self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
+        self._fork_jit = jax.jit(self._fork, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
         self._evict_jit = jax.jit(
             lambda state, mask: self._pinned(state._replace(active=state.active & ~mask)), donate_argnums=(0,)
@@ -341,6 +348,53 @@ class Engine:
                 params, state, tokens, true_length, slots, settings, self._table_rows(slots)
             )
 
+    def share_prompt(self, slot: int, source: int, prompt_length: int) -> bool:
+        """Take pages for a request about to be forked into free `slot` from `source`, a live slot
+        of the same page group whose prompt is the same `prompt_length` tokens: `source`'s pages
+        wholly below the prompt's last token, shared, and pages of its own from there to the end of
+        its first chunk. False (nothing taken) if the group lacks them."""
+        self.pages.share(slot, source, (prompt_length - 1) // self.config.page_size)
+        if self.reserve(slot, prompt_length):
+            return True
+        self.pages.release(slot)
+        return False
+
+    def fork(
+        self,
+        state: DecodeState,
+        slots: Any,
+        sources: Any,
+        prompt_lengths: Any,
+        last_tokens: Any,
+        settings: SlotSettings,
+    ) -> DecodeState:
+        """Start requests in `slots` (int32[M]; `num_slots` = a dropped row) on the prompts that
+        `sources` (int32[M]) hold, `prompt_lengths` tokens ending in `last_tokens`, their pages
+        taken by `share_prompt`; copies each source's page holding the prompt's last token into the
+        slot's own; donates `state`."""
+        slots, sources = np.asarray(slots, np.int32), np.asarray(sources, np.int32)
+        lengths, last_tokens = np.asarray(prompt_lengths, np.int32), np.asarray(last_tokens, np.int32)
+        page_size, kept = self.config.page_size, slots < self.config.num_slots
+        tail = (lengths - 1) // page_size
+        table = self._table_rows(slots)
+        # A last token at a page's first row leaves nothing of the prompt to copy there.
+        copy_to = np.where(kept & (lengths - 1 > tail * page_size), table[np.arange(len(slots)), tail], -1)
+        copy_from = self._table_rows(np.where(kept, sources, self.config.num_slots))[np.arange(len(slots)), tail]
+        groups = np.minimum(slots, self.config.num_slots - 1) // self._slots_per_group()
+        self._count("fork", slots.shape)
+        self._note_inserted(slots, lengths)
+        with self.mesh_context():
+            return self._fork_jit(
+                state,
+                slots,
+                last_tokens,
+                lengths,
+                settings,
+                groups.astype(np.int32),
+                copy_from,
+                copy_to.astype(np.int32),
+            )
+
     def generate(self, params: Any, state: DecodeState) -> tuple[DecodeState, ChunkResult]:
         """Run up to `chunk_size` decode steps over all slots, attending over the live window; donates `state`.
 
@@ -413,30 +467,28 @@ class Engine:
 
     def decode_path_calls(self, max_prompt_length: int) -> Iterator[DecodeCall]:
         """Every jitted call the decode path can make for prompts up to `max_prompt_length`, with
-        arguments that touch no slot: prefill_insert for every (row bucket, length bucket), generate
-        for every window (all slots idle), and evict (of no slot)."""
+        arguments that touch no slot: prefill_insert for every (row bucket, length bucket), fork
+        for every row bucket (when prompts are shared), generate for every window (all slots idle), and evict (of no slot)."""
         cfg = self.config
         idle_table = np.full((cfg.num_slots, self.pages_per_slot), self.pages_per_group, np.int32)
         top = prefill_bucket(max_prompt_length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
+        row_buckets = _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows))
         for bucket in _doublings(min(cfg.min_prefill_bucket, top), top):
-            for rows in _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows)):
+            for rows in row_buckets:
                 dropped = np.full((rows,), cfg.num_slots, np.int32)
-                settings = host_settings(
-                    seeds=np.zeros(rows),
-                    streams=np.zeros(rows),
-                    max_new_tokens=np.ones(rows),
-                    temperature=np.zeros(rows),
-                    stop_tokens=np.full((rows, cfg.max_stop_tokens), -1),
-                    interrupt=np.zeros(rows, bool),
-                )
                 args = (
                     np.zeros((rows, bucket), np.int32),
                     np.ones((rows,), np.int32),
                     dropped,
-                    settings,
+                    self._idle_settings(rows),
                     self._table_rows(dropped),
                 )
                 yield DecodeCall("prefill_insert", (rows, bucket), ("rows", "T"), self._prefill_insert_jit, True, args)
+        for rows in row_buckets if cfg.share_prompts else ():
+            dropped, nowhere = np.full((rows,), cfg.num_slots, np.int32), np.full((rows,), -1, np.int32)
+            ones, zeros = np.ones((rows,), np.int32), np.zeros((rows,), np.int32)
+            args = (dropped, zeros, ones, self._idle_settings(rows), zeros, zeros, nowhere)
+            yield DecodeCall("fork", (rows,), ("rows",), self._fork_jit, False, args)
         for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
             args = (window, idle_table, np.zeros((cfg.num_slots,), np.int32))
             yield DecodeCall("generate", (window,), ("window",), self._generate_jit, True, args)
@@ -469,6 +521,17 @@ class Engine:
                     f"{self.pages.free_pages(self.pages.group_of(slot))} free"
                 )
             self._live_bound[slot] = length
+
+    def _idle_settings(self, rows: int) -> SlotSettings:
+        """Settings of `rows` requests that are never started (the rows of a warm-up call)."""
+        return host_settings(
+            seeds=np.zeros(rows),
+            streams=np.zeros(rows),
+            max_new_tokens=np.ones(rows),
+            temperature=np.zeros(rows),
+            stop_tokens=np.full((rows, self.config.max_stop_tokens), -1),
+            interrupt=np.zeros(rows, bool),
+        )
 
     def _new_page_table(self) -> PageTable:
         return PageTable(
@@ -568,6 +631,43 @@ class Engine:
         def put_cache(pool: jax.Array, part: jax.Array) -> jax.Array:
             return pool.at[:, groups, pages, offsets].set(part.astype(pool.dtype), mode="drop")
 
+        state = state._replace(cache=jax.tree.map(put_cache, state.cache, prefix.cache))
+        return self._start(state, slots, prefix.last_token, prefix.true_length, settings)
+
+    def _fork(
+        self,
+        state: DecodeState,
+        slots: jax.Array,
+        last_token: jax.Array,
+        true_length: jax.Array,
+        settings: SlotSettings,
+        groups: jax.Array,
+        copy_from: jax.Array,
+        copy_to: jax.Array,
+    ) -> DecodeState:
+        """pool[:, groups[i], copy_to[i]] = pool[:, groups[i], copy_from[i]] for every layer (rows
+        whose copy_to is out of range copy nothing), then the slots start (`_start`)."""
+        page_count = jax.tree.leaves(state.cache)[0].shape[2]
+        copy_to = jnp.where(copy_to < 0, page_count, copy_to)  # negative ids would wrap around
+
+        def copy(pool: jax.Array) -> jax.Array:
+            return pool.at[:, groups, copy_to].set(pool[:, groups, jnp.clip(copy_from, 0, page_count - 1)], mode="drop")
+
+        state = state._replace(cache=jax.tree.map(copy, state.cache))
+        return self._start(state, slots, last_token, true_length, settings)
+
+    def _start(
+        self,
+        state: DecodeState,
+        slots: jax.Array,
+        last_token: jax.Array,
+        true_length: jax.Array,
+        settings: SlotSettings,
+    ) -> DecodeState:
+        """Slots `slots` (rows at `num_slots` dropped) begin their requests: the next step feeds
+        `last_token` at position `true_length - 1`, with each request's settings and PRNG stream."""
+        cfg = self.config
+
         def put(field: jax.Array, value: jax.Array | np.ndarray) -> jax.Array:
             return field.at[slots].set(jnp.asarray(value).astype(field.dtype), mode="drop")
 
@@ -586,10 +686,9 @@ class Engine:
         phase = jnp.where(think_budget >= 0, PHASE_THINK, PHASE_ANSWER)
         zeros = jnp.zeros((rows,), jnp.int32)
         falses = jnp.zeros((rows,), bool)
-        inserted = state._replace(
-            cache=jax.tree.map(put_cache, state.cache, prefix.cache),
-            tokens=put(state.tokens, prefix.last_token),
-            positions=put(state.positions, prefix.true_length - 1),
+        started = state._replace(
+            tokens=put(state.tokens, last_token),
+            positions=put(state.positions, true_length - 1),
             keys=state.keys.at[slots].set(sample_keys, mode="drop"),
             num_generated=put(state.num_generated, zeros),
             max_new_tokens=put(state.max_new_tokens, settings.max_new_tokens),
@@ -607,7 +706,7 @@ class Engine:
             truncated=put(state.truncated, falses),
             stopped=put(state.stopped, falses),
         )
-        return self._pinned(inserted)
+        return self._pinned(started)
 
     def _paged_view(self, state: DecodeState, window: int, table: jax.Array, held: jax.Array) -> PagedView:
         """Where each slot writes this step (its page, or nowhere if idle) and the keys it reads

@@ -87,6 +87,8 @@ class EngineConfig:
     sequence when a group runs short). `decode_kernel`: 'xla' (blockwise attention over the live
     window's pages, every backend), 'pallas' (`models.paged_attention`, reads each slot's own
     length; GPU) or 'auto' (`layers.resolve_decode_kernel`).
+    `share_prompts`: a request whose prompt a live slot of its page group holds (prefilled under
+    the same params) shares that slot's prompt pages instead of prefilling it again (`Engine.fork`).
     """
 
     num_slots: int
@@ -103,6 +105,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 0
     decode_kernel: str = "auto"
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         if self.decode_block < 0:

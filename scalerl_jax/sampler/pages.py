@@ -8,6 +8,11 @@ are N (out of range: writes there are dropped, reads masked). Pages are taken on
 sequence grows, and given back when it ends, so memory follows the live tokens rather than
 slots x max_len. The engine decides when to grow; the batcher decides whom to preempt when a
 group runs short (`shortfall`).
+
+Pages are reference counted: `share` lets a slot hold the first pages of another slot of its
+group (the prompt's K/V, written once, read by every sample of a prompt), and a page goes back to
+the free list when its last holder releases it. Only pages no one writes again are shared (the
+engine shares those wholly below a prompt's last token).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class PageTable:
         self.table = np.full((num_slots, pages_per_slot), pages_per_group, np.int32)
         self.held = np.zeros((num_slots,), np.int64)
         self._free = [list(range(pages_per_group - 1, -1, -1)) for _ in range(groups)]
+        self._holders = np.zeros((groups, pages_per_group), np.int64)  # slots holding each page
 
     def group_of(self, slot: int) -> int:
         return int(slot) // self.slots_per_group
@@ -60,15 +66,37 @@ class PageTable:
         start = int(self.held[slot])
         for index in range(start, start + need):
             self.table[slot, index] = free.pop()
+        self._holders[self.group_of(slot), self.table[slot, start : start + need]] = 1
         self.held[slot] += need
         return True
 
+    def share(self, slot: int, source: int, count: int) -> None:
+        """Let `slot` (holding no page) hold the first `count` pages of `source`, a slot of the
+        same group: both read them, neither may write them again."""
+        group = self.group_of(slot)
+        if self.group_of(source) != group:
+            raise ValueError(f"paged KV cache: slot {slot} (group {group}) cannot share the pages of slot {source}")
+        if self.held[slot] or not 0 <= count <= self.held[source]:
+            raise ValueError(
+                f"paged KV cache: slot {slot} holds {self.held[slot]} pages and slot {source} "
+                f"{self.held[source]}; cannot share {count}"
+            )
+        self.table[slot, :count] = self.table[source, :count]
+        self._holders[group, self.table[slot, :count]] += 1
+        self.held[slot] = count
+
     def release(self, slot: int) -> None:
-        """Return every page of `slot` to its group."""
-        held = int(self.held[slot])
-        self._free[self.group_of(slot)].extend(self.table[slot, :held][::-1].tolist())
+        """Drop `slot`'s hold on its pages; those it was the last to hold return to its group."""
+        held, group = int(self.held[slot]), self.group_of(slot)
+        pages = self.table[slot, :held]
+        self._holders[group, pages] -= 1
+        self._free[group].extend(pages[::-1][self._holders[group, pages[::-1]] == 0].tolist())
         self.table[slot, :held] = self.pages_per_group
         self.held[slot] = 0
+
+    def shared_pages(self) -> int:
+        """Page holds beyond the first, over the pool: the pages sharing saves right now."""
+        return int(np.maximum(self._holders - 1, 0).sum())
 
     def shortfall(self, needs: dict[int, int]) -> dict[int, int]:
         """Per group, pages missing to grow every slot in `needs` ({slot: length}) at once

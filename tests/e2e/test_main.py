@@ -35,6 +35,8 @@ def test_tiny_run_writes_metrics_and_checkpoints(tmp_path):
         "sampler/tokens_per_s",
         "sampler/interrupted_frac",
         "sampler/truncated_frac",
+        "sampler/prefill_tokens",
+        "sampler/shared_prompt_pages",
         "data/zero_variance_dropped",
         "data/pool_remaining",
     )
@@ -42,6 +44,7 @@ def test_tiny_run_writes_metrics_and_checkpoints(tmp_path):
         assert all(key in row for key in required), sorted(set(required) - set(row))
         assert isinstance(row["train/loss"], float)  # non-finite values are written as strings
         assert 0 <= row["pipeline/lag_max"] <= 2  # tiny config: PipelineRL-2
+    assert sum(r["sampler/prefill_tokens"] for r in rows[1:]) > 0
     assert "eval/pass_rate" in rows[0] and "eval/pass_rate" in rows[2] and "eval/pass_rate" in rows[3]
     assert [r["pipeline/version"] for r in rows[1:]] == [1, 2, 3]  # params version after each step
     hours = [r["compute/device_hours"] for r in rows]

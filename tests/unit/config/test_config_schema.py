@@ -245,6 +245,7 @@ RESUMABLE_BEFORE = {
     "sampler.page_size",
     "sampler.num_pages",
     "sampler.decode_kernel",
+    "sampler.share_prompts",
     "sampler.compile_ahead",
     "train.compile_ahead",
     "train.compile_threads",

@@ -7,6 +7,7 @@ threads, the buffer, admission, selection, stopping) is the real one. Blocking i
 on the buffer's observable state, not on sleeps, so the orderings asserted here are certain.
 """
 
+import collections
 import dataclasses
 import logging
 import os
@@ -41,6 +42,7 @@ class ScriptedBatcher:
         self.queue = []
         self.chunk_count = 0
         self.tokens_by_version = {}
+        self.counters = collections.Counter()
         self._pending: tuple[Any, int] | None = None
         self._lock = threading.Lock()
 

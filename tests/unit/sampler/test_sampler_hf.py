@@ -1,4 +1,5 @@
-"""Greedy continuous batching on a tiny random Llama from transformers == transformers' generate."""
+"""Continuous batching on a tiny random Llama from transformers: greedy tokens == transformers'
+generate, and samples of shared prompts scored as transformers scores them."""
 
 import numpy as np
 import pytest
@@ -6,8 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from flax import nnx  # noqa: E402
+
 from scalerl_jax.models import load_hf  # noqa: E402
-from scalerl_jax.sampler import generate  # noqa: E402
+from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, Request, generate  # noqa: E402
 
 PROMPT_LENGTHS = (1, 4, 9, 17, 6)
 MAX_NEW = 10
@@ -58,3 +61,33 @@ def test_greedy_tokens_equal_transformers_generate(hf_checkpoint):
         want = out[0, len(prompt) :].tolist()
         assert len(want) == MAX_NEW
         assert completion.tokens == want, (prompt, completion.tokens, want)
+
+
+def test_samples_sharing_a_prompt_score_as_transformers_scores_them(hf_checkpoint):
+    """3 prompts x 4 samples at temperature 1 (each prompt prefilled once, its other samples on its
+    shared pages): every sampled token's log-prob equals transformers' log-softmax at that token
+    given the prompt and the sample's tokens before it."""
+    hf_model, path = hf_checkpoint
+    model = load_hf(path, dtype="float32")
+    graphdef, params = nnx.split(model)
+    engine = Engine(
+        graphdef,
+        model.config,
+        EngineConfig(num_slots=4, max_len=64, chunk_size=4, min_prefill_bucket=8, min_decode_window=16, page_size=4),
+    )
+    batcher = ContinuousBatcher(engine, params, seed=5)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 256, size=n).tolist() for n in (6, 13, 21)]
+    for p, prompt in enumerate(prompts):
+        for s in range(4):
+            batcher.add_request(Request((p, s), prompt, MAX_NEW, seed=4 * p + s, temperature=1.0))
+    completions = batcher.drain()
+    assert batcher.counters["forked_requests"] == 3 * 3
+    assert len({tuple(c.tokens) for c in completions}) == len(completions)  # the samples differ
+    for completion in completions:
+        sequence = torch.tensor([completion.prompt_tokens + completion.tokens])
+        with torch.no_grad():
+            logits = hf_model(sequence).logits[0].double()
+        start = len(completion.prompt_tokens)
+        want = torch.log_softmax(logits[start - 1 : -1], -1)[torch.arange(MAX_NEW), sequence[0, start:]]
+        np.testing.assert_allclose(completion.logprobs, want.numpy(), atol=1e-4, rtol=0)

@@ -161,8 +161,8 @@ def test_a_short_pool_preempts_and_gives_the_tokens_of_a_full_pool(params):
 
 
 def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
-    """After `warm_up`, prompts of every length up to the limit, refills and finishing slots cause
-    zero XLA compiles (counted by JAX's own compile events), and a chunk runs with device-to-host
+    """After `warm_up`, prompts of every length up to the limit, samples sharing a prompt, refills
+    and finishing slots cause zero XLA compiles (counted by JAX's own compile events), and a chunk runs with device-to-host
     transfers disallowed (no host sync inside a chunk)."""
     graphdef, state = params
     engine = Engine(
@@ -187,12 +187,12 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
         )
     )
     rng = np.random.default_rng(4)
-    for i, length in enumerate([1, 7, 8, 9, 17, 33, 40, 3, 25, 12]):
-        batcher.add_request(
-            Request(i, rng.integers(0, CONFIG.vocab_size, length).tolist(), 20 + 5 * (i % 4), seed=i, temperature=1.0)
-        )
+    prompts = [rng.integers(0, CONFIG.vocab_size, length).tolist() for length in [1, 7, 8, 9, 17, 33, 40, 3, 25, 12]]
+    prompts[2:2] = [prompts[1], prompts[1]]  # samples of one prompt: forked onto its pages
+    for i, prompt in enumerate(prompts):
+        batcher.add_request(Request(i, prompt, 20 + 5 * (i % 4), seed=i, temperature=1.0))
     done = batcher.drain()
-    assert len(done) == 10 and compiles == []
+    assert len(done) == 12 and batcher.counters["forked_requests"] == 2 and compiles == []
     decode_state = engine.init_decode_state()
     decode_state = engine.prefill_insert(
         state, decode_state, np.zeros((1, 8), np.int32), [5], [0], _settings(engine, 1)
