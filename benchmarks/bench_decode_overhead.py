@@ -87,7 +87,7 @@ def make_engine(graphdef, config, args, batch: int, live: int, interrupt: bool) 
             chunk_size=args.chunk,
             top_k=args.top_k,
             top_p=args.top_p,
-            min_prefill_bucket=16,
+            prefill_chunk=16,
             max_prefill_rows=batch,
             interruption=interruption,
         ),
@@ -96,10 +96,7 @@ def make_engine(graphdef, config, args, batch: int, live: int, interrupt: bool) 
 
 def fresh_state(engine: Engine, params, prompts: np.ndarray, temperature: float) -> DecodeState:
     """Every slot holds one prompt (KV length = prompt length), decoding with no end in sight."""
-    slots, length = prompts.shape
-    bucket = 1 << (length - 1).bit_length()
-    tokens = np.zeros((slots, bucket), np.int32)
-    tokens[:, :length] = prompts
+    slots = prompts.shape[0]
     settings = host_settings(
         seeds=np.zeros(slots),
         streams=np.arange(slots),
@@ -108,9 +105,7 @@ def fresh_state(engine: Engine, params, prompts: np.ndarray, temperature: float)
         stop_tokens=np.full((slots, engine.config.max_stop_tokens), -1),
         interrupt=np.full(slots, engine.config.interruption is not None),
     )
-    state = engine.prefill_insert(
-        params, engine.init_decode_state(), tokens, np.full(slots, length), np.arange(slots), settings
-    )
+    state = engine.start_prompts(params, engine.init_decode_state(), range(slots), prompts.tolist(), settings)
     return jax.block_until_ready(state)
 
 

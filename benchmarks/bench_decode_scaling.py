@@ -35,7 +35,7 @@ def make_engine(graphdef, config, args, max_len: int, *, full_window: bool) -> E
             max_len=max_len,
             chunk_size=args.chunk,
             max_prefill_rows=args.slots,
-            min_prefill_bucket=16,
+            prefill_chunk=16,
             min_decode_window=max_len if full_window else args.min_window,
         ),
     )
@@ -43,10 +43,7 @@ def make_engine(graphdef, config, args, max_len: int, *, full_window: bool) -> E
 
 def step_seconds(engine: Engine, params, prompts: np.ndarray, repeats: int) -> float:
     """Median seconds per decode step of one chunk started at live length prompts.shape[1]."""
-    slots, length = prompts.shape
-    bucket = 1 << (length - 1).bit_length()
-    tokens = np.zeros((slots, bucket), np.int32)
-    tokens[:, :length] = prompts
+    slots = prompts.shape[0]
     settings = host_settings(
         seeds=np.zeros(slots),
         streams=np.arange(slots),
@@ -57,9 +54,7 @@ def step_seconds(engine: Engine, params, prompts: np.ndarray, repeats: int) -> f
     )
     times = []
     for _ in range(repeats + 1):  # the first run compiles
-        state = engine.prefill_insert(
-            params, engine.init_decode_state(), tokens, np.full(slots, length), np.arange(slots), settings
-        )
+        state = engine.start_prompts(params, engine.init_decode_state(), range(slots), prompts.tolist(), settings)
         jax.block_until_ready(state)
         start = time.perf_counter()
         state, result = engine.generate(params, state)

@@ -85,7 +85,7 @@ def main() -> None:
             num_slots=args.num_slots,
             max_len=args.prompt_len + args.max_new,
             chunk_size=args.chunk_size,
-            min_prefill_bucket=args.prompt_len,
+            prefill_chunk=args.prompt_len,
             max_prefill_rows=args.num_slots,
         ),
     )

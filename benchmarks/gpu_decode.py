@@ -118,7 +118,7 @@ def measure(args: argparse.Namespace, config, graphdef, params, slots: int, peak
             num_slots=slots,
             max_len=args.max_len,
             chunk_size=args.chunk_size,
-            min_prefill_bucket=args.prompt_len,
+            prefill_chunk=args.prompt_len,
             max_prefill_rows=min(slots, args.prefill_rows),
             page_size=args.page_size,
             num_pages=num_pages,

@@ -165,6 +165,8 @@ def sampler_engine_config_of(
         num_pages=s.num_pages,
         decode_kernel=s.decode_kernel,
         share_prompts=s.share_prompts,
+        prefill_chunk=s.prefill_chunk,
+        max_prefill_rows=s.max_prefill_rows,
     )
 
 

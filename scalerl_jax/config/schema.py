@@ -84,7 +84,7 @@ AUTO_SPLIT = "auto"
 # Compiled programs (`run.programs`), by name or by role prefix: what a key sizes.
 TRAIN_STEP = ("train/accumulate", "train/step")
 TRAIN_ANY = "train/"
-PREFILL = "generator/prefill_insert"
+PREFILL = "generator/prefill"
 GENERATOR_ANY = "generator/"
 PUSH_ANY = "push/"
 
@@ -181,8 +181,8 @@ KEYS: tuple[Key, ...] = (
         "model.attention_impl",
         "auto",
         ATTENTION_IMPLS,
-        "Training / prefill attention: 'auto' is cuDNN flash attention on GPU (no T x T scores), 'xla' on CPU.",
-        sizes=(PREFILL, *TRAIN_STEP),
+        "Training attention: 'auto' is cuDNN flash attention on GPU (no T x T scores), 'xla' on CPU.",
+        sizes=TRAIN_STEP,
     ),
     flag(
         "model.scan_layers",
@@ -321,6 +321,22 @@ KEYS: tuple[Key, ...] = (
         DECODE_KERNELS,
         "Paged attention: 'xla', 'pallas' (GPU), 'auto' (= 'xla' until measured).",
         resumable=True,
+    ),
+    number(
+        "sampler.prefill_chunk",
+        32,
+        COUNT,
+        "Tokens per prompt piece: prompts are prefilled in pieces of this many tokens into the KV pages.",
+        resumable=True,
+        sizes=(PREFILL,),
+    ),
+    number(
+        "sampler.max_prefill_rows",
+        16,
+        COUNT,
+        "Prompt pieces per prefill call (one call per decode chunk while sequences decode).",
+        resumable=True,
+        sizes=(PREFILL,),
     ),
     flag(
         "sampler.share_prompts",

@@ -500,6 +500,45 @@ def grouped_paged_attention(
     return out.reshape(q.shape)
 
 
+def paged_prefill_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: jax.Array | int,
+    groups: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    *,
+    window: int,
+    first_key: jax.Array | None = None,
+) -> jax.Array:
+    """Attention of several queries per row, q [R, T, H, D] at `positions` [R, T], over the keys
+    s <= position (and s >= first_key [R, T] when given: a chunked layer's chunk start) that row
+    r's pages hold: key s is k_pool[layer, groups[r], page_table[r, s // P], s % P].
+
+    The row's pages below `window` (static; every position must be < window) are gathered into
+    [R, window, K, D] (page ids outside [0, N) read zeros, always masked: they lie past the
+    positions) and attended with `grouped_attention`. A prompt's pieces can be rows of one call:
+    every row's K/V are written before any row reads, so a later piece reads the earlier ones.
+    Returns [R, T, H, D] in q's dtype.
+    """
+    rows = q.shape[0]
+    _, _, num_pages, page_size, kv_heads, dim = k_pool.shape
+    window_pages = -(-window // page_size)
+    pages = page_table[:, :window_pages]
+    layer_index = jnp.asarray(layer, jnp.int32)
+
+    def read(pool: jax.Array) -> jax.Array:  # [R, window_pages * P, K, D]
+        piece = pool.at[layer_index, groups[:, None], pages].get(mode="fill", fill_value=0)
+        return piece.reshape(rows, window_pages * page_size, kv_heads, dim).astype(q.dtype)
+
+    key_index = jnp.arange(window_pages * page_size)[None, None, :]
+    mask = key_index <= positions[:, :, None]
+    if first_key is not None:
+        mask &= key_index >= first_key[:, :, None]
+    return grouped_attention(q, read(k_pool), read(v_pool), mask)
+
+
 def write_kv_pages(
     pool: jax.Array, layer: jax.Array | int, groups: jax.Array, pages: jax.Array, offsets: jax.Array, rows: jax.Array
 ) -> jax.Array:
@@ -634,20 +673,35 @@ class Attention(nnx.Module):
     def forward_paged(
         self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array | int, pages: PagedView
     ) -> tuple[jax.Array, KVCache]:
-        """Decode (x [S, 1, D], one token per slot) against the paged cache {'k', 'v'} [L, G, N, P, K, D].
+        """x [S, T, D] against the paged cache {'k', 'v'} [L, G, N, P, K, D]: a decode step (T = 1,
+        one token per slot) or prompt pieces (T > 1, one piece per row).
 
-        Writes this token's k/v at page `pages.write_page[b]`, row `pages.write_offset[b]` of slot b's
-        group (a dropped write where the page id is out of range), then attends to the slot's keys
-        s < pages.lengths[b] (`grouped_paged_attention`), in a chunked layer only those from the
-        query's chunk start on.
+        Writes token t's k/v at page `pages.write_page[b, t]`, row `pages.write_offset[b, t]` of
+        row b's group (a dropped write where the page id is out of range), then attends: a decode
+        step to the slot's keys s < pages.lengths[b] (`grouped_paged_attention`), a piece's token
+        to its row's keys s <= its position (`paged_prefill_attention`); in a chunked layer only
+        those from the query's chunk start on.
         """
         q, k, v = self._project(x, positions)
+        groups = jnp.broadcast_to(pages.write_group[:, None], pages.write_page.shape)
         cache = {
-            name: write_kv_pages(
-                cache[name], layer, pages.write_group, pages.write_page, pages.write_offset, rows[:, 0]
-            )
+            name: write_kv_pages(cache[name], layer, groups, pages.write_page, pages.write_offset, rows)
             for name, rows in (("k", k), ("v", v))
         }
+        first_key = chunk_start(positions, self.chunk) if self.chunk else None
+        if x.shape[1] > 1:
+            attended = paged_prefill_attention(
+                q,
+                cache["k"],
+                cache["v"],
+                layer,
+                pages.write_group,
+                pages.table,
+                positions,
+                window=pages.window,
+                first_key=first_key,
+            )
+            return self._output(attended), cache
         attended = grouped_paged_attention(
             q[:, 0],
             cache["k"],
@@ -658,17 +712,19 @@ class Attention(nnx.Module):
             window=pages.window,
             pages_per_block=pages.pages_per_block,
             kernel=pages.kernel,
-            first_key=chunk_start(positions[:, 0], self.chunk) if self.chunk else None,
+            first_key=None if first_key is None else first_key[:, 0],
         )
         return self._output(attended[:, None]), cache
 
 
 class PagedView(NamedTuple):
-    """Where one decode step writes and reads in the paged KV cache (per slot, leading axis S).
+    """Where a call writes and reads in the paged KV cache (per row, leading axis S: a decode
+    step's slots or a prefill's prompt pieces).
 
-    table int32 [S, M]: the slot's page ids (in its group); lengths int32 [S]: keys s < lengths are
-    read; write_group / write_page / write_offset int32 [S]: where this step's k/v go. Static:
-    window (every length <= window), pages_per_block, kernel ('xla' / 'pallas').
+    table int32 [S, M]: the row's page ids (in its group); lengths int32 [S]: a decode step reads
+    keys s < lengths; write_group int32 [S]: the row's page group; write_page / write_offset int32
+    [S, T]: where each token's k/v go. Static: window (every key read is below it),
+    pages_per_block, kernel ('xla' / 'pallas': a decode step's kernel).
     """
 
     table: jax.Array

@@ -2,7 +2,7 @@
 
 from scalerl_jax.sampler.api import generate
 from scalerl_jax.sampler.batcher import Batcher, Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import ChunkResult, DecodeState, Engine, Prefix, SlotSettings
+from scalerl_jax.sampler.engine import ChunkResult, DecodeState, Engine, PromptPiece, SlotSettings
 from scalerl_jax.sampler.engine_config import (
     EngineConfig,
     InterruptionConfig,
@@ -19,7 +19,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "InterruptionConfig",
-    "Prefix",
+    "PromptPiece",
     "Request",
     "SlotSettings",
     "generate",

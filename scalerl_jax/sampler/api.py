@@ -9,7 +9,7 @@ from typing import Any
 from flax import nnx
 
 from scalerl_jax.sampler.batcher import Completion, ContinuousBatcher, Request
-from scalerl_jax.sampler.engine import Engine, prefill_bucket
+from scalerl_jax.sampler.engine import Engine, doubled_bucket
 from scalerl_jax.sampler.engine_config import EngineConfig, InterruptionConfig
 
 
@@ -33,14 +33,14 @@ def generate(
     chunk_size: int = 16,
     max_len: int | None = None,
     interruption: InterruptionConfig | None = None,
-    min_prefill_bucket: int = 16,
+    prefill_chunk: int = 32,
     share_prompts: bool = True,
 ) -> list[Completion]:
     """Complete every prompt with `num_slots` decode slots; returns Completions in prompt order.
 
     Prompt i samples with the PRNG stream fold_in(key(seed), i), so results do not depend on
     `num_slots` or `chunk_size`. `max_len` (KV cache length) defaults to the longest prompt plus
-    `max_new_tokens`, rounded up to a power-of-two multiple of `min_prefill_bucket`. Engines
+    `max_new_tokens`, rounded up to a power-of-two multiple of 16. Engines
     are cached (`cached_engine`), so calls with the same shapes and knobs reuse the compiles.
     Equal prompts decoding at the same time share their prompt's KV pages unless
     `share_prompts=False` (`EngineConfig.share_prompts`).
@@ -49,7 +49,7 @@ def generate(
         return []
     longest = max(len(p) for p in prompts) + max_new_tokens
     if max_len is None:
-        max_len = prefill_bucket(longest, min_bucket=min_prefill_bucket, max_len=longest * 2)
+        max_len = doubled_bucket(longest, min_bucket=16, max_len=longest * 2)
     graphdef, params = nnx.split(model)
     engine = cached_engine(
         graphdef,
@@ -61,7 +61,7 @@ def generate(
             top_k=top_k,
             top_p=top_p,
             max_stop_tokens=max(1, len(stop_tokens)),
-            min_prefill_bucket=min_prefill_bucket,
+            prefill_chunk=prefill_chunk,
             interruption=interruption,
             share_prompts=share_prompts,
         ),

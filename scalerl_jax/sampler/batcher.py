@@ -4,14 +4,15 @@
 1. wait for the previous chunk's small per-slot `active` vector and free the slots that finished;
 2. adopt params pushed by `update_params` since the last turn (sequences in flight keep their KV
    cache and continue under the new params: PipelineRL's in-flight update);
-3. prefill pending requests (FIFO) into free slots, grouped by prefill length bucket, each group
-   split into calls of at most `max_prefill_rows` rows padded to a power of two (bounded compiles);
-   a request is admitted only while its slot's page group can hold its prompt and first chunk and
-   still cover the next chunk of the sequences already running there. A request whose prompt a
-   live slot of the group already holds, prefilled under the current params (another sample of
-   the same prompt), is not prefilled: it shares that slot's prompt pages (`Engine.fork`), so a
-   group of G samples prefills its prompt once and holds one copy of it
-   (`EngineConfig.share_prompts`);
+3. admit pending requests (FIFO) into free slots: a request is admitted only while its slot's
+   page group can hold its prompt and first chunk and still cover the next chunk of the sequences
+   already running there. A request whose prompt a slot of the group already holds or is
+   prefilling under the current params (another sample of the same prompt) is not prefilled: it
+   shares that slot's prompt pages (`Engine.fork`, once that slot has started), so a group of G
+   samples prefills its prompt once and holds one copy of it (`EngineConfig.share_prompts`);
+   then prefill admitted prompts in pieces (`Engine.prefill`, up to `max_prefill_rows` pieces a
+   call, in admission order): one call per turn while sequences are decoding, so a long prompt
+   never stalls them for more than one call, as many as it takes when none is;
 4. if a page group cannot cover the next chunk of its running sequences (they grew), preempt the
    youngest there until it can: the request goes back to the front of the queue and starts over
    (`sampler/preempted` counts them; never happens with the default, fully provisioned pool);
@@ -40,7 +41,7 @@ import jax
 import numpy as np
 
 from scalerl_jax.models.reshard import push_local
-from scalerl_jax.sampler.engine import ChunkResult, Engine, SlotSettings, host_settings, prefill_bucket, row_bucket
+from scalerl_jax.sampler.engine import ChunkResult, Engine, PromptPiece, SlotSettings, host_settings, row_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,9 @@ class _SlotRecord:
 
     request: Request
     admitted: int  # admission order (larger = younger; the youngest is preempted first)
+    pieces: list[PromptPiece]  # of its prompt, still to prefill
+    source: int | None  # the slot whose prompt pages it shares (`Engine.fork`); None: prefilled
+    started: bool = False  # decoding on the device
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
@@ -144,7 +148,7 @@ class _Chunk:
 
     result: ChunkResult
     version: int
-    records: list[_SlotRecord | None]
+    records: list[_SlotRecord | None]  # the started ones
 
 
 class ContinuousBatcher:
@@ -294,12 +298,14 @@ class ContinuousBatcher:
             self.engine.release_slots(finished)
         self._adopt_pending_params()
         self._fill_free_slots()
+        self._prefill_admitted()
         self._preempt_for_pages()
-        if self.num_active:
+        started = [record if record is not None and record.started else None for record in self._slots]
+        if any(started):
             self._state, result = self.engine.generate(self._params, self._state)
             for leaf in jax.tree.leaves(result):
                 leaf.copy_to_host_async()
-            self._inflight = _Chunk(result, self._version, list(self._slots))
+            self._inflight = _Chunk(result, self._version, started)
             self.counters["chunks"] += 1
         return self._absorb(previous) if previous is not None else []
 
@@ -351,11 +357,8 @@ class ContinuousBatcher:
             self.counters["param_swaps"] += 1
 
     def _fill_free_slots(self) -> None:
-        cfg = self.engine.config
+        """Admit queued requests (FIFO) while a free slot's group can hold them (module doc, 3)."""
         free = [slot for slot, record in enumerate(self._slots) if record is None]
-        groups: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
-        forks: list[tuple[int, int, Request]] = []
-        admitted: list[tuple[int, Request]] = []
         while self._queue and free:
             request = self._queue[0]
             placed = self._place(request, free)
@@ -364,25 +367,55 @@ class ContinuousBatcher:
             slot, source = placed
             self._queue.popleft()
             free.remove(slot)
-            if source is None:
-                length = len(request.prompt_tokens)
-                groups[prefill_bucket(length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)].append(
-                    (slot, request)
-                )
-            else:
-                forks.append((slot, source, request))
-            admitted.append((slot, request))
-            if cfg.share_prompts:
+            pieces = [] if source is not None else self.engine.prompt_pieces(slot, request.prompt_tokens)
+            self._slots[slot] = _SlotRecord(request, admitted=self._admissions, pieces=pieces, source=source)
+            self._admissions += 1
+            if self.engine.config.share_prompts:
                 self._prompt_holders[tuple(request.prompt_tokens)].append(slot)
-        for bucket, group in sorted(groups.items()):
-            for start in range(0, len(group), cfg.max_prefill_rows):
-                self._insert_group(bucket, group[start : start + cfg.max_prefill_rows])
-        # After the prefills: a fork copies its source's page, which may have been prefilled just now.
+
+    def _prefill_admitted(self) -> None:
+        """Prefill the admitted prompts' pieces in admission order, a call of up to
+        `max_prefill_rows` pieces at a time: one call if a sequence is decoding, else until every
+        admitted prompt is written; then start the requests sharing a started slot's prompt."""
+        cfg = self.engine.config
+        decoding = any(record is not None and record.started for record in self._slots)
+        waiting = sorted(
+            ((record.admitted, slot) for slot, record in enumerate(self._slots) if record is not None and record.pieces)
+        )
+        calls = 0
+        while waiting and not (decoding and calls):
+            pieces: list[PromptPiece] = []
+            requests: list[Request] = []
+            while waiting and len(pieces) < cfg.max_prefill_rows:
+                record = self._slots[waiting[0][1]]
+                assert record is not None  # waiting lists occupied slots
+                taken = record.pieces[: cfg.max_prefill_rows - len(pieces)]
+                del record.pieces[: len(taken)]
+                pieces += taken
+                requests += [record.request] * len(taken)
+                if not record.pieces:
+                    record.started = True
+                    waiting.pop(0)
+            self._state = self.engine.prefill(
+                self._params, self._state, pieces, self._settings(requests, len(requests))
+            )
+            calls += 1
+            self.counters["prefill_calls"] += 1
+            self.counters["prefill_tokens"] += sum(min(cfg.prefill_chunk, len(p.prompt) - 1 - p.start) for p in pieces)
+            self.counters["prefill_computed_tokens"] += (
+                row_bucket(len(pieces), max_rows=cfg.max_prefill_rows) * cfg.prefill_chunk
+            )
+        forks = [
+            (slot, record)
+            for slot, record in enumerate(self._slots)
+            if record is not None
+            and not record.started
+            and record.source is not None
+            and (source := self._slots[record.source]) is not None
+            and source.started
+        ]
         for start in range(0, len(forks), cfg.max_prefill_rows):
             self._fork_group(forks[start : start + cfg.max_prefill_rows])
-        for slot, request in admitted:
-            self._slots[slot] = _SlotRecord(request, admitted=self._admissions)
-            self._admissions += 1
 
     def _place(self, request: Request, free: list[int]) -> tuple[int, int | None] | None:
         """(free slot, live slot whose prompt pages it shares, or None to prefill) for `request`,
@@ -391,6 +424,9 @@ class ContinuousBatcher:
         holders = self._prompt_holders.get(tuple(request.prompt_tokens), ())
         group_of = self.engine.pages.group_of
         for source in holders:
+            record = self._slots[source]
+            if record is not None and record.source is not None and not record.started:
+                continue  # a fork whose copy of the last prompt page is not made yet
             for slot in (slot for slot in free if group_of(slot) == group_of(source)):
                 if self._kept(slot, self.engine.share_prompt(slot, source, length)):
                     return slot, source
@@ -437,38 +473,23 @@ class ContinuousBatcher:
             self._queue.appendleft(evicted.request)
             self.counters["preempted"] += 1
 
-    def _insert_group(self, bucket: int, group: list[tuple[int, Request]]) -> None:
-        cfg = self.engine.config
-        rows = row_bucket(len(group), max_rows=cfg.max_prefill_rows)
-        tokens = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones((rows,), np.int32)
-        slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows are dropped
-        for row, (slot, request) in enumerate(group):
-            prompt = np.asarray(request.prompt_tokens, np.int32)
-            tokens[row, : len(prompt)] = prompt
-            lengths[row] = len(prompt)
-            slots[row] = slot
-        settings = self._settings([request for _, request in group], rows)
-        self._state = self.engine.prefill_insert(self._params, self._state, tokens, lengths, slots, settings)
-        self.counters["prefill_calls"] += 1
-        self.counters["prefill_rows_padded"] += rows - len(group)
-        self.counters["prefill_tokens"] += int(lengths[: len(group)].sum())
-        self.counters["prefill_computed_tokens"] += rows * bucket
-
-    def _fork_group(self, forks: list[tuple[int, int, Request]]) -> None:
-        """Start `forks` ((slot, source slot, request)) on their sources' prompt pages
-        (`Engine.fork`), in one call padded to a power of two rows."""
+    def _fork_group(self, forks: list[tuple[int, _SlotRecord]]) -> None:
+        """Start `forks` ((slot, record)) on their sources' prompt pages (`Engine.fork`), in one
+        call padded to a power of two rows."""
         cfg = self.engine.config
         rows = row_bucket(len(forks), max_rows=cfg.max_prefill_rows)
         slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows are dropped
         sources = np.zeros((rows,), np.int32)
         lengths = np.ones((rows,), np.int32)
         last_tokens = np.zeros((rows,), np.int32)
-        for row, (slot, source, request) in enumerate(forks):
-            slots[row], sources[row] = slot, source
-            lengths[row], last_tokens[row] = len(request.prompt_tokens), request.prompt_tokens[-1]
-            self.counters["shared_prompt_pages"] += (len(request.prompt_tokens) - 1) // cfg.page_size
-        settings = self._settings([request for _, _, request in forks], rows)
+        for row, (slot, record) in enumerate(forks):
+            prompt = record.request.prompt_tokens
+            assert record.source is not None  # a fork
+            slots[row], sources[row] = slot, record.source
+            lengths[row], last_tokens[row] = len(prompt), prompt[-1]
+            self.counters["shared_prompt_pages"] += (len(prompt) - 1) // cfg.page_size
+            record.started = True
+        settings = self._settings([record.request for _, record in forks], rows)
         self._state = self.engine.fork(self._state, slots, sources, lengths, last_tokens, settings)
         self.counters["forked_requests"] += len(forks)
 

@@ -1,4 +1,4 @@
-"""JetStream-style decode engine: `prefill`, `insert` and `generate` over a fixed pool of slots.
+"""JetStream-style decode engine: `prefill`, `fork` and `generate` over a fixed pool of slots.
 
 Layout. The decode state holds a paged KV cache: pools `[layers, G, N, P, kv_heads, head_dim]`
 (the model's `init_kv_pages`: G page groups, one per device the slots are sharded over, of N pages
@@ -10,14 +10,17 @@ slots x max_len (`num_pages`) serves more slots than a contiguous cache could. T
 input of every call. Every call is jitted; the decode state is donated, so the cache is updated
 in place.
 
-- `prefill(params, tokens[N, Tb], true_length[N]) -> Prefix`: runs the prompts (right padded to
-  a power-of-two bucket `Tb`) through `forward_cached` into a fresh `[layers, N, Tb, ...]` cache.
-  No logits are computed: the last prompt token is fed again by the first decode step, which
-  rewrites its own K/V entry and samples the first completion token, so all sampling and
-  length-control logic lives in one place (the decode step).
-- `insert(prefix, state, slots[N], settings) -> state`: copies the prefix caches into the slots'
-  pages (positions < Tb that the slot holds pages for) and resets the slots' per-slot fields. Rows
-  whose slot index is `num_slots` (padding of the request batch to a power of two) are dropped.
+- `prefill(params, state, pieces, settings) -> state`: writes the K/V of prompt pieces straight
+  into their slots' pages. A prompt of n tokens is prefilled at positions [0, n - 1) in pieces of
+  `prefill_chunk` tokens (`prompt_pieces`); one call runs up to `max_prefill_rows` pieces, one per
+  row, of any prompts (the pieces of one prompt may share a call: each layer writes every row's
+  K/V before any row attends, so a later piece reads the earlier ones). Prefill work follows the
+  prompt tokens (padding only in a prompt's last piece and in rows up to a power of two), and the
+  compiled prefills are (row counts) x (windows), whatever the prompt lengths. No logits are
+  computed: a slot whose last piece is in the call starts (its per-slot fields reset from
+  `settings`), and its first decode step feeds the prompt's last token, writing its K/V and
+  sampling the first completion token, so all sampling and length-control logic lives in one
+  place (the decode step).
 - `fork(state, slots[M], sources[M], ...) -> state`: starts requests whose prompt another slot
   of the same page group already holds (the samples of one prompt): they share that slot's pages
   wholly below the prompt's last token (`share_prompt`, reference counted), get a copy of the
@@ -36,7 +39,7 @@ Live window. Decode attention reads only each slot's pages below its length (the
 or, portably, its pages below a window W fixed per chunk (one compile per W): the smallest power-of-two multiple of `min_decode_window` (capped at `max_len`)
 that covers every position the chunk can feed. The engine knows this without asking the device:
 it keeps, on the host, an upper bound of each slot's next position + 1 (the prompt length at
-insert, plus `chunk_size` per chunk since), so a step costs O(live tokens), not O(max_len). The
+start, plus `chunk_size` per chunk since), so a step costs O(live tokens), not O(max_len). The
 bound assumes one engine drives one decode state (the latest from `init_decode_state`); if it is
 ever wrong, the chunk stops before any slot would feed a position >= W (checked on the device,
 inside the loop's condition, as is every slot staying inside the pages it holds), so results stay
@@ -54,7 +57,7 @@ settings (`EngineConfig`, `InterruptionConfig`) are in `engine_config.py`.
 Length control (forced interruption) runs inside the jitted chunk as a per-slot state machine:
 phase THINK counts sampled thinking tokens; if the last `len(end_think_ids)` sampled tokens equal
 `end_think_ids` the thinking closed naturally and the phase becomes ANSWER; if instead the count
-reaches the slot's think budget (drawn at insert from the request's key, uniform in [lo, hi]) the
+reaches the slot's think budget (drawn at the start from the request's key, uniform in [lo, hi]) the
 phase becomes FORCING, which emits the phrase tokens one per step (teacher forced; their K/V are
 written like any token's) and then becomes ANSWER. ANSWER counts sampled tokens up to the answer
 budget. A stop token (only a sampled one) ends the sequence in any phase, so a stop before the
@@ -62,7 +65,7 @@ think budget means no phrase. Inside the chunk is chosen over host-side forcing 
 interruption costs no extra host round trip or recompile.
 
 Inactive slots still run through the step (static shapes) but change nothing (their writes are
-dropped). A slot's pages hold stale keys until an insert overwrites positions [0, Tb) and decoding
+dropped). A slot's pages hold stale keys until a prefill overwrites positions [0, n - 1) and decoding
 overwrites each later position before it can be attended to (attention reads keys below the
 query's position + 1 only).
 """
@@ -70,7 +73,7 @@ query's position + 1 only).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -84,7 +87,7 @@ from scalerl_jax.contracts.batch_layout import routing_dtype
 from scalerl_jax.models.layers import PagedView, resolve_decode_kernel
 from scalerl_jax.models.paged_attention import GPU_PLATFORMS, triton_shape_problems
 from scalerl_jax.models.sharding import DEFAULT_RULES, Rules, logical_to_spec, use_mesh_rules
-from scalerl_jax.models.transformer import init_kv_cache, init_kv_pages, kv_pages_sharding
+from scalerl_jax.models.transformer import init_kv_pages, kv_pages_sharding
 from scalerl_jax.sampler.engine_config import EngineConfig
 from scalerl_jax.sampler.pages import PageTable, pages_for
 from scalerl_jax.sampler.sampling import sample_tokens
@@ -117,7 +120,7 @@ class DecodeState(NamedTuple):
     phase: jax.Array  # int32[S] PHASE_THINK / PHASE_FORCING / PHASE_ANSWER
     forced_index: jax.Array  # int32[S] next phrase token to force
     recent: jax.Array  # int32[S, E] last E sampled thinking tokens
-    think_budget: jax.Array  # int32[S] (drawn at insert; -1 when interruption is off)
+    think_budget: jax.Array  # int32[S] (drawn at the start; -1 when interruption is off)
     answer_budget: jax.Array  # int32[S]
     num_think: jax.Array  # int32[S] sampled tokens while thinking (a natural end-think included)
     num_answer: jax.Array  # int32[S] sampled tokens after thinking closed
@@ -126,18 +129,20 @@ class DecodeState(NamedTuple):
     stopped: jax.Array  # bool[S] ended by a stop token
 
 
-class Prefix(NamedTuple):
-    """Output of `prefill`: K/V of the padded prompts and where each prompt ends."""
+class PromptPiece(NamedTuple):
+    """Tokens [start, start + prefill_chunk) of the prompt of the request in `slot` (fewer at the
+    prompt's end, none for a one-token prompt: `Engine.prompt_pieces`)."""
 
-    cache: Any  # [layers, N, Tb, ...] leaves
-    last_token: jax.Array  # int32[N] last prompt token (fed again by the first decode step)
-    true_length: jax.Array  # int32[N]
+    slot: int
+    prompt: Sequence[int]
+    start: int
 
 
 class SlotSettings(NamedTuple):
-    """Per-request settings written by `insert` (leading axis = the N inserted requests).
+    """Per-request settings written when a request starts (`prefill`, `fork`; leading axis = the
+    N started requests).
 
-    Built on the host as numpy arrays (`host_settings`); device arrays inside `insert`.
+    Built on the host as numpy arrays (`host_settings`); device arrays inside the calls.
     """
 
     seed: jax.Array | np.ndarray  # uint32[N] engine-level seed
@@ -181,7 +186,7 @@ class ChunkResult(NamedTuple):
     experts: jax.Array | None = None
 
 
-def prefill_bucket(length: int, *, min_bucket: int, max_len: int) -> int:
+def doubled_bucket(length: int, *, min_bucket: int, max_len: int) -> int:
     """Smallest power-of-two multiple of `min_bucket` that is >= `length`, capped at `max_len`."""
     bucket = min_bucket
     while bucket < length:
@@ -198,12 +203,10 @@ def row_bucket(count: int, *, max_rows: int) -> int:
 
 
 class Engine:
-    """Prefill / insert / generate over `config.num_slots` decode slots (see module docstring).
+    """Prefill / fork / generate over `config.num_slots` decode slots (see module docstring).
 
     `graphdef` is the model's NNX graph definition (`nnx.split(model)[0]`); params are passed to
-    every call so that they can be swapped between chunks. `prefill_insert` is `prefill`
-    followed by `insert` in one jitted call (what the batcher uses: one dispatch, half the
-    compiles). `compile_counts` counts the distinct input shapes each jitted entry point has been
+    every call so that they can be swapped between chunks. `compile_counts` counts the distinct input shapes each jitted entry point has been
     called with (one compile each).
 
     With a `mesh` (the generator's devices) the KV cache is created sharded by `rules` (slots
@@ -234,16 +237,12 @@ class Engine:
             )
         self.compile_counts: dict[str, int] = {
             "prefill": 0,
-            "insert": 0,
-            "prefill_insert": 0,
             "fork": 0,
             "generate": 0,
             "evict": 0,
         }
         self._signatures: set[tuple] = set()
-        self._prefill_jit = jax.jit(self._prefill)
-        self._insert_jit = jax.jit(self._insert, donate_argnums=(1,))
-        self._prefill_insert_jit = jax.jit(self._prefill_insert, donate_argnums=(1,))
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(2,))
         self._fork_jit = jax.jit(self._fork, donate_argnums=(0,))
         self._generate_jit = jax.jit(self._generate, donate_argnums=(1,), static_argnums=(2,))
         self._evict_jit = jax.jit(
@@ -317,36 +316,82 @@ class Engine:
             )
         )
 
-    def prefill(self, params: Any, tokens: Any, true_length: Any) -> Prefix:
-        """K/V of right-padded host prompts `tokens` int32[N, Tb] (or [Tb]), lengths `true_length`."""
-        tokens = np.asarray(tokens, np.int32)
-        true_length = np.asarray(true_length, np.int32)
-        if tokens.ndim == 1:
-            tokens, true_length = tokens[None], true_length.reshape(1)
-        self._count("prefill", tokens.shape)
-        with self.mesh_context():
-            return self._prefill_jit(params, tokens, true_length)
+    def prompt_pieces(self, slot: int, prompt: Sequence[int]) -> list[PromptPiece]:
+        """The pieces prefilling `prompt` in `slot`: positions [0, n - 1) in `prefill_chunk`
+        tokens each (the last token is fed by the first decode step), one empty piece for n = 1."""
+        chunk = self.config.prefill_chunk
+        return [PromptPiece(slot, prompt, start) for start in range(0, max(len(prompt) - 1, 1), chunk)]
 
-    def insert(self, prefix: Prefix, state: DecodeState, slots: Any, settings: SlotSettings) -> DecodeState:
-        """Place the prefix rows into `slots` (int32[N]; `num_slots` = drop that row); donates `state`."""
-        slots = np.asarray(slots, np.int32).reshape(-1)
-        self._count("insert", jax.tree.leaves(prefix.cache)[0].shape)
-        self._note_inserted(slots, np.asarray(prefix.true_length))
-        with self.mesh_context():
-            return self._insert_jit(prefix, state, slots, settings, self._table_rows(slots))
-
-    def prefill_insert(
-        self, params: Any, state: DecodeState, tokens: Any, true_length: Any, slots: Any, settings: SlotSettings
+    def prefill(
+        self, params: Any, state: DecodeState, pieces: Sequence[PromptPiece], settings: SlotSettings
     ) -> DecodeState:
-        """`insert(prefill(params, tokens, true_length), state, slots, settings)` in one call."""
-        tokens = np.asarray(tokens, np.int32)
-        true_length, slots = np.asarray(true_length, np.int32), np.asarray(slots, np.int32)
-        self._count("prefill_insert", tokens.shape)
-        self._note_inserted(slots, true_length)
+        """Write the K/V of `pieces` (at most `max_prefill_rows`; one call padded to a power of two
+        rows) into their slots' pages, which must hold them (`reserve`). A slot whose prompt's last
+        piece is here starts, with that piece's row of `settings` (rows as `pieces`); donates
+        `state`."""
+        cfg = self.config
+        rows = row_bucket(len(pieces), max_rows=cfg.max_prefill_rows)
+        if not 0 < len(pieces) <= rows:
+            raise ValueError(f"Engine.prefill: {len(pieces)} pieces; 1 to max_prefill_rows={cfg.max_prefill_rows}")
+        tokens = np.zeros((rows, cfg.prefill_chunk), np.int32)
+        slots = np.full((rows,), cfg.num_slots, np.int32)  # out of range: padding rows write nothing
+        starts, ends = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
+        starting = np.full((rows,), cfg.num_slots, np.int32)  # slots that start: none by default
+        last_tokens, lengths = np.zeros((rows,), np.int32), np.ones((rows,), np.int32)
+        for row, (slot, prompt, start) in enumerate(pieces):
+            end = min(start + cfg.prefill_chunk, len(prompt) - 1)
+            tokens[row, : max(end - start, 0)] = prompt[start:end]
+            slots[row], starts[row], ends[row] = slot, start, end
+            if end >= len(prompt) - 1:
+                starting[row], last_tokens[row], lengths[row] = slot, prompt[-1], len(prompt)
+        positions = starts[:, None] + np.arange(cfg.prefill_chunk, dtype=np.int32)[None, :]
+        table = self._table_rows(slots)
+        pages = np.take_along_axis(table, np.minimum(positions // cfg.page_size, self.pages_per_slot - 1), axis=1)
+        write_pages = np.where(positions < ends[:, None], pages, self.pages_per_group).astype(np.int32)
+        window = self._window(max(int(ends.max()), 1))  # keys below each piece's end
+        self._count("prefill", (rows, window))
+        kept = starting < cfg.num_slots
+        self._note_started(starting[kept], lengths[kept])
         with self.mesh_context():
-            return self._prefill_insert_jit(
-                params, state, tokens, true_length, slots, settings, self._table_rows(slots)
+            return self._prefill_jit(
+                params,
+                state,
+                window,
+                tokens,
+                positions,
+                slots,
+                table,
+                write_pages,
+                (positions % cfg.page_size).astype(np.int32),
+                starting,
+                last_tokens,
+                lengths,
+                _padded(settings, rows),
             )
+
+    def start_prompts(
+        self,
+        params: Any,
+        state: DecodeState,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        settings: SlotSettings,
+    ) -> DecodeState:
+        """The engine used without a batcher: take pages for `prompts` in the free `slots`
+        (`reserve`; RuntimeError naming the slot if its group lacks them) and prefill them, in as
+        many calls as their pieces take; every slot starts with its row of `settings`."""
+        pieces: list[PromptPiece] = []
+        rows: list[int] = []
+        for row, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
+            if not self.reserve(slot, len(prompt)):
+                raise RuntimeError(f"paged KV cache: no pages for a {len(prompt)}-token prompt in slot {slot}")
+            pieces += self.prompt_pieces(slot, prompt)
+            rows += [row] * (len(pieces) - len(rows))
+        step = self.config.max_prefill_rows
+        for start in range(0, len(pieces), step):
+            taken = rows[start : start + step]
+            state = self.prefill(params, state, pieces[start : start + step], _rows(settings, taken))
+        return state
 
     def share_prompt(self, slot: int, source: int, prompt_length: int) -> bool:
         """Take pages for a request about to be forked into free `slot` from `source`, a live slot
@@ -382,7 +427,7 @@ class Engine:
         copy_from = self._table_rows(np.where(kept, sources, self.config.num_slots))[np.arange(len(slots)), tail]
         groups = np.minimum(slots, self.config.num_slots - 1) // self._slots_per_group()
         self._count("fork", slots.shape)
-        self._note_inserted(slots, lengths)
+        self._note_started(slots, lengths)
         with self.mesh_context():
             return self._fork_jit(
                 state,
@@ -426,13 +471,13 @@ class Engine:
 
     def release_slots(self, slots: Any) -> None:
         """Slots whose request finished (inactive on the device) give their pages back and no longer
-        widen the window; an insert sets their bound again."""
+        widen the window; a start sets their bound again."""
         for slot in np.asarray(slots, np.int64).reshape(-1):
             self._live_bound[slot] = 0
             self.pages.release(int(slot))
 
     def reserve(self, slot: int, prompt_length: int) -> bool:
-        """Take pages for a request of `prompt_length` tokens about to be inserted into free `slot`:
+        """Take pages for a request of `prompt_length` tokens about to be prefilled into free `slot`:
         its prompt and first chunk. False (nothing taken) if the slot's group lacks them."""
         reach = min(prompt_length + self.config.chunk_size - 1, self.config.max_len)
         return self.pages.grow(slot, reach)
@@ -467,29 +512,38 @@ class Engine:
 
     def decode_path_calls(self, max_prompt_length: int) -> Iterator[DecodeCall]:
         """Every jitted call the decode path can make for prompts up to `max_prompt_length`, with
-        arguments that touch no slot: prefill_insert for every (row bucket, length bucket), fork
+        arguments that touch no slot: prefill for every (row bucket, window), fork
         for every row bucket (when prompts are shared), generate for every window (all slots idle), and evict (of no slot)."""
         cfg = self.config
         idle_table = np.full((cfg.num_slots, self.pages_per_slot), self.pages_per_group, np.int32)
-        top = prefill_bucket(max_prompt_length, min_bucket=cfg.min_prefill_bucket, max_len=cfg.max_len)
+        top = self._window(max(max_prompt_length - 1, 1))
         row_buckets = _doublings(1, row_bucket(cfg.max_prefill_rows, max_rows=cfg.max_prefill_rows))
-        for bucket in _doublings(min(cfg.min_prefill_bucket, top), top):
+        for window in self._windows(top):
             for rows in row_buckets:
                 dropped = np.full((rows,), cfg.num_slots, np.int32)
+                positions = np.zeros((rows, cfg.prefill_chunk), np.int32)
+                nowhere = np.full((rows, cfg.prefill_chunk), self.pages_per_group, np.int32)
+                ones = np.ones((rows,), np.int32)
                 args = (
-                    np.zeros((rows, bucket), np.int32),
-                    np.ones((rows,), np.int32),
+                    window,
+                    positions,
+                    positions,
                     dropped,
-                    self._idle_settings(rows),
                     self._table_rows(dropped),
+                    nowhere,
+                    positions,
+                    dropped,
+                    ones,
+                    ones,
+                    self._idle_settings(rows),
                 )
-                yield DecodeCall("prefill_insert", (rows, bucket), ("rows", "T"), self._prefill_insert_jit, True, args)
+                yield DecodeCall("prefill", (rows, window), ("rows", "window"), self._prefill_jit, True, args)
         for rows in row_buckets if cfg.share_prompts else ():
             dropped, nowhere = np.full((rows,), cfg.num_slots, np.int32), np.full((rows,), -1, np.int32)
             ones, zeros = np.ones((rows,), np.int32), np.zeros((rows,), np.int32)
             args = (dropped, zeros, ones, self._idle_settings(rows), zeros, zeros, nowhere)
             yield DecodeCall("fork", (rows,), ("rows",), self._fork_jit, False, args)
-        for window in _doublings(min(cfg.min_decode_window, cfg.max_len), cfg.max_len):
+        for window in self._windows(cfg.max_len):
             args = (window, idle_table, np.zeros((cfg.num_slots,), np.int32))
             yield DecodeCall("generate", (window,), ("window",), self._generate_jit, True, args)
         yield DecodeCall("evict", (), (), self._evict_jit, False, (np.zeros((cfg.num_slots,), bool),))
@@ -497,8 +551,7 @@ class Engine:
     def decode_window(self) -> int:
         """W of the next chunk: covers positions up to max(live bound) + chunk_size - 2 (module doc)."""
         cfg = self.config
-        needed = int(self._live_bound.max()) + cfg.chunk_size - 1
-        return prefill_bucket(needed, min_bucket=cfg.min_decode_window, max_len=cfg.max_len)
+        return self._window(int(self._live_bound.max()) + cfg.chunk_size - 1)
 
     def mesh_context(self) -> contextlib.AbstractContextManager:
         """The context the engine's calls are traced in: its mesh's sharding rules (nothing
@@ -508,8 +561,8 @@ class Engine:
         return use_mesh_rules(self.mesh, self.rules)
 
     # ------------------------------------------------------------------------------ internals
-    def _note_inserted(self, slots: np.ndarray, lengths: np.ndarray) -> None:
-        """Host bound of the inserted slots: next position + 1 <= prompt length (padding rows dropped);
+    def _note_started(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Host bound of the started slots: next position + 1 <= prompt length (padding rows dropped);
         each gets pages for its prompt (RuntimeError if its group lacks them: `reserve` first)."""
         for slot, length in zip(slots.tolist(), lengths.tolist()):
             if slot >= self.config.num_slots:
@@ -521,6 +574,15 @@ class Engine:
                     f"{self.pages.free_pages(self.pages.group_of(slot))} free"
                 )
             self._live_bound[slot] = length
+
+    def _window(self, keys: int) -> int:
+        """The attention window covering key positions [0, keys): the smallest power-of-two multiple
+        of `min_decode_window` that is >= keys, capped at `max_len`."""
+        return doubled_bucket(keys, min_bucket=self.config.min_decode_window, max_len=self.config.max_len)
+
+    def _windows(self, top: int) -> list[int]:
+        """Every window up to `top` (itself a window)."""
+        return _doublings(min(self.config.min_decode_window, top), top)
 
     def _idle_settings(self, rows: int) -> SlotSettings:
         """Settings of `rows` requests that are never started (the rows of a warm-up call)."""
@@ -576,27 +638,38 @@ class Engine:
         platform = self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
         return {"cpu": CPU_DECODE_BLOCK, "tpu": TPU_DECODE_BLOCK}.get(platform)
 
-    def _prefill(self, params: Any, tokens: jax.Array, true_length: jax.Array) -> Prefix:
-        model = nnx.merge(self.graphdef, params)
-        batch, length = tokens.shape
-        cache = init_kv_cache(self.model_config, batch, length)
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-        _, cache = model.forward_cached(tokens, positions, cache)
-        last_index = jnp.clip(true_length - 1, 0, length - 1)
-        last_token = jnp.take_along_axis(tokens, last_index[:, None], axis=1)[:, 0]
-        return Prefix(cache=cache, last_token=last_token, true_length=true_length)
-
-    def _prefill_insert(
+    def _prefill(
         self,
         params: Any,
         state: DecodeState,
+        window: int,
         tokens: jax.Array,
-        true_length: jax.Array,
+        positions: jax.Array,
         slots: jax.Array,
-        settings: SlotSettings,
         tables: jax.Array,
+        write_pages: jax.Array,
+        write_offsets: jax.Array,
+        starting: jax.Array,
+        last_tokens: jax.Array,
+        lengths: jax.Array,
+        settings: SlotSettings,
     ) -> DecodeState:
-        return self._insert(self._prefill(params, tokens, true_length), state, slots, settings, tables)
+        """Prompt pieces tokens [R, C] at `positions` [R, C] through the model, their K/V written to
+        `write_pages` / `write_offsets` (out of range past each piece's end) in the groups of
+        `slots` (page table rows `tables`); then the slots `starting` (num_slots: none) start."""
+        model = nnx.merge(self.graphdef, params)
+        view = PagedView(
+            table=tables,
+            lengths=jnp.zeros(slots.shape, jnp.int32),
+            write_group=jnp.minimum(slots, self.config.num_slots - 1) // self._slots_per_group(),
+            write_page=write_pages,
+            write_offset=write_offsets,
+            window=window,
+            pages_per_block=1,
+            kernel="xla",
+        )
+        _, cache, _ = model.forward_paged(tokens, positions, state.cache, view)
+        return self._start(state._replace(cache=cache), starting, last_tokens, lengths, settings)
 
     def _pinned(self, state: DecodeState) -> DecodeState:
         """`state` (traced) constrained to the shardings `init_decode_state` gives it: the KV pages
@@ -614,25 +687,6 @@ class Engine:
             for name, leaf in state.cache.items()
         }
         return DecodeState(**fields)
-
-    def _insert(
-        self, prefix: Prefix, state: DecodeState, slots: jax.Array, settings: SlotSettings, tables: jax.Array
-    ) -> DecodeState:
-        """`tables` int32 [N, pages_per_slot]: the inserted slots' page table rows."""
-        cfg = self.config
-        bucket = jax.tree.leaves(prefix.cache)[0].shape[2]
-        positions = jnp.arange(bucket)
-        pages = tables[:, positions // cfg.page_size]  # [N, Tb]; out of range where not held
-        offsets = jnp.broadcast_to(positions % cfg.page_size, pages.shape)
-        groups = jnp.broadcast_to(
-            (jnp.minimum(slots, cfg.num_slots - 1) // self._slots_per_group())[:, None], pages.shape
-        )
-
-        def put_cache(pool: jax.Array, part: jax.Array) -> jax.Array:
-            return pool.at[:, groups, pages, offsets].set(part.astype(pool.dtype), mode="drop")
-
-        state = state._replace(cache=jax.tree.map(put_cache, state.cache, prefix.cache))
-        return self._start(state, slots, prefix.last_token, prefix.true_length, settings)
 
     def _fork(
         self,
@@ -719,8 +773,8 @@ class Engine:
             table=table,
             lengths=jnp.where(state.active, jnp.minimum(feed + 1, held), 0),
             write_group=jnp.arange(cfg.num_slots, dtype=jnp.int32) // self._slots_per_group(),
-            write_page=jnp.where(state.active, page, self.pages_per_group),
-            write_offset=feed % cfg.page_size,
+            write_page=jnp.where(state.active, page, self.pages_per_group)[:, None],
+            write_offset=(feed % cfg.page_size)[:, None],
             window=window,
             pages_per_block=(
                 PALLAS_PAGES_PER_BLOCK
@@ -872,6 +926,21 @@ def _batch_shards(mesh: Mesh | None, rules: Rules) -> int:
     axes = logical_to_spec(("batch",), rules, mesh=mesh)[0]
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return int(np.prod([mesh.shape[axis] for axis in axes]))
+
+
+def _rows(settings: SlotSettings, rows: Sequence[int]) -> SlotSettings:
+    """Rows `rows` of `settings` (host arrays), in that order."""
+    return SlotSettings(*(np.asarray(field)[list(rows)] for field in settings))
+
+
+def _padded(settings: SlotSettings, rows: int) -> SlotSettings:
+    """`settings` with rows of zeros appended up to `rows` (rows of requests that never start)."""
+
+    def pad(field: Any) -> np.ndarray:
+        field = np.asarray(field)
+        return np.concatenate([field, np.zeros((rows - len(field), *field.shape[1:]), field.dtype)])
+
+    return SlotSettings(*(pad(field) for field in settings))
 
 
 def host_settings(

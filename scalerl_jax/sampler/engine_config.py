@@ -70,9 +70,10 @@ class EngineConfig:
     `max_len`: KV cache length per slot = the longest prompt + completion. `chunk_size`: decode
     steps per jitted `generate` call. `top_k` (0 = off) and `top_p` (1.0 = off) apply to every
     sampled slot; temperature is per slot. `max_stop_tokens`: capacity of the per-slot stop set.
-    `min_prefill_bucket`: smallest prefill length bucket (buckets double up to `max_len`).
-    `max_prefill_rows`: most requests prefilled by one call (row counts are powers of two up to
-    it, so prefill compiles <= (log2(max_prefill_rows) + 1) x number of length buckets).
+    `prefill_chunk`: tokens per prompt piece (a prompt is prefilled in pieces of this many tokens,
+    one per row of a prefill call). `max_prefill_rows`: most pieces prefilled by one call (row
+    counts are powers of two up to it, so prefill compiles <= (log2(max_prefill_rows) + 1) x
+    number of windows); also the most requests one `fork` call starts.
     `interruption`: None disables forced interruption for every request.
     `decode_block`: keys a decode step reads per piece of a cache layer (bounds its scratch memory
     to one piece); 0 picks by backend: `engine.CPU_DECODE_BLOCK` on CPU (where XLA would otherwise
@@ -97,8 +98,8 @@ class EngineConfig:
     top_k: int = 0
     top_p: float = 1.0
     max_stop_tokens: int = 4
-    min_prefill_bucket: int = 16
-    max_prefill_rows: int = 8
+    prefill_chunk: int = 32
+    max_prefill_rows: int = 16
     interruption: InterruptionConfig | None = None
     decode_block: int = 0
     min_decode_window: int = 256
@@ -118,7 +119,7 @@ class EngineConfig:
             "max_len",
             "chunk_size",
             "max_stop_tokens",
-            "min_prefill_bucket",
+            "prefill_chunk",
             "max_prefill_rows",
             "min_decode_window",
             "page_size",

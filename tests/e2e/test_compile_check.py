@@ -107,17 +107,17 @@ def test_every_program_of_the_run_is_compiled(tiny_check):
     # Train: prepare, zeros, one gradient per length bucket (32, 64 and 112 = 32 + 80), update.
     assert [shape for name, shape in rows if name == "train/accumulate"] == ["R=8 T=32", "R=8 T=64", "R=8 T=112"]
     assert {"train/prepare_rows", "train/zero_accumulator", "train/update"} <= set(names)
-    # Generator: prefill + insert per (rows 1, 2, 4, 8) x (prompt buckets 16, 32), one decode window
-    # (the minimum 256 capped at max_len 112), a fork of the samples sharing a prompt per row count,
-    # eviction.
-    assert names.count("generator/prefill_insert") == 8
-    assert names.count("generator/fork") == 4
+    # Generator: a prefill of prompt pieces per row count (1, 2, 4, 8, 16) and window (one: the
+    # minimum 256 capped at max_len 112), a fork of the samples sharing a prompt per row count, one
+    # decode window, eviction.
+    assert names.count("generator/prefill") == 5
+    assert names.count("generator/fork") == 5
     assert names.count("generator/generate") == 1
     assert names.count("generator/evict") == 1
     # Push: one process holds both meshes (push_local), and the trainer's one shard of each leaf is
     # the generator's whole slice: a device-to-device copy, no program.
     assert not [name for name in names if name.startswith("push/")]
-    assert len(names) == 3 + 3 + 8 + 4 + 1 + 1
+    assert len(names) == 3 + 3 + 5 + 5 + 1 + 1
 
 
 def test_an_oversized_setting_fails_naming_the_program_and_its_keys(tmp_path, capsys):

@@ -208,11 +208,12 @@ SIZED_BY_BEFORE = {
     "train/accumulate": TRAIN_BATCH_KEYS,
     "train/step": TRAIN_BATCH_KEYS,
     "train/init_state": {"mesh.trainer_shape", "mesh.generator_fraction", "model.dtype"},
-    "generator/prefill_insert": {
+    "generator/prefill": {
         "sampler.num_slots",
         "sampler.num_pages",
+        "sampler.prefill_chunk",
+        "sampler.max_prefill_rows",
         "data.max_prompt_tokens",
-        "model.attention_impl",
         "mesh.generator_shape",
         "mesh.generator_fraction",
         "eval.concurrent",
@@ -245,6 +246,8 @@ RESUMABLE_BEFORE = {
     "sampler.page_size",
     "sampler.num_pages",
     "sampler.decode_kernel",
+    "sampler.prefill_chunk",
+    "sampler.max_prefill_rows",
     "sampler.share_prompts",
     "sampler.compile_ahead",
     "train.compile_ahead",

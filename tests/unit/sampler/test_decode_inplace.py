@@ -102,7 +102,7 @@ def test_live_window_matches_full_length_attention(model):
     """Windows 16 -> 128 as sequences grow (one compile each) give the tokens and log-probs of
     attention over all max_len positions, greedy and sampled, with slots refilled mid-run."""
     graphdef, params = nnx.split(model)
-    common: dict[str, Any] = dict(num_slots=3, max_len=128, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2)
+    common: dict[str, Any] = dict(num_slots=3, max_len=128, chunk_size=4, prefill_chunk=8, max_prefill_rows=2)
     windowed = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=16, **common))
     full = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=128, **common))
     lengths = (3, 20, 9, 40, 5)
@@ -123,11 +123,9 @@ def test_a_slot_without_pages_stops_the_chunk_instead_of_misreading(model):
     holds a 40-token prompt in slot 0: the device sees no pages for it, so every chunk stops before
     its first step (nothing is written or read outside the pages the host gave out)."""
     graphdef, params = nnx.split(model)
-    common: dict[str, Any] = dict(num_slots=2, max_len=128, chunk_size=4, min_prefill_bucket=64, max_prefill_rows=1)
+    common: dict[str, Any] = dict(num_slots=2, max_len=128, chunk_size=4, prefill_chunk=64, max_prefill_rows=1)
     engine = Engine(graphdef, CONFIG, EngineConfig(min_decode_window=16, **common))
     prompt = prompts_of([40], seed=4)[0]
-    tokens = np.zeros((1, 64), np.int32)
-    tokens[0, :40] = prompt
     settings = host_settings(
         seeds=np.zeros(1),
         streams=np.zeros(1),
@@ -136,7 +134,9 @@ def test_a_slot_without_pages_stops_the_chunk_instead_of_misreading(model):
         stop_tokens=np.full((1, 4), -1),
         interrupt=np.zeros(1, bool),
     )
-    state = engine.prefill_insert(params, engine.init_decode_state(), tokens, [40], [0], settings)
+    state = engine.init_decode_state()
+    assert engine.reserve(0, len(prompt))
+    state = engine.prefill(params, state, engine.prompt_pieces(0, prompt), settings)
     engine.init_decode_state()  # another state: slot 0 now holds no pages on the host
     for _ in range(3):
         state, result = engine.generate(params, state)
@@ -152,9 +152,7 @@ def test_finished_slots_stop_widening_the_window(model):
     engine = Engine(
         graphdef,
         CONFIG,
-        EngineConfig(
-            num_slots=2, max_len=256, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=2, min_decode_window=16
-        ),
+        EngineConfig(num_slots=2, max_len=256, chunk_size=4, prefill_chunk=8, max_prefill_rows=2, min_decode_window=16),
     )
     batcher = ContinuousBatcher(engine, params, seed=5)
     batcher.add_request(Request("long prompt", list(range(1, 101)), 8, stop_tokens=()))

@@ -71,7 +71,7 @@ def engine(model, end_think):
             chunk_size=4,
             top_k=TOP_K,
             top_p=TOP_P,
-            min_prefill_bucket=8,
+            prefill_chunk=8,
             max_prefill_rows=2,
             interruption=interruption,
         ),
@@ -83,7 +83,7 @@ def plain_engine(model):
     """3 slots, 5 steps a chunk, pure temperature sampling, no interruption."""
     graphdef, _ = nnx.split(model)
     return Engine(
-        graphdef, CONFIG, EngineConfig(num_slots=3, max_len=64, chunk_size=5, min_prefill_bucket=8, max_prefill_rows=2)
+        graphdef, CONFIG, EngineConfig(num_slots=3, max_len=64, chunk_size=5, prefill_chunk=8, max_prefill_rows=2)
     )
 
 
@@ -148,18 +148,18 @@ def test_greedy_continuous_batching_equals_full_recompute(model, engine):
             want_lp = row[token] - row.max() - np.log(np.exp(row - row.max()).sum())
             assert abs(got[i].logprobs[t] - want_lp) < 1e-5
     assert engine.compile_counts["generate"] == 1
-    # Shapes (rows, bucket) with rows in {1, 2} and buckets {8, 16}: at most 4 prefill compiles.
-    assert engine.compile_counts["prefill_insert"] <= 4
+    # Shapes (rows, window) with rows in {1, 2} and the one window (max_len 64): at most 2 compiles.
+    assert engine.compile_counts["prefill"] <= 2
 
 
-def test_engine_protocol_prefill_insert_generate(model, engine):
-    """JetStream protocol used directly: two prompts into slots 2 and 0, one chunk of greedy steps."""
+def test_engine_protocol_prefill_generate(model, engine):
+    """The engine used directly: two prompts prefilled into slots 2 and 0 in one call, one chunk of
+    greedy steps."""
     prompts = prompts_of([5, 3], seed=41)
     _, params = nnx.split(model)
-    tokens = np.zeros((2, 8), np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = prompt
-    prefix = engine.prefill(params, tokens, np.array([5, 3]))
+    state = engine.init_decode_state()
+    assert engine.reserve(2, 5) and engine.reserve(0, 3)
+    pieces = engine.prompt_pieces(2, prompts[0]) + engine.prompt_pieces(0, prompts[1])
     settings = host_settings(
         seeds=np.zeros(2),
         streams=np.arange(2),
@@ -168,7 +168,7 @@ def test_engine_protocol_prefill_insert_generate(model, engine):
         stop_tokens=np.full((2, 4), -1),
         interrupt=np.zeros(2, bool),
     )
-    state = engine.insert(prefix, engine.init_decode_state(), np.array([2, 0]), settings)
+    state = engine.prefill(params, state, pieces, settings)
     state, result = engine.generate(params, state)
     chunk = engine.config.chunk_size
     assert int(result.steps) == chunk

@@ -42,12 +42,14 @@ def hf_checkpoint(tmp_path_factory):
     return hf_model, str(path)
 
 
-def test_greedy_tokens_equal_transformers_generate(hf_checkpoint):
+@pytest.mark.parametrize("prefill_chunk", [4, 32])
+def test_greedy_tokens_equal_transformers_generate(hf_checkpoint, prefill_chunk):
+    """Prompts of 1 to 17 tokens, prefilled whole (pieces of 32) or in up to 4 pieces of 4."""
     hf_model, path = hf_checkpoint
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 256, size=n).tolist() for n in PROMPT_LENGTHS]
     model = load_hf(path, dtype="float32")
-    ours = generate(model, prompts, max_new_tokens=MAX_NEW, num_slots=3, chunk_size=4)
+    ours = generate(model, prompts, max_new_tokens=MAX_NEW, num_slots=3, chunk_size=4, prefill_chunk=prefill_chunk)
     for prompt, completion in zip(prompts, ours):
         with torch.no_grad():
             out = hf_model.generate(
@@ -64,8 +66,8 @@ def test_greedy_tokens_equal_transformers_generate(hf_checkpoint):
 
 
 def test_samples_sharing_a_prompt_score_as_transformers_scores_them(hf_checkpoint):
-    """3 prompts x 4 samples at temperature 1 (each prompt prefilled once, its other samples on its
-    shared pages): every sampled token's log-prob equals transformers' log-softmax at that token
+    """3 prompts x 4 samples at temperature 1 (each prompt prefilled once, in pieces of 8 tokens,
+    two a call, its other samples on its shared pages): every sampled token's log-prob equals transformers' log-softmax at that token
     given the prompt and the sample's tokens before it."""
     hf_model, path = hf_checkpoint
     model = load_hf(path, dtype="float32")
@@ -73,7 +75,15 @@ def test_samples_sharing_a_prompt_score_as_transformers_scores_them(hf_checkpoin
     engine = Engine(
         graphdef,
         model.config,
-        EngineConfig(num_slots=4, max_len=64, chunk_size=4, min_prefill_bucket=8, min_decode_window=16, page_size=4),
+        EngineConfig(
+            num_slots=4,
+            max_len=64,
+            chunk_size=4,
+            prefill_chunk=8,
+            max_prefill_rows=2,
+            min_decode_window=16,
+            page_size=4,
+        ),
     )
     batcher = ContinuousBatcher(engine, params, seed=5)
     rng = np.random.default_rng(1)

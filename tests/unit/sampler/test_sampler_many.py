@@ -44,9 +44,7 @@ def test_ten_thousand_requests_through_sixteen_slots():
     engine = Engine(
         graphdef,
         CONFIG,
-        EngineConfig(
-            num_slots=NUM_SLOTS, max_len=REFERENCE_LENGTH, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4
-        ),
+        EngineConfig(num_slots=NUM_SLOTS, max_len=REFERENCE_LENGTH, chunk_size=4, prefill_chunk=8, max_prefill_rows=4),
     )
     batcher = ContinuousBatcher(engine, params, seed=3)
     rng = np.random.default_rng(0)
@@ -91,7 +89,7 @@ def test_ten_thousand_requests_through_sixteen_slots():
     assert stats["sampler/completions"] == NUM_REQUESTS
     assert sum(c.finish_reason == "stop" for c in completions.values()) > 0
     assert engine.compile_counts["generate"] == 1
-    assert engine.compile_counts["prefill_insert"] <= 3  # rows 1/2/4 x one length bucket
+    assert engine.compile_counts["prefill"] <= 3  # rows 1/2/4 x one window
 
     for i in range(0, NUM_REQUESTS, GREEDY_EVERY):
         want = naive_greedy(graphdef, params, requests[i].prompt_tokens, requests[i].max_new_tokens)

@@ -142,7 +142,7 @@ def test_a_short_pool_preempts_and_gives_the_tokens_of_a_full_pool(params):
         num_slots=4,
         max_len=64,
         chunk_size=4,
-        min_prefill_bucket=8,
+        prefill_chunk=8,
         max_prefill_rows=4,
         min_decode_window=16,
         page_size=8,
@@ -172,7 +172,7 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
             num_slots=4,
             max_len=96,
             chunk_size=4,
-            min_prefill_bucket=8,
+            prefill_chunk=8,
             max_prefill_rows=4,
             min_decode_window=16,
             page_size=8,
@@ -180,6 +180,8 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
     )
     batcher = ContinuousBatcher(engine, state, seed=3)
     batcher.warm_up(max_prompt_length=40)
+    # Prefill: rows 1, 2, 4 x windows 16, 32, 64 (keys below 39), whatever the prompts' lengths.
+    assert engine.compile_counts["prefill"] == 3 * 3
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration_secs, **_: (
@@ -194,9 +196,8 @@ def test_no_compile_and_no_host_read_on_the_decode_path_after_warm_up(params):
     done = batcher.drain()
     assert len(done) == 12 and batcher.counters["forked_requests"] == 2 and compiles == []
     decode_state = engine.init_decode_state()
-    decode_state = engine.prefill_insert(
-        state, decode_state, np.zeros((1, 8), np.int32), [5], [0], _settings(engine, 1)
-    )
+    assert engine.reserve(0, 5)
+    decode_state = engine.prefill(state, decode_state, engine.prompt_pieces(0, [0] * 5), _settings(engine, 1))
     with jax.transfer_guard_device_to_host("disallow"):
         decode_state, result = engine.generate(state, decode_state)
     assert int(result.steps) == 4
@@ -254,7 +255,7 @@ def test_pallas_kernel_in_the_engine_gives_the_tokens_of_the_xla_path(params):
         num_slots=2,
         max_len=48,
         chunk_size=4,
-        min_prefill_bucket=8,
+        prefill_chunk=8,
         max_prefill_rows=2,
         min_decode_window=16,
         page_size=8,

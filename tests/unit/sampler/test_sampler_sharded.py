@@ -24,7 +24,7 @@ def run(engine, params, prompts):
 def test_sharded_generator_mesh_matches_single_device():
     model = Transformer(CONFIG, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4)
+    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, prefill_chunk=8, max_prefill_rows=4)
     prompts = [np.random.default_rng(i).integers(0, CONFIG.vocab_size, 3 + i).tolist() for i in range(6)]
     single = run(Engine(graphdef, CONFIG, engine_config), params, prompts)
 
@@ -80,7 +80,7 @@ def test_decoding_after_warm_up_compiles_nothing_on_a_generator_mesh():
     graphdef, params = nnx.split(model)
     generator_devices, _ = split_devices(jax.devices(), 0.5)
     mesh = make_mesh((4, 1, 1), devices=generator_devices)  # slots over data
-    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=1)
+    engine_config = EngineConfig(num_slots=4, max_len=32, chunk_size=4, prefill_chunk=8, max_prefill_rows=1)
     engine = Engine(graphdef, CONFIG, engine_config, mesh=mesh)
     batcher = ContinuousBatcher(engine, jax.device_put(params, param_shardings(params, mesh)), seed=1)
     batcher.warm_up(16)

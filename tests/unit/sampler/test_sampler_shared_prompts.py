@@ -19,7 +19,7 @@ from scalerl_jax.sampler.pages import PageTable
 
 CONFIG = get_preset("tiny-llama", initializer_range=0.15)
 COMMON: dict[str, Any] = dict(
-    num_slots=8, max_len=64, chunk_size=4, min_prefill_bucket=8, max_prefill_rows=4, min_decode_window=16, page_size=8
+    num_slots=8, max_len=64, chunk_size=4, prefill_chunk=8, max_prefill_rows=4, min_decode_window=16, page_size=8
 )
 PROMPT_LENGTHS = (9, 16, 17, 30)
 SAMPLES = 4
@@ -80,14 +80,14 @@ def test_page_table_shares_pages_and_frees_them_with_the_last_holder():
 
 
 def test_samples_of_a_prompt_prefill_it_once_and_give_the_unshared_tokens(params):
-    """4 prompts x 4 samples at temperature 1 on 8 slots: each prompt is prefilled once (9 + 16 +
-    17 + 30 = 72 prompt tokens, not 4 x 72), its 3 other samples share its pages wholly below the
+    """4 prompts x 4 samples at temperature 1 on 8 slots: each prompt is prefilled once (all but
+    its last token: 8 + 15 + 16 + 29 = 68 tokens, not 4 x 68), its 3 other samples share its pages wholly below the
     last prompt token (pages of 8 tokens: 1, 1, 2 and 3, so 3 x 7 = 21 pages), every sample gets
     the tokens and log-probs of the unshared run, and every page is free at the end."""
     requests = group_requests(PROMPT_LENGTHS, SAMPLES, max_new=20)
     unshared = new_batcher(params, share=False)
     want = drain(unshared, requests)
-    assert unshared.counters["prefill_tokens"] == SAMPLES * sum(PROMPT_LENGTHS)
+    assert unshared.counters["prefill_tokens"] == SAMPLES * (sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS))
 
     shared = new_batcher(params, share=True)
     for request in requests:
@@ -96,7 +96,7 @@ def test_samples_of_a_prompt_prefill_it_once_and_give_the_unshared_tokens(params
     assert shared.engine.pages.shared_pages() == 3 * 1 + 3 * 1
     got = {c.request_id: c for c in shared.drain()}
     assert_same_completions(got, want)
-    assert shared.counters["prefill_tokens"] == sum(PROMPT_LENGTHS)
+    assert shared.counters["prefill_tokens"] == sum(PROMPT_LENGTHS) - len(PROMPT_LENGTHS)
     assert shared.counters["forked_requests"] == len(PROMPT_LENGTHS) * (SAMPLES - 1)
     assert shared.counters["shared_prompt_pages"] == (SAMPLES - 1) * (1 + 1 + 2 + 3)
     assert shared.engine.pages.free_pages(0) == shared.engine.pages_per_group
