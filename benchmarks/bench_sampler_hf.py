@@ -35,9 +35,12 @@ import time
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 
 from scalerl_jax.models import load_hf
-from scalerl_jax.sampler import generate
+from scalerl_jax.sampler import ContinuousBatcher, EngineConfig, Request, generate
+from scalerl_jax.sampler.api import cached_engine
+from scalerl_jax.sampler.engine import doubled_bucket, row_bucket
 
 
 def main() -> None:
@@ -168,18 +171,29 @@ def rl_shape(args: argparse.Namespace) -> None:
             )
         return completion_tokens(out[:, width:].tolist())
 
+    graphdef, params = nnx.split(model)
+    prefill_work: dict[bool, tuple[float, float]] = {}
+
     def run_ours(share: bool) -> int:
         repeated = [prompt for prompt in prompts for _ in range(args.samples)]
-        completions = generate(
-            model,
-            repeated,
-            max_new_tokens=args.max_new,
-            temperature=args.temperature,
-            num_slots=len(repeated),
-            chunk_size=args.chunk_size,
-            stop_tokens=(eos,),
-            share_prompts=share,
+        longest = width + args.max_new
+        engine = cached_engine(
+            graphdef,
+            model.config,
+            EngineConfig(
+                num_slots=len(repeated),
+                max_len=doubled_bucket(longest, min_bucket=16, max_len=2 * longest),
+                chunk_size=args.chunk_size,
+                share_prompts=share,
+            ),
         )
+        batcher = ContinuousBatcher(engine, params)
+        for index, prompt in enumerate(repeated):
+            batcher.add_request(
+                Request(index, prompt, args.max_new, seed=index, temperature=args.temperature, stop_tokens=(eos,))
+            )
+        completions = batcher.drain()
+        prefill_work[share] = (batcher.counters["prefill_tokens"], batcher.counters["prefill_computed_tokens"])
         return completion_tokens([c.tokens for c in completions])
 
     runs = {
@@ -205,12 +219,39 @@ def rl_shape(args: argparse.Namespace) -> None:
     )
     for name, rate in rates.items():
         print(f"{name:>22}: {rate:8.1f} completion tokens/s ({tokens[name]:.0f} tokens a run)")
+    before = bucketed_prefill_tokens([len(p) for p in prompts for _ in range(args.samples)])
+    print(
+        f"prefill tokens computed (padding): before, each sample's prompt in power-of-two buckets "
+        f"{before:,} ({1 - lengths_sum(prompts, args.samples) / before:.0%}); unshared pieces "
+        f"{prefill_work[False][1]:,.0f} ({1 - prefill_work[False][0] / prefill_work[False][1]:.0%}); shared pieces "
+        f"{prefill_work[True][1]:,.0f} ({1 - prefill_work[True][0] / prefill_work[True][1]:.0%})"
+    )
     hf = rates["transformers"]
     print(
         f"ratio ours/transformers: shared {rates['ours, shared prompts'] / hf:.2f}x (target >= 2x), "
         f"unshared {rates['ours, unshared'] / hf:.2f}x; shared/unshared "
         f"{rates['ours, shared prompts'] / rates['ours, unshared']:.2f}x"
     )
+
+
+def lengths_sum(prompts: list[list[int]], samples: int) -> int:
+    """Prompt tokens of every sample."""
+    return samples * sum(len(p) for p in prompts)
+
+
+def bucketed_prefill_tokens(lengths: list[int], *, min_bucket: int = 16, max_rows: int = 8) -> int:
+    """Tokens the prefill computed before it ran in pieces: each prompt whole in the smallest
+    power-of-two multiple of `min_bucket` holding it, prompts of a bucket in calls of at most
+    `max_rows` rows padded to a power of two."""
+    by_bucket: dict[int, int] = {}
+    for length in lengths:
+        bucket = doubled_bucket(length, min_bucket=min_bucket, max_len=1 << 30)
+        by_bucket[bucket] = by_bucket.get(bucket, 0) + 1
+    total = 0
+    for bucket, count in by_bucket.items():
+        full, rest = divmod(count, max_rows)
+        total += bucket * (full * max_rows + (row_bucket(rest, max_rows=max_rows) if rest else 0))
+    return total
 
 
 if __name__ == "__main__":
