@@ -516,14 +516,14 @@ def paged_prefill_attention(
     s <= position (and s >= first_key [R, T] when given: a chunked layer's chunk start) that row
     r's pages hold: key s is k_pool[layer, groups[r], page_table[r, s // P], s % P].
 
-    The row's pages below `window` (static; every position must be < window) are gathered into
-    [R, window, K, D] (page ids outside [0, N) read zeros, always masked: they lie past the
-    positions) and attended with `grouped_attention`. A prompt's pieces can be rows of one call:
+    The row's pages below `window` (static; it must exceed the position of every query whose
+    output is used) are gathered into [R, window, K, D] (page ids outside [0, N) read zeros,
+    always masked: they lie past the positions) and attended with `grouped_attention`. A prompt's pieces can be rows of one call:
     every row's K/V are written before any row reads, so a later piece reads the earlier ones.
     Returns [R, T, H, D] in q's dtype.
     """
     rows = q.shape[0]
-    _, _, num_pages, page_size, kv_heads, dim = k_pool.shape
+    _, _, _, page_size, kv_heads, dim = k_pool.shape
     window_pages = -(-window // page_size)
     pages = page_table[:, :window_pages]
     layer_index = jnp.asarray(layer, jnp.int32)

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from scalerl_jax.models import Transformer, get_preset
+from scalerl_jax.models.layers import paged_prefill_attention
 from scalerl_jax.sampler import ContinuousBatcher, Engine, EngineConfig, PromptPiece, Request
 
 CONFIG = get_preset("tiny-llama", initializer_range=0.15)
@@ -99,3 +100,41 @@ def test_prompts_admitted_together_fill_whole_calls_and_start_together(model):
     assert batcher.counters["decode_steps"] == 6  # 6 tokens each in 4 + 2 steps: all 4 started at once
     for i, prompt in enumerate(prompts):
         assert got[i].tokens == greedy_reference(model, prompt, 6)[0], i
+
+
+@pytest.mark.parametrize("chunk", [0, 6])
+def test_paged_prefill_attention_matches_a_float64_reference(chunk):
+    """Rows of 4 queries in two page groups, keys read through each row's page table (pages of 4,
+    out of range past what the row holds), full causal or chunked (keys from the query's chunk of
+    6 on): float64 numpy attention assembled position by position."""
+    rng = np.random.default_rng(0)
+    layers, groups, pages, page_size, kv_heads, heads, dim = 2, 2, 6, 4, 2, 4, 8
+    k_pool, v_pool = (rng.normal(size=(layers, groups, pages, page_size, kv_heads, dim)) for _ in range(2))
+    table = np.array([[3, 0, 5, 6], [1, 2, 6, 6], [4, 1, 0, 2]])  # 6: not held
+    row_groups = np.array([0, 1, 1])
+    positions = np.array([[6, 7, 8, 9], [0, 1, 2, 3], [12, 13, 14, 15]])
+    q = rng.normal(size=(3, 4, heads, dim))
+    first_key = (positions // chunk) * chunk if chunk else None
+    got = paged_prefill_attention(
+        jnp.asarray(q, jnp.float32),
+        jnp.asarray(k_pool, jnp.float32),
+        jnp.asarray(v_pool, jnp.float32),
+        1,
+        jnp.asarray(row_groups),
+        jnp.asarray(table),
+        jnp.asarray(positions),
+        window=16,
+        first_key=None if first_key is None else jnp.asarray(first_key),
+    )
+    want = np.zeros_like(q)
+    for r in range(3):
+        for t in range(4):
+            lowest = 0 if first_key is None else first_key[r, t]
+            keys = range(lowest, positions[r, t] + 1)
+            k = np.stack([k_pool[1, row_groups[r], table[r, s // page_size], s % page_size] for s in keys])
+            v = np.stack([v_pool[1, row_groups[r], table[r, s // page_size], s % page_size] for s in keys])
+            for h in range(heads):
+                scores = k[:, h // 2] @ q[r, t, h] / np.sqrt(dim)
+                weights = np.exp(scores - scores.max())
+                want[r, t, h] = weights @ v[:, h // 2] / weights.sum()
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=0)
